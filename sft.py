@@ -1,0 +1,480 @@
+"""Supervised fine-tuning (SFT), in one file: the first stage of the RLHF pipeline.
+
+The model learns to continue each prompt with its reference completion by minimising the
+cross-entropy of the completion tokens only; the prompt and the padding carry no loss:
+
+    loss = -1/sum_i |y_i| sum_i sum_t log pi(y_it | x_i, y_i<t)
+
+With no flags, this file builds the project's bundled starting policy from nothing: a tiny
+Llama-architecture model (from a config) and a character-level tokenizer (saved as a real
+Hugging Face tokenizer), trained briefly on the built-in addition task. It is stopped early on
+purpose, so that its held-out greedy accuracy leaves room for reinforcement learning to show.
+`--model-name-or-path` starts from any causal LM instead, and `--dataset` takes a JSONL file of
+prompt/completion records. See docs/sft.md.
+
+    python sft.py                                 # regenerate the bundled model, on the CPU
+    python sft.py --output-dir tiny-adder         # ...written where the other files look for it
+    python sft.py --model-name-or-path Qwen/Qwen2.5-0.5B --dataset my_data.jsonl --num-steps 1000 \
+        --batch-size 16 --micro-batch-size 4 --learning-rate 1e-5 --max-new-tokens 256  # on a GPU
+"""
+
+import json
+import os
+import random
+import re
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+import transformers
+import tyro
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment; a run is saved in runs/<exp_name>__<seed>__<unix time>"""
+    seed: int = 1
+    """seed of the experiment (data order, sampling, initialisation)"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.use_deterministic_algorithms(True)`"""
+    cuda: bool = True
+    """use CUDA when it is available (`--no-cuda` stays on the CPU)"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype of the weights: `auto` is float32 on the CPU and bfloat16 on CUDA"""
+    gradient_checkpointing: bool = False
+    """recompute activations during the backward pass to save memory (large models)"""
+    track: bool = False
+    """log metrics to Weights & Biases (`WANDB_MODE=offline` keeps them on disk)"""
+    wandb_project_name: str = "onefile-rl"
+    """the wandb project"""
+    wandb_entity: str | None = None
+    """the wandb entity (team or user)"""
+    output_dir: str | None = None
+    """folder for the model, metrics.jsonl and args.json (default runs/<run_name>); must not exist"""
+    trust_remote_code: bool = False
+    """let transformers run code shipped with a hub model (only for models you trust)"""
+    log_every: int = 5
+    """write metrics and a console line every this many steps"""
+
+    # Model and data
+    model_name_or_path: str | None = None
+    """the starting model, a local folder or a hub id; None builds the tiny model from a config"""
+    dataset: str | None = None
+    """None: the built-in addition task; else a .jsonl file of prompt/completion records"""
+    num_eval: int = 500
+    """held-out records (the last ones of a .jsonl file)"""
+    eval_every: int = 100
+    """evaluate every this many steps (and at step 0)"""
+    max_new_tokens: int = 8
+    """the longest completion generated when evaluating greedy accuracy"""
+
+    # Optimisation
+    num_steps: int = 500
+    """optimizer steps"""
+    learning_rate: float = 1e-3
+    """AdamW's learning rate"""
+    weight_decay: float = 0.0
+    """AdamW's weight decay"""
+    max_grad_norm: float = 1.0
+    """clip the gradient's global norm to this"""
+    micro_batch_size: int = 64
+    """sequences per forward/backward pass (gradient accumulation fills a batch)"""
+
+    # Algorithm specific arguments
+    batch_size: int = 64
+    """sequences per optimizer step"""
+    hidden_size: int = 64
+    """the tiny model's width (only when it is built from a config)"""
+    num_layers: int = 2
+    """the tiny model's transformer blocks"""
+    num_heads: int = 4
+    """the tiny model's attention heads"""
+
+    # to be filled in at runtime
+    run_name: str = ""
+    """exp_name__seed__time"""
+
+
+def fail(message):
+    """Stop with a one-line error and exit status 1."""
+    raise SystemExit(f"error: {message}")
+
+
+def exact_div(a, b, what):
+    if b <= 0 or a % b != 0:
+        fail(f"{what}: {a} does not divide into parts of {b}")
+    return a // b
+
+
+# ---- The task and its reward --------------------------------------------------------------------
+def addition_task(num_eval, max_operand=99):
+    """The default task, built in: 'a+b=' -> 'a+b' for 0 <= a, b <= max_operand.
+
+    All pairs are shuffled with a fixed seed and the first `num_eval` are held out, so the
+    held-out set is the same for every run and never overlaps the training prompts.
+    """
+    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    random.Random(0).shuffle(pairs)
+    records = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs]
+    return records[num_eval:], records[:num_eval]
+
+
+NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+
+
+def last_number(text):
+    """The last number written in `text`, as a float ('1,234.5' -> 1234.5), or None."""
+    found = NUMBER.findall(text)
+    return float(found[-1].replace(",", "")) if found else None
+
+
+def reward_fn(completion, answer):
+    """1.0 when the last number in the completion equals the answer exactly, else 0.0.
+
+    A whole-number match, not a substring: '5' scores 0 for the answer '55', and so does '555'.
+    """
+    value = last_number(completion)
+    return float(value is not None and value == last_number(answer))
+
+
+# ---- Data ---------------------------------------------------------------------------------------
+def read_jsonl(path, fields):
+    """Records of a JSONL file, each checked to hold `fields`; a bad file stops the run."""
+    if not os.path.isfile(path):
+        fail(f"--dataset {path}: no such file")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                fail(f"--dataset {path}: line {number} is not valid JSON ({e.msg})")
+            missing = [k for k in fields if not isinstance(record, dict) or k not in record]
+            if missing:
+                fail(f"--dataset {path}: line {number} has no field {missing[0]!r} (needs {', '.join(fields)})")
+            records.append(record)
+    if not records:
+        fail(f"--dataset {path}: the file holds no records")
+    return records
+
+
+def load_hub_split(name, config, split):
+    try:
+        import datasets
+    except ImportError:
+        fail(f"--dataset {name}: loading a hub dataset needs the datasets library: pip install datasets")
+    try:
+        return list(datasets.load_dataset(name, config, split=split))
+    except Exception as e:  # the datasets library raises many kinds; name the flag and the cause
+        fail(f"--dataset {name}: could not load split {split!r} ({type(e).__name__}: {e})".splitlines()[0])
+
+
+# ---- Model, tokenisation, generation and log-probs ----------------------------------------------
+def load_model(path, args, device, model_class=AutoModelForCausalLM, **kwargs):
+    """A model from a local folder or a hub id, in the run's dtype, with dropout off.
+
+    Dropout is turned off so that the policy that samples is the policy that is trained.
+    """
+    if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1):
+        fail(f"--model-name-or-path {path}: no such folder")
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    try:
+        model = model_class.from_pretrained(path, dtype=dtype, trust_remote_code=args.trust_remote_code, **kwargs)
+    except (OSError, ValueError) as e:
+        fail(f"--model-name-or-path {path}: not a model folder, and not loadable from the hub "
+             f"({type(e).__name__}; run from the repository root for the bundled model)")
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    return model.to(device)
+
+
+def load_tokenizer(path, args):
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def stop_token_ids(tokenizer, model):
+    """Every id that ends a completion: the tokenizer's EOS and the generation config's."""
+    ids = model.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    return sorted(set(ids) | {tokenizer.eos_token_id})
+
+
+def tokenize_prompts(tokenizer, prompts, device):
+    """Left-padded prompt ids and mask, (B, P); the chat template is applied when there is one."""
+    if tokenizer.chat_template:
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                               add_generation_prompt=True) for p in prompts]
+        batch = tokenizer(texts, padding=True, padding_side="left", add_special_tokens=False, return_tensors="pt")
+    else:
+        batch = tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt")
+    return batch["input_ids"].to(device), batch["attention_mask"].to(device)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids):
+    """Completion ids (B, T), T <= max_new_tokens; `temperature=None` decodes greedily.
+
+    Sampling is plain temperature sampling (no top-k, top-p or repetition penalty, whatever the
+    model's own generation config says), so the tokens come from exactly the distribution that
+    sequence_logprobs scores.
+    """
+    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,
+                              repetition_penalty=1.0, no_repeat_ngram_size=0, num_beams=1)
+    if temperature is None:
+        config.do_sample = False
+    else:
+        config.do_sample, config.temperature, config.top_k, config.top_p = True, temperature, 0, 1.0
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+    return out[:, prompt_ids.shape[1] :]
+
+
+def completion_mask(completion_ids, stop_ids):
+    """1 for the completion's tokens up to and including its first stop token, 0 after it.
+
+    completion_ids = [[5, 7, EOS, PAD],     -> mask = [[1, 1, 1, 0],
+                      [6, 6, 6,   6  ]]                [1, 1, 1, 1]]   (no EOS: truncated)
+    The padding that generate writes after EOS may be EOS itself; only the first one counts.
+    """
+    is_stop = torch.isin(completion_ids, torch.tensor(stop_ids, device=completion_ids.device)).long()  # (B, T)
+    return (is_stop.cumsum(dim=1) - is_stop) == 0  # no stop token strictly before this one
+
+
+def decode_completions(tokenizer, completion_ids, mask):
+    return [tokenizer.decode(ids[m], skip_special_tokens=True) for ids, m in zip(completion_ids, mask)]
+
+
+def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=1.0, chunk_size=8):
+    """Log-probs (B, T) of the completion tokens input_ids[:, prompt_len:], float32.
+
+    input_ids = [PAD, PAD, 4, 7, 13 | 5, 5, EOS]   left-padded prompt | completion (T = 3)
+    attention = [0,   0,   1, 1, 1  | 1, 1, 1  ]
+    positions = [0,   0,   0, 1, 2  | 3, 4, 5  ]   from the mask, as generate() computes them
+    The logits at position prompt_len - 1 + t predict completion token t. Divided by the
+    sampling temperature, they give the distribution the token was sampled from. The float32
+    log-softmax is taken chunk_size rows at a time: logsumexp over the vocabulary, minus the
+    logit of the chosen token, so no float32 (B, T, vocab) tensor is built at once.
+    """
+    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, P + T)
+    completion_len = input_ids.shape[1] - prompt_len
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=completion_len + 1).logits[:, :-1]  # (B, T, vocab)
+    targets = input_ids[:, prompt_len:]  # (B, T)
+    rows = []
+    for i in range(0, logits.shape[0], chunk_size):
+        chunk = logits[i : i + chunk_size].float() / temperature  # (chunk, T, vocab)
+        chosen = chunk.gather(-1, targets[i : i + chunk_size, :, None]).squeeze(-1)  # (chunk, T)
+        rows.append(chosen - torch.logsumexp(chunk, dim=-1))
+    return torch.cat(rows)  # (B, T)
+
+
+@torch.no_grad()
+def batched_logprobs(model, input_ids, attention_mask, prompt_len, temperature, batch_size):
+    """sequence_logprobs without gradient, batch_size rows per forward pass (old and reference)."""
+    model.eval()
+    return torch.cat([sequence_logprobs(model, input_ids[i : i + batch_size], attention_mask[i : i + batch_size],
+                                        prompt_len, temperature) for i in range(0, len(input_ids), batch_size)])
+
+
+def masked_mean(x, mask, dim=None):
+    """Mean of x over positions where mask is 1; masked positions never leak, even inf or nan."""
+    x = torch.where(mask.bool(), x, 0.0)
+    if dim is None:
+        return x.sum() / mask.sum().clamp(min=1)
+    return x.sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, batch_size=128):
+    """Greedy accuracy on held-out records: the mean reward of greedy completions."""
+    model.eval()
+    total = 0.0
+    for i in range(0, len(records), batch_size):
+        chunk = records[i : i + batch_size]
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in chunk], device)
+        completion_ids = generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, None, stop_ids)
+        texts = decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
+        total += sum(reward_fn(t, r["answer"]) for t, r in zip(texts, chunk))
+    return total / len(records)
+
+
+# ---- Logging and saving -------------------------------------------------------------------------
+TIMING_KEYS = ("charts/step_time", "charts/elapsed_time", "charts/tokens_per_sec")
+
+
+class Logger:
+    """Writes every logged step to metrics.jsonl, to wandb with --track, and a console line."""
+
+    def __init__(self, args, output_dir):
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.wandb = None
+        if args.track:
+            import wandb
+
+            self.wandb = wandb
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
+                       config=vars(args), dir=output_dir)
+
+    def log(self, step, metrics):
+        metrics = {k: float(v) for k, v in metrics.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        shown = ["charts/reward", "losses/loss", "eval/loss", "eval/accuracy", "eval/pair_accuracy", "charts/step_time"]
+        print(f"step {step:5d}  " + "  ".join(f"{k} {metrics[k]:.4f}" for k in shown if k in metrics), flush=True)
+
+    def close(self):
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def make_output_dir(args):
+    path = args.output_dir or os.path.join("runs", args.run_name)
+    if os.path.exists(path):
+        fail(f"--output-dir {path} already exists; a run never overwrites another, choose a new folder")
+    os.makedirs(path)
+    with open(os.path.join(path, "args.json"), "w") as f:
+        json.dump(asdict(args), f, indent=2)
+    return path
+
+
+def setup(args):
+    """Seed everything, quiet the library's progress bars, and pick the device."""
+    transformers.utils.logging.disable_progress_bar()
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.use_deterministic_algorithms(args.torch_deterministic)
+    return torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+
+
+# ---- ALGO LOGIC: the tiny model, the batches and the loss of SFT --------------------------------
+def build_tiny_model(args):
+    """A character-level tokenizer and a small randomly initialised Llama, for the addition task."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {token: i for i, token in enumerate(["<pad>", "<bos>", "<eos>", *"0123456789+-= "])}
+    char_level = Tokenizer(models.WordLevel(vocab, unk_token=None))
+    char_level.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")  # one token per character
+    char_level.decoder = decoders.Fuse()  # join tokens without spaces
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=char_level, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=args.hidden_size, intermediate_size=4 * args.hidden_size,
+                         num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
+                         max_position_embeddings=64, tie_word_embeddings=True,
+                         pad_token_id=vocab["<pad>"], bos_token_id=vocab["<bos>"], eos_token_id=vocab["<eos>"])
+    return tokenizer, AutoModelForCausalLM.from_config(config)
+
+
+def sft_batch(tokenizer, records, device):
+    """Prompt (left-padded) then completion + EOS (right-padded): ids (B, P + T), mask (B, T).
+
+    records = [{"prompt": "1+2=", "completion": "3"}, {"prompt": "10+20=", "completion": "30"}]
+    input_ids = [[PAD, PAD, 1, +, 2, = | 3, EOS, PAD],       completion_mask = [[1, 1, 0],
+                 [1,   0,   +, 2, 0, = | 3, 0,   EOS]]                          [1, 1, 1]]
+    """
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in records], device)
+    completions = [tokenizer(r["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in records]
+    length = max(len(c) for c in completions)
+    completion_ids = torch.tensor([c + [tokenizer.pad_token_id] * (length - len(c)) for c in completions], device=device)
+    mask = torch.tensor([[1] * len(c) + [0] * (length - len(c)) for c in completions], device=device)  # (B, T)
+    return torch.cat([prompt_ids, completion_ids], dim=1), torch.cat([prompt_mask, mask], dim=1), prompt_ids.shape[1], mask
+
+
+def sft_loss(logprobs, mask):
+    """Cross-entropy of the completion tokens: -sum(log pi * mask) / sum(mask). logprobs, mask: (B, T)."""
+    return -masked_mean(logprobs, mask)
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    for flag in ("num_steps", "batch_size", "max_new_tokens", "micro_batch_size", "num_eval", "eval_every",
+                 "log_every", "learning_rate"):
+        if getattr(args, flag) <= 0:
+            fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    exact_div(args.batch_size, args.micro_batch_size, "--batch-size over --micro-batch-size")
+    args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    device = setup(args)
+
+    # the model: built from a config (the default), or loaded from a folder or the hub
+    if args.model_name_or_path is None:
+        tokenizer, model = build_tiny_model(args)
+        model = model.to(device)
+    else:
+        tokenizer = load_tokenizer(args.model_name_or_path, args)
+        model = load_model(args.model_name_or_path, args, device)
+    stop_ids = stop_token_ids(tokenizer, model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+
+    # the data: the addition task's answers as completions, or prompt/completion records
+    if args.dataset is None:
+        train_records, eval_records = addition_task(args.num_eval)
+        train_records = [{"prompt": r["prompt"], "completion": r["answer"]} for r in train_records]
+    else:
+        records = read_jsonl(args.dataset, ["prompt", "completion"])
+        if len(records) <= args.num_eval:
+            fail(f"--dataset {args.dataset}: {len(records)} records, but --num-eval {args.num_eval} are held out")
+        train_records, eval_records = records[: -args.num_eval], records[-args.num_eval :]
+    output_dir = make_output_dir(args)
+    logger = Logger(args, output_dir)
+    data_rng = random.Random(args.seed)
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"{args.run_name}: {num_params} parameters, {len(train_records)} training records, device {device}")
+
+    def eval_metrics():
+        """Held-out loss, and greedy accuracy where the records have answers (the addition task)."""
+        model.eval()
+        with torch.no_grad():
+            losses = []
+            for i in range(0, len(eval_records), args.micro_batch_size):
+                chunk = [{"prompt": r["prompt"], "completion": r.get("completion", r.get("answer"))}
+                         for r in eval_records[i : i + args.micro_batch_size]]
+                input_ids, attention_mask, prompt_len, mask = sft_batch(tokenizer, chunk, device)
+                losses.append(sft_loss(sequence_logprobs(model, input_ids, attention_mask, prompt_len), mask) * len(chunk))
+        metrics = {"eval/loss": torch.stack(losses).sum().item() / len(eval_records)}
+        if "answer" in eval_records[0]:
+            metrics["eval/accuracy"] = evaluate(model, tokenizer, eval_records, args.max_new_tokens, stop_ids, device)
+        return metrics
+
+    start = time.time()
+    logger.log(0, eval_metrics())
+    for step in range(1, args.num_steps + 1):
+        step_start = time.time()
+        batch = data_rng.choices(train_records, k=args.batch_size)
+        model.train()
+        optimizer.zero_grad()
+        total_tokens = sum(len(tokenizer(r["completion"], add_special_tokens=False)["input_ids"]) + 1 for r in batch)
+        for i in range(0, args.batch_size, args.micro_batch_size):
+            input_ids, attention_mask, prompt_len, mask = sft_batch(tokenizer, batch[i : i + args.micro_batch_size], device)
+            logprobs = sequence_logprobs(model, input_ids, attention_mask, prompt_len)  # (b, T)
+            loss = sft_loss(logprobs, mask)
+            if not torch.isfinite(loss):
+                fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the data")
+            (loss * mask.sum() / total_tokens).backward()  # the token mean over the whole batch
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+
+        step_time = time.time() - step_start
+        if step % args.log_every == 0 or step % args.eval_every == 0 or step == args.num_steps:
+            metrics = {"losses/loss": loss.item(), "losses/grad_norm": grad_norm.item(),
+                       "charts/learning_rate": optimizer.param_groups[0]["lr"], "charts/step_time": step_time,
+                       "charts/tokens_per_sec": total_tokens / step_time, "charts/elapsed_time": time.time() - start}
+            if step % args.eval_every == 0 or step == args.num_steps:
+                metrics.update(eval_metrics())
+            logger.log(step, metrics)
+
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    logger.close()
+    print(f"saved to {output_dir} in {time.time() - start:.0f} s")
