@@ -175,31 +175,32 @@ def load_hub_split(name, config, split):
 
 
 # ---- Model, tokenisation, generation and log-probs ----------------------------------------------
-def load_model(path, args, device, model_class=AutoModelForCausalLM, **kwargs):
-    """A model from a local folder or a hub id, in the run's dtype, with dropout off.
+def from_pretrained(cls, path, args, flag="--model-name-or-path", **kwargs):
+    """cls.from_pretrained(path), stopping with a one-line error when path is neither a folder nor a hub id."""
+    if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1 or os.path.exists(path)):
+        fail(f"{flag} {path}: no such folder")
+    try:
+        return cls.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kwargs)
+    except (OSError, ValueError) as e:
+        fail(f"{flag} {path}: not a model folder, and not loadable from the hub ({type(e).__name__}); "
+             "the bundled model loads when you run from the repository root")
 
-    Dropout is turned off so that the policy that samples is the policy that is trained.
-    """
-    if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1):
-        fail(f"--model-name-or-path {path}: no such folder")
+
+def load_model(path, args, device, model_class=AutoModelForCausalLM, flag="--model-name-or-path", **kwargs):
+    """A model in the run's dtype, with dropout off so that the policy that samples is the one trained."""
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    try:
-        model = model_class.from_pretrained(path, dtype=dtype, trust_remote_code=args.trust_remote_code, **kwargs)
-    except (OSError, ValueError) as e:
-        fail(f"--model-name-or-path {path}: not a model folder, and not loadable from the hub "
-             f"({type(e).__name__}; run from the repository root for the bundled model)")
+    model = from_pretrained(model_class, path, args, flag, dtype=dtype, **kwargs)
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
+        model.gradient_checkpointing_enable()  # only in train mode: generation keeps its KV cache
     return model.to(device)
 
 
 def load_tokenizer(path, args):
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    tokenizer = from_pretrained(AutoTokenizer, path, args)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

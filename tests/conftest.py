@@ -1,0 +1,60 @@
+"""Shared test helpers: run a script as a user does, read its metrics, and build tiny models offline."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(ROOT, "tests", "fixtures")
+sys.path.insert(0, ROOT)
+
+
+def run_script(*argv, cwd=ROOT, expect_ok=True, timeout=900):
+    """`python *argv` in a subprocess, offline; fails the test with the output when it fails."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if expect_ok and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def read_metrics(output_dir):
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory):
+    """A random tiny Qwen2 with a byte-level BPE tokenizer that has a ChatML template, built offline.
+
+    Its generation config stops on two ids (<|im_end|> and <|endoftext|>), as Qwen's instruct models do.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+    path = str(tmp_path_factory.mktemp("tiny_qwen2"))
+    with open(os.path.join(FIXTURES, "gsm8k_tiny.jsonl")) as f:
+        corpus = [json.loads(line)["question"] + " " + json.loads(line)["answer"] for line in f]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe.train_from_iterator(corpus * 4, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tokenizer.save_pretrained(path)
+    ids = tokenizer.convert_tokens_to_ids(specials)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True, eos_token_id=ids[2], pad_token_id=ids[0], bos_token_id=ids[0])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = [ids[2], ids[0]]
+    model.save_pretrained(path)
+    return path

@@ -1,0 +1,135 @@
+"""The shared skeleton: task, reward, masks, log-probs, and that every file holds the same copy."""
+
+import ast
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import ROOT
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+from grpo import (addition_task, completion_mask, generate, last_number, masked_mean, prompt_answer, reward_fn,
+                  sequence_logprobs)
+
+ALGORITHM_FILES = ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "dpo.py", "reward_model.py", "sft.py"]
+
+
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("55", "55", 1.0),
+    ("5", "55", 0.0),  # no substring match
+    ("555", "55", 0.0),
+    ("55.0", "55", 1.0),  # the same number
+    ("", "55", 0.0),
+    ("+", "55", 0.0),
+    ("so 3 * 4 = 12, the answer is 12", "12", 1.0),  # GSM8K style: the last number counts
+    ("12 ... no, 13", "12", 0.0),
+    ("The total is 1,234.", "1234", 1.0),
+    ("-7", "-7", 1.0),
+])
+def test_reward_is_an_exact_number_match(completion, answer, expected):
+    assert reward_fn(completion, answer) == expected
+
+
+def test_last_number_and_gsm8k_answers():
+    assert last_number("3 boxes of 4 make 12") == 12.0
+    assert last_number("no digits") is None
+    record = prompt_answer({"question": "How many?", "answer": "3 * 4 = <<3*4=12>>12\n#### 12"})
+    assert record == {"prompt": "How many?", "answer": "12"}
+
+
+def test_addition_task_held_out_is_fixed_and_disjoint():
+    train, held_out = addition_task(num_eval=500)
+    assert len(held_out) == 500 and len(train) == 100 * 100 - 500
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    assert addition_task(num_eval=500)[1] == held_out  # the same for every run
+    a, b = held_out[0]["prompt"].rstrip("=").split("+")
+    assert held_out[0]["answer"] == str(int(a) + int(b))
+
+
+def test_completion_mask_stops_after_the_first_eos():
+    eos, pad = 2, 0
+    ids = torch.tensor([[5, 7, eos, pad], [6, 6, 6, 6], [eos, eos, eos, eos], [4, eos, 9, eos]])
+    expected = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]]).bool()
+    assert torch.equal(completion_mask(ids, [eos]), expected)
+    # two stop ids (Qwen's <|im_end|> and <|endoftext|>): the first of either ends the completion
+    assert torch.equal(completion_mask(torch.tensor([[5, 3, 2, 2]]), [2, 3]), torch.tensor([[1, 1, 0, 0]]).bool())
+
+
+def test_masked_mean_ignores_padding_even_inf_and_nan():
+    x = torch.tensor([[1.0, 3.0, float("inf")], [2.0, float("nan"), 1e30]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert masked_mean(x, mask).item() == pytest.approx(2.0)  # (1 + 3 + 2) / 3
+    torch.testing.assert_close(masked_mean(x, mask, dim=1), torch.tensor([2.0, 2.0]))
+
+
+def tiny_model(kind):
+    torch.manual_seed(0)
+    if kind == "gpt2":  # absolute position embeddings
+        config = GPT2Config(vocab_size=300, n_embd=32, n_layer=2, n_head=4, n_positions=64, eos_token_id=2, pad_token_id=0)
+    else:  # rotary position embeddings
+        config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, max_position_embeddings=64, eos_token_id=2, pad_token_id=0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_training_logprobs_match_generation_scores(kind):
+    """The training forward pass scores each sampled token as generation sampled it (left padding)."""
+    model = tiny_model(kind)
+    prompt_ids = torch.tensor([[0, 0, 0, 11, 12], [0, 21, 22, 23, 24], [31, 32, 33, 34, 35]])  # left-padded
+    prompt_mask = (prompt_ids != 0).long()
+    captured = {}
+    original = model.generate
+
+    def spy(**kwargs):  # the helper's own generation config, asked to return the scores too
+        kwargs["generation_config"].output_scores = True
+        kwargs["generation_config"].return_dict_in_generate = True
+        out = original(**kwargs)
+        captured["scores"] = out.scores
+        return out.sequences
+
+    model.generate = spy
+    torch.manual_seed(1)
+    temperature = 0.7
+    completion = generate(model, SimpleNamespace(pad_token_id=0), prompt_ids, prompt_mask, 6, temperature, [2])
+    mask = completion_mask(completion, [2])
+    # the scores are the logits after every processor: log_softmax of them is what was sampled from
+    scores = torch.stack(captured["scores"], dim=1).log_softmax(-1)  # (B, T, vocab)
+    at_generation = scores.gather(-1, completion[:, :, None]).squeeze(-1)
+    with torch.no_grad():
+        in_training = sequence_logprobs(model, torch.cat([prompt_ids, completion], 1),
+                                        torch.cat([prompt_mask, mask.long()], 1), prompt_ids.shape[1], temperature,
+                                        chunk_size=2)
+    assert torch.isfinite(at_generation[mask]).all()  # no top-k: every sampled token had its full probability
+    torch.testing.assert_close(in_training[mask], at_generation[mask], atol=1e-4, rtol=0)
+
+
+def top_level_functions(path):
+    with open(path) as f:
+        source = f.read()
+    tree = ast.parse(source)
+    return {node.name: ast.get_source_segment(source, node) for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name != "Args"}, tree, source
+
+
+def common_args_block(tree, source):
+    """The common block of Args: the fields before `# Model and data`."""
+    args = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args")
+    text = ast.get_source_segment(source, args)
+    return text[: text.index("# Model and data")]
+
+
+def test_shared_helpers_are_identical_in_every_file():
+    files = [f for f in ALGORITHM_FILES if os.path.exists(os.path.join(ROOT, f))]
+    assert "grpo.py" in files and "sft.py" in files
+    reference, tree, source = top_level_functions(os.path.join(ROOT, "grpo.py"))
+    reference_args = common_args_block(tree, source)
+    algorithm_only = {"group_advantages", "grpo_loss"}
+    for name in files[1:]:
+        functions, tree, source = top_level_functions(os.path.join(ROOT, name))
+        shared = (set(functions) & set(reference)) - algorithm_only
+        assert len(shared) >= 15, f"{name} shares only {sorted(shared)} with grpo.py"
+        for helper in sorted(shared):
+            assert functions[helper] == reference[helper], f"{helper} in {name} differs from grpo.py's"
+        assert common_args_block(tree, source) == reference_args, f"the common Args block of {name} differs"
