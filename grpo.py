@@ -283,7 +283,8 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     sequence_logprobs scores.
     """
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,
-                              repetition_penalty=1.0, no_repeat_ngram_size=0, num_beams=1)
+                              repetition_penalty=1.0, no_repeat_ngram_size=0, num_beams=1,
+                              remove_invalid_values=True)  # a diverged model reaches the NaN check
     if temperature is None:
         config.do_sample = False
     else:

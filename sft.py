@@ -22,6 +22,7 @@ import json
 import os
 import random
 import re
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -72,7 +73,7 @@ class Args:
     """the longest completion generated when evaluating greedy accuracy"""
 
     # Optimisation
-    num_steps: int = 500
+    num_steps: int = 300
     """optimizer steps"""
     learning_rate: float = 1e-3
     """AdamW's learning rate"""
@@ -86,7 +87,7 @@ class Args:
     # Algorithm specific arguments
     batch_size: int = 64
     """sequences per optimizer step"""
-    hidden_size: int = 64
+    hidden_size: int = 128
     """the tiny model's width (only when it is built from a config)"""
     num_layers: int = 2
     """the tiny model's transformer blocks"""
@@ -233,7 +234,8 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     sequence_logprobs scores.
     """
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,
-                              repetition_penalty=1.0, no_repeat_ngram_size=0, num_beams=1)
+                              repetition_penalty=1.0, no_repeat_ngram_size=0, num_beams=1,
+                              remove_invalid_values=True)  # a diverged model reaches the NaN check
     if temperature is None:
         config.do_sample = False
     else:
@@ -363,14 +365,23 @@ def setup(args):
 
 # ---- ALGO LOGIC: the tiny model, the batches and the loss of SFT --------------------------------
 def build_tiny_model(args):
-    """A character-level tokenizer and a small randomly initialised Llama, for the addition task."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    """A character-level tokenizer and a small randomly initialised Llama, for the addition task.
 
-    vocab = {token: i for i, token in enumerate(["<pad>", "<bos>", "<eos>", *"0123456789+-= "])}
-    char_level = Tokenizer(models.WordLevel(vocab, unk_token=None))
-    char_level.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")  # one token per character
-    char_level.decoder = decoders.Fuse()  # join tokens without spaces
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=char_level, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    The tokenizer is a tokenizer.json written here (one token per character, decoded without
+    spaces), so it is a real Hugging Face tokenizer that AutoTokenizer loads offline.
+    """
+    specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
+    vocab = {token: i for i, token in enumerate(specials + list("0123456789+-= "))}
+    spec = {"version": "1.0", "truncation": None, "padding": None, "normalizer": None, "post_processor": None,
+            "added_tokens": [{"id": vocab[t], "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                              "normalized": False, "special": True} for t in specials],
+            "pre_tokenizer": {"type": "Split", "pattern": {"String": ""}, "behavior": "Isolated", "invert": False},
+            "decoder": {"type": "Fuse"}, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}}
+    with tempfile.TemporaryDirectory() as folder:
+        with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+            json.dump(spec, f)
+        tokenizer = PreTrainedTokenizerFast(tokenizer_file=os.path.join(folder, "tokenizer.json"), pad_token="<pad>",
+                                            bos_token="<bos>", eos_token="<eos>", unk_token="<unk>")
     config = LlamaConfig(vocab_size=len(vocab), hidden_size=args.hidden_size, intermediate_size=4 * args.hidden_size,
                          num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
                          max_position_embeddings=64, tie_word_embeddings=True,
