@@ -1,0 +1,165 @@
+"""Each script run as a user runs it: the README's commands, learning, determinism, bad input."""
+
+import json
+import os
+import re
+import shlex
+import shutil
+
+import pytest
+from conftest import FIXTURES, ROOT, read_metrics, run_script
+from transformers import AutoModelForCausalLM
+
+from grpo import TIMING_KEYS
+
+# flags that make a README command small enough for the test suite (later flags win in tyro)
+SMALL = {
+    "grpo.py": ["--num-steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--micro-batch-size", "2",
+                "--num-eval", "2", "--eval-every", "2", "--max-new-tokens", "6"],
+    "sft.py": ["--num-steps", "2", "--batch-size", "4", "--micro-batch-size", "2", "--num-eval", "2",
+               "--eval-every", "2", "--max-new-tokens", "6"],
+}
+
+
+def readme_commands():
+    """Every `python ...` command in the README's bash blocks (continuations joined, `&&` split)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        blocks = re.findall(r"```bash\n(.*?)```", f.read(), flags=re.S)
+    commands = []
+    for block in blocks:
+        for line in block.replace("\\\n", " ").splitlines():
+            for part in line.split("#")[0].split("&&"):
+                if part.strip().startswith("python "):
+                    commands.append(part.strip())
+    return commands
+
+
+def offline(argv, chat_model_dir):
+    """Hub ids and the user's own files in the README become offline stand-ins of the same kind."""
+    stand_ins = {"Qwen/Qwen2.5-0.5B-Instruct": chat_model_dir, "Qwen/Qwen2.5-0.5B": chat_model_dir,
+                 "openai/gsm8k": os.path.join(FIXTURES, "gsm8k_tiny.jsonl"),
+                 "my_problems.jsonl": os.path.join(FIXTURES, "gsm8k_tiny.jsonl"),
+                 "my_sft_data.jsonl": os.path.join(FIXTURES, "sft_tiny.jsonl")}
+    return [stand_ins.get(a, a) for a in argv]
+
+
+def test_the_readme_has_the_two_setup_lines():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    assert "pip install -r requirements.txt && python grpo.py\n" in text
+    assert "pip install -r requirements.txt && python -m pytest\n" in text
+
+
+@pytest.mark.parametrize("command", [c for c in readme_commands() if not c.startswith("python -m pytest")])
+def test_readme_command(command, chat_model_dir, tmp_path):
+    argv = offline(shlex.split(command)[1:], chat_model_dir)
+    script = argv[0]
+    assert script in SMALL, f"the README runs {script}, which this test does not know how to make small"
+    out = str(tmp_path / "run")
+    run_script(*argv, *SMALL[script], "--output-dir", out)
+    model = AutoModelForCausalLM.from_pretrained(out)  # the saved policy loads
+    assert model.num_parameters() > 0
+    metrics = read_metrics(out)
+    assert metrics[0]["step"] == 0 and metrics[-1]["step"] == 2
+    assert "eval/accuracy" in metrics[0] or "eval/loss" in metrics[0]
+    with open(os.path.join(out, "args.json")) as f:
+        assert json.load(f)["num_steps"] == 2
+
+
+def test_grpo_learns(tmp_path):
+    """A short GRPO run from the bundled model raises held-out accuracy clearly (sign and wiring check)."""
+    out = str(tmp_path / "run")
+    run_script("grpo.py", "--num-steps", "30", "--eval-every", "30", "--output-dir", out)
+    metrics = read_metrics(out)
+    before, after = metrics[0]["eval/accuracy"], metrics[-1]["eval/accuracy"]
+    assert after >= before + 0.10, f"held-out accuracy {before:.3f} -> {after:.3f}"
+
+
+def test_sft_regenerates_the_bundled_model(tmp_path):
+    """`python sft.py` with no other flag makes a model like tiny-adder/, in the 20-50% band."""
+    out = str(tmp_path / "run")
+    run_script("sft.py", "--output-dir", out)
+    accuracy = read_metrics(out)[-1]["eval/accuracy"]
+    bundled = read_metrics(os.path.join(ROOT, "tiny-adder"))[-1]["eval/accuracy"]
+    assert 0.2 <= accuracy <= 0.5 and abs(accuracy - bundled) <= 0.05, (accuracy, bundled)
+    with open(os.path.join(out, "tokenizer.json")) as a, open(os.path.join(ROOT, "tiny-adder", "tokenizer.json")) as b:
+        assert json.load(a) == json.load(b)
+    assert os.path.getsize(os.path.join(out, "model.safetensors")) <= 5 * 2**20
+
+
+def test_same_seed_same_metrics(tmp_path):
+    # several updates per batch, so the old log-probs, the ratio and the reference model all take part
+    flags = ["--num-steps", "3", "--prompts-per-step", "4", "--micro-batch-size", "8", "--num-iterations", "2",
+             "--num-minibatches", "2", "--num-eval", "50", "--eval-every", "3", "--log-every", "1"]
+    runs = []
+    for name in ("a", "b"):
+        run_script("grpo.py", *flags, "--output-dir", str(tmp_path / name))
+        runs.append([{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in read_metrics(str(tmp_path / name))])
+    assert runs[0] == runs[1]
+    assert any(m.get("losses/clip_frac", 0) > 0 or m.get("losses/ratio", 1) != 1 for m in runs[0])
+
+
+def test_track_logs_to_wandb_offline(tmp_path):
+    out = str(tmp_path / "run")
+    run_script("grpo.py", "--track", *SMALL["grpo.py"], "--output-dir", out)
+    assert os.path.isdir(os.path.join(out, "wandb"))
+
+
+def test_bfloat16_on_the_cpu(tmp_path):
+    out = str(tmp_path / "run")
+    run_script("grpo.py", "--dtype", "bfloat16", *SMALL["grpo.py"], "--output-dir", out)
+    assert "bfloat16" in open(os.path.join(out, "config.json")).read()
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "sft.py"])
+def test_help_works_when_copied_alone(script, tmp_path):
+    shutil.copy(os.path.join(ROOT, script), tmp_path / script)
+    proc = run_script(script, "--help", cwd=str(tmp_path))
+    assert "--seed" in proc.stdout and "--model-name-or-path" in proc.stdout
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+BAD_INPUTS = [
+    (["--model-name-or-path", "./no/such/model"], "--model-name-or-path ./no/such/model: no such folder"),
+    (["--dataset", "missing.jsonl"], "--dataset missing.jsonl: no such file"),
+    (["--dataset", "{malformed}"], "line 2 is not valid JSON"),
+    (["--dataset", "{missing_field}"], "line 1 has no field 'answer'"),
+    (["--dataset", "{empty}"], "holds no records"),
+    (["--group-size", "1"], "--group-size 1"),
+    (["--prompts-per-step", "3", "--group-size", "2", "--num-minibatches", "4"], "does not divide"),
+    (["--micro-batch-size", "5"], "does not divide"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be positive"),
+    (["--learning-rate", "-1e-4"], "--learning-rate must be positive"),
+    (["--num-steps", "0"], "--num-steps must be positive"),
+    (["--output-dir", "{existing}"], "already exists"),
+    (["--learning-rate", "1e30", "--num-steps", "5", "--num-eval", "10"], "the loss is nan"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])
+def test_bad_input_gives_one_line_and_fails(flags, message, tmp_path):
+    files = {"{malformed}": write(tmp_path, "m.jsonl", '{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n'),
+             "{missing_field}": write(tmp_path, "f.jsonl", '{"prompt": "1+1="}\n'),
+             "{empty}": write(tmp_path, "e.jsonl", "\n"), "{existing}": str(tmp_path)}
+    argv = [files.get(f, f) for f in flags]
+    if "--output-dir" not in argv:
+        argv += ["--output-dir", str(tmp_path / "out")]
+    proc = run_script("grpo.py", *argv, expect_ok=False)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    if "the loss is nan" in message:
+        assert re.search(r"step \d+: the loss is nan", last)
+        assert not os.path.exists(os.path.join(argv[argv.index("--output-dir") + 1], "config.json"))  # no model saved
+
+
+def test_sft_bad_jsonl_names_the_line(tmp_path):
+    path = write(tmp_path, "s.jsonl", '{"prompt": "a", "completion": "b"}\n{"prompt": "c"}\n')
+    proc = run_script("sft.py", "--dataset", path, "--output-dir", str(tmp_path / "o"), expect_ok=False)
+    assert proc.returncode != 0 and f"--dataset {path}: line 2 has no field 'completion'" in proc.stderr
