@@ -38,91 +38,55 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 @dataclass
 class Args:
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment; a run is saved in runs/<exp_name>__<seed>__<unix time>"""
-    seed: int = 1
-    """seed of the experiment (data order, sampling, initialisation)"""
-    torch_deterministic: bool = True
-    """if toggled, `torch.use_deterministic_algorithms(True)`"""
-    cuda: bool = True
-    """use CUDA when it is available (`--no-cuda` stays on the CPU)"""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """dtype of the weights: `auto` is float32 on the CPU and bfloat16 on CUDA"""
-    gradient_checkpointing: bool = False
-    """recompute activations during the backward pass to save memory (large models)"""
-    track: bool = False
-    """log metrics to Weights & Biases (`WANDB_MODE=offline` keeps them on disk)"""
-    wandb_project_name: str = "onefile-rl"
-    """the wandb project"""
-    wandb_entity: str | None = None
-    """the wandb entity (team or user)"""
-    output_dir: str | None = None
-    """folder for the model, metrics.jsonl and args.json (default runs/<run_name>); must not exist"""
-    trust_remote_code: bool = False
-    """let transformers run code shipped with a hub model (only for models you trust)"""
-    log_every: int = 5
-    """write metrics and a console line every this many steps"""
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # names the run: runs/<exp_name>__<seed>__<time>
+    seed: int = 1  # seed of the experiment (data order, sampling, initialisation)
+    torch_deterministic: bool = True  # if toggled, `torch.use_deterministic_algorithms(True)`
+    cuda: bool = True  # use CUDA when it is available (`--no-cuda` stays on the CPU)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
+    track: bool = False  # log metrics to Weights & Biases (`WANDB_MODE=offline` keeps them on disk)
+    wandb_project_name: str = "onefile-rl"  # the wandb project
+    wandb_entity: str | None = None  # the wandb entity (team or user)
+    output_dir: str | None = None  # where the model, metrics.jsonl and args.json go (default runs/<run_name>); new
+    trust_remote_code: bool = False  # let transformers run code shipped with a hub model you trust
+    log_every: int = 5  # write metrics and a console line every this many steps
 
     # Model and data
-    model_name_or_path: str = "tiny-adder"
-    """the starting policy: a local folder or a hub id (default: the bundled model)"""
+    model_name_or_path: str = "tiny-adder"  # the starting policy: a local folder or a hub id
     dataset: str | None = None
-    """None: the built-in addition task; a .jsonl file of prompt/answer records (GSM8K's
-    question/answer with '#### 42' too); or a hub dataset name (needs `pip install datasets`)"""
-    dataset_config: str | None = None
-    """the hub dataset's configuration (GSM8K: `main`)"""
-    train_split: str = "train"
-    """the hub dataset's training split"""
-    eval_split: str = "test"
-    """the hub dataset's held-out split (a .jsonl file holds out its last --num-eval records)"""
-    num_eval: int = 500
-    """held-out prompts for evaluation"""
-    eval_every: int = 25
-    """evaluate greedy accuracy on the held-out prompts every this many steps (and at step 0)"""
-    max_new_tokens: int = 8
-    """the longest completion, in tokens"""
+    """None: the built-in addition task; a .jsonl file of prompt/answer (or GSM8K's question/answer)
+    records; or a hub dataset name (needs `pip install datasets`)"""
+    dataset_config: str | None = None  # the hub dataset's configuration (GSM8K: `main`)
+    train_split: str = "train"  # the hub dataset's training split
+    eval_split: str = "test"  # the hub dataset's held-out split (a .jsonl file: its last --num-eval records)
+    num_eval: int = 500  # held-out prompts for evaluation
+    eval_every: int = 25  # evaluate greedy accuracy on the held-out prompts every this many steps, and at 0
+    max_new_tokens: int = 8  # the longest completion, in tokens
 
     # Optimisation
-    num_steps: int = 300
-    """training steps (each: one batch of rollouts, then its updates)"""
-    learning_rate: float = 1e-4
-    """AdamW's learning rate"""
-    weight_decay: float = 0.0
-    """AdamW's weight decay"""
-    max_grad_norm: float = 1.0
-    """clip the gradient's global norm to this"""
-    micro_batch_size: int = 64
-    """sequences per forward/backward pass (gradient accumulation fills a minibatch)"""
+    num_steps: int = 300  # training steps (each: one batch of rollouts, then its updates)
+    learning_rate: float = 1e-4  # AdamW's learning rate
+    weight_decay: float = 0.0  # AdamW's weight decay
+    max_grad_norm: float = 1.0  # clip the gradient's global norm to this
+    micro_batch_size: int = 64  # sequences per forward/backward pass (gradient accumulation fills a minibatch)
 
     # Algorithm specific arguments
-    prompts_per_step: int = 32
-    """prompts per batch of rollouts"""
-    group_size: int = 8
-    """completions sampled per prompt (G in the paper)"""
-    temperature: float = 1.0
-    """sampling temperature; log-probs are computed at the same temperature"""
-    num_iterations: int = 1
-    """passes over each batch of rollouts (the paper's mu)"""
-    num_minibatches: int = 1
-    """optimizer steps per pass over a batch of rollouts"""
-    beta: float = 0.04
-    """weight of the KL penalty to the reference model (0: no reference model is loaded)"""
-    clip_eps_low: float = 0.2
-    """the ratio is clipped below at 1 - clip_eps_low"""
-    clip_eps_high: float = 0.2
-    """the ratio is clipped above at 1 + clip_eps_high (DAPO raises it to 0.28)"""
+    prompts_per_step: int = 32  # prompts per batch of rollouts
+    group_size: int = 8  # completions sampled per prompt (G in the paper)
+    temperature: float = 1.0  # sampling temperature; log-probs are computed at the same temperature
+    num_iterations: int = 1  # passes over each batch of rollouts (the paper's mu)
+    num_minibatches: int = 1  # optimizer steps per pass over a batch of rollouts
+    beta: float = 0.04  # weight of the KL penalty to the reference model (0: no reference model is loaded)
+    clip_eps_low: float = 0.2  # the ratio is clipped below at 1 - clip_eps_low
+    clip_eps_high: float = 0.2  # the ratio is clipped above at 1 + clip_eps_high (DAPO raises it to 0.28)
     loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
-    """how token losses are averaged: the paper's, DAPO's, or Dr. GRPO's"""
-    scale_rewards: bool = True
-    """divide by the group's std (`--no-scale-rewards`: Dr. GRPO)"""
+    """how token losses are averaged: the paper's, DAPO's, or Dr. GRPO's (docs/grpo.md)"""
+    scale_rewards: bool = True  # divide by the group's std (`--no-scale-rewards`: Dr. GRPO)
 
     # to be filled in at runtime
-    batch_size: int = 0
-    """completions per batch of rollouts (prompts_per_step * group_size)"""
-    minibatch_size: int = 0
-    """completions per optimizer step (batch_size // num_minibatches)"""
-    run_name: str = ""
-    """exp_name__seed__time"""
+    batch_size: int = 0  # completions per batch of rollouts (prompts_per_step * group_size)
+    minibatch_size: int = 0  # completions per optimizer step (batch_size // num_minibatches)
+    run_name: str = ""  # exp_name__seed__time
 
 
 def fail(message):
@@ -474,69 +438,69 @@ if __name__ == "__main__":
         if getattr(args, flag) <= 0:
             fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     args.batch_size = args.prompts_per_step * args.group_size
-    args.minibatch_size = exact_div(args.batch_size, args.num_minibatches,
-                                    "--prompts-per-step x --group-size over --num-minibatches")
-    exact_div(args.minibatch_size, args.micro_batch_size, "the minibatch over --micro-batch-size")
+    args.minibatch_size = exact_div(args.batch_size, args.num_minibatches, "--prompts-per-step x --group-size")
+    exact_div(args.minibatch_size, args.micro_batch_size, "a minibatch, by --micro-batch-size,")
     args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     device = setup(args)
 
-    # load the policy, and the frozen reference only if the KL term is on
+    # the policy, and a frozen reference only when the KL term is on
     tokenizer = load_tokenizer(args.model_name_or_path, args)
     policy = load_model(args.model_name_or_path, args, device)
-    ref_policy = load_model(args.model_name_or_path, args, device).eval().requires_grad_(False) if args.beta > 0 else None
+    ref_policy = load_model(args.model_name_or_path, args, device).requires_grad_(False) if args.beta > 0 else None
     stop_ids = stop_token_ids(tokenizer, policy)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     train_records, eval_records = load_task(args)
     output_dir = make_output_dir(args)
     logger = Logger(args, output_dir)
-    data_rng = random.Random(args.seed)
-    shuffle_gen = torch.Generator().manual_seed(args.seed)
+    data_rng, shuffle_gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
     print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
 
     start = time.time()
     logger.log(0, {"eval/accuracy": evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids, device)})
     for step in range(1, args.num_steps + 1):
         step_start = time.time()
-        # 1. rollouts: G completions per prompt from pi_old, group-contiguous
-        batch = data_rng.choices(train_records, k=args.prompts_per_step)
+        # 1. rollouts: G completions per prompt from pi_old, group-contiguous (prompt 0 G times, then prompt 1...)
+        group = [r for r in data_rng.choices(train_records, k=args.prompts_per_step) for _ in range(args.group_size)]
         policy.eval()
-        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in batch for _ in range(args.group_size)], device)
-        completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature, stop_ids)
-        mask = completion_mask(completion_ids, stop_ids)  # (B, T), up to and including the first EOS
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device)  # (B, P)
+        completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature,
+                                  stop_ids)  # (B, T)
+        mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
         attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
         prompt_len = prompt_ids.shape[1]
 
-        # 2. reward each completion, and normalise within its group
+        # 2. reward each completion, and normalise the rewards within each group
         texts = decode_completions(tokenizer, completion_ids, mask)
-        answers = [r["answer"] for r in batch for _ in range(args.group_size)]
-        rewards = torch.tensor([reward_fn(t, a) for t, a in zip(texts, answers)], device=device)  # (B,)
+        rewards = torch.tensor([reward_fn(t, r["answer"]) for t, r in zip(texts, group)], device=device)  # (B,)
         advantages = group_advantages(rewards, args.group_size, scale=args.scale_rewards)  # (B,)
 
-        # 3. log-probs of pi_old and pi_ref, once, without gradient. With a single update per batch
-        # of rollouts pi_old is the policy being updated, so its log-probs are the new ones, detached.
+        # 3. log-probs of pi_old and pi_ref, once per batch, without gradient. With one update per batch,
+        # pi_old is the policy being updated: its log-probs are the new ones, detached, and need no pass here.
         one_update = args.num_iterations == 1 and args.num_minibatches == 1
         old_logprobs = None if one_update else batched_logprobs(
             policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size)  # (B, T)
         ref_logprobs = None if ref_policy is None else batched_logprobs(
             ref_policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size)  # (B, T)
 
-        # 4. num_iterations passes of num_minibatches optimizer steps over the batch
+        # 4. num_iterations passes over the batch, each num_minibatches optimizer steps
         policy.train()
         step_stats = []
         for _ in range(args.num_iterations):
-            for minibatch in torch.randperm(args.batch_size, generator=shuffle_gen).to(device).split(args.minibatch_size):
+            for mb in torch.randperm(args.batch_size, generator=shuffle_gen).to(device).split(args.minibatch_size):
                 optimizer.zero_grad()
-                for idx in minibatch.split(args.micro_batch_size):
-                    logprobs = sequence_logprobs(policy, input_ids[idx], attention_mask[idx], prompt_len, args.temperature)
+                for idx in mb.split(args.micro_batch_size):
+                    logprobs = sequence_logprobs(policy, input_ids[idx], attention_mask[idx], prompt_len,
+                                                 args.temperature)  # (b, T)
                     loss, stats = grpo_loss(
                         logprobs, logprobs.detach() if old_logprobs is None else old_logprobs[idx],
                         None if ref_logprobs is None else ref_logprobs[idx], advantages[idx], mask[idx],
                         args.clip_eps_low, args.clip_eps_high, args.beta, args.loss_agg, args.max_new_tokens)
                     if not torch.isfinite(loss):
                         fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the rewards")
-                    # weight each micro-batch so that the sum is the loss of the whole minibatch
-                    share = mask[idx].sum() / mask[minibatch].sum() if args.loss_agg == "token-mean" else len(idx) / len(minibatch)
+                    # weigh each micro-batch so that the gradients add up to those of the minibatch's loss
+                    token_mean = args.loss_agg == "token-mean"
+                    share = mask[idx].sum() / mask[mb].sum() if token_mean else len(idx) / len(mb)
                     (loss * share).backward()
                     step_stats.append({"loss": loss.detach(), **stats})
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
@@ -544,22 +508,19 @@ if __name__ == "__main__":
 
         # 5. log, and evaluate on the held-out prompts
         step_time = time.time() - step_start
-        if step % args.log_every == 0 or step % args.eval_every == 0 or step == args.num_steps:
+        evaluate_now = step % args.eval_every == 0 or step == args.num_steps
+        if step % args.log_every == 0 or evaluate_now:
             metrics = {f"losses/{k}": torch.stack([s[k] for s in step_stats]).mean().item() for k in step_stats[0]}
-            groups_solved = rewards.view(-1, args.group_size).std(dim=1) == 0
             metrics.update({
-                "charts/reward": rewards.mean().item(),
-                "charts/reward_std": rewards.std().item(),
-                "charts/zero_std_groups": groups_solved.float().mean().item(),
+                "charts/reward": rewards.mean().item(), "charts/reward_std": rewards.std().item(),
+                "charts/zero_std_groups": (rewards.view(-1, args.group_size).std(dim=1) == 0).float().mean().item(),
                 "charts/completion_length": mask.sum(dim=1).float().mean().item(),
-                "charts/learning_rate": optimizer.param_groups[0]["lr"],
-                "losses/grad_norm": grad_norm.item(),
-                "charts/step_time": step_time,
-                "charts/tokens_per_sec": mask.sum().item() / step_time,
-                "charts/elapsed_time": time.time() - start,
-            })
-            if step % args.eval_every == 0 or step == args.num_steps:
-                metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids, device)
+                "charts/learning_rate": optimizer.param_groups[0]["lr"], "losses/grad_norm": grad_norm.item(),
+                "charts/step_time": step_time, "charts/tokens_per_sec": mask.sum().item() / step_time,
+                "charts/elapsed_time": time.time() - start})
+            if evaluate_now:
+                metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids,
+                                                    device)
             logger.log(step, metrics)
 
     policy.save_pretrained(output_dir)

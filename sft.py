@@ -35,68 +35,41 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 
 @dataclass
 class Args:
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment; a run is saved in runs/<exp_name>__<seed>__<unix time>"""
-    seed: int = 1
-    """seed of the experiment (data order, sampling, initialisation)"""
-    torch_deterministic: bool = True
-    """if toggled, `torch.use_deterministic_algorithms(True)`"""
-    cuda: bool = True
-    """use CUDA when it is available (`--no-cuda` stays on the CPU)"""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """dtype of the weights: `auto` is float32 on the CPU and bfloat16 on CUDA"""
-    gradient_checkpointing: bool = False
-    """recompute activations during the backward pass to save memory (large models)"""
-    track: bool = False
-    """log metrics to Weights & Biases (`WANDB_MODE=offline` keeps them on disk)"""
-    wandb_project_name: str = "onefile-rl"
-    """the wandb project"""
-    wandb_entity: str | None = None
-    """the wandb entity (team or user)"""
-    output_dir: str | None = None
-    """folder for the model, metrics.jsonl and args.json (default runs/<run_name>); must not exist"""
-    trust_remote_code: bool = False
-    """let transformers run code shipped with a hub model (only for models you trust)"""
-    log_every: int = 5
-    """write metrics and a console line every this many steps"""
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # names the run: runs/<exp_name>__<seed>__<time>
+    seed: int = 1  # seed of the experiment (data order, sampling, initialisation)
+    torch_deterministic: bool = True  # if toggled, `torch.use_deterministic_algorithms(True)`
+    cuda: bool = True  # use CUDA when it is available (`--no-cuda` stays on the CPU)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
+    track: bool = False  # log metrics to Weights & Biases (`WANDB_MODE=offline` keeps them on disk)
+    wandb_project_name: str = "onefile-rl"  # the wandb project
+    wandb_entity: str | None = None  # the wandb entity (team or user)
+    output_dir: str | None = None  # where the model, metrics.jsonl and args.json go (default runs/<run_name>); new
+    trust_remote_code: bool = False  # let transformers run code shipped with a hub model you trust
+    log_every: int = 5  # write metrics and a console line every this many steps
 
     # Model and data
-    model_name_or_path: str | None = None
-    """the starting model, a local folder or a hub id; None builds the tiny model from a config"""
-    dataset: str | None = None
-    """None: the built-in addition task; else a .jsonl file of prompt/completion records"""
-    num_eval: int = 500
-    """held-out records (the last ones of a .jsonl file)"""
-    eval_every: int = 100
-    """evaluate every this many steps (and at step 0)"""
-    max_new_tokens: int = 8
-    """the longest completion generated when evaluating greedy accuracy"""
+    model_name_or_path: str | None = None  # a local folder or a hub id; None builds the tiny model from a config
+    dataset: str | None = None  # None: the built-in addition task; else a .jsonl file of prompt/completion records
+    num_eval: int = 500  # held-out records (the last ones of a .jsonl file)
+    eval_every: int = 100  # evaluate every this many steps (and at step 0)
+    max_new_tokens: int = 8  # the longest completion generated when evaluating greedy accuracy
 
     # Optimisation
-    num_steps: int = 300
-    """optimizer steps"""
-    learning_rate: float = 1e-3
-    """AdamW's learning rate"""
-    weight_decay: float = 0.0
-    """AdamW's weight decay"""
-    max_grad_norm: float = 1.0
-    """clip the gradient's global norm to this"""
-    micro_batch_size: int = 64
-    """sequences per forward/backward pass (gradient accumulation fills a batch)"""
+    num_steps: int = 300  # optimizer steps
+    learning_rate: float = 1e-3  # AdamW's learning rate
+    weight_decay: float = 0.0  # AdamW's weight decay
+    max_grad_norm: float = 1.0  # clip the gradient's global norm to this
+    micro_batch_size: int = 64  # sequences per forward/backward pass (gradient accumulation fills a batch)
 
     # Algorithm specific arguments
-    batch_size: int = 64
-    """sequences per optimizer step"""
-    hidden_size: int = 128
-    """the tiny model's width (only when it is built from a config)"""
-    num_layers: int = 2
-    """the tiny model's transformer blocks"""
-    num_heads: int = 4
-    """the tiny model's attention heads"""
+    batch_size: int = 64  # sequences per optimizer step
+    hidden_size: int = 128  # the tiny model's width (only when it is built from a config)
+    num_layers: int = 2  # the tiny model's transformer blocks
+    num_heads: int = 4  # the tiny model's attention heads
 
     # to be filled in at runtime
-    run_name: str = ""
-    """exp_name__seed__time"""
+    run_name: str = ""  # exp_name__seed__time
 
 
 def fail(message):
@@ -397,11 +370,14 @@ def sft_batch(tokenizer, records, device):
                  [1,   0,   +, 2, 0, = | 3, 0,   EOS]]                          [1, 1, 1]]
     """
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in records], device)
-    completions = [tokenizer(r["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in records]
+    completions = [tokenizer(r["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                   for r in records]
     length = max(len(c) for c in completions)
-    completion_ids = torch.tensor([c + [tokenizer.pad_token_id] * (length - len(c)) for c in completions], device=device)
+    completion_ids = torch.tensor([c + [tokenizer.pad_token_id] * (length - len(c)) for c in completions],
+                                  device=device)  # (B, T)
     mask = torch.tensor([[1] * len(c) + [0] * (length - len(c)) for c in completions], device=device)  # (B, T)
-    return torch.cat([prompt_ids, completion_ids], dim=1), torch.cat([prompt_mask, mask], dim=1), prompt_ids.shape[1], mask
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
+    return input_ids, torch.cat([prompt_mask, mask], dim=1), prompt_ids.shape[1], mask
 
 
 def sft_loss(logprobs, mask):
@@ -453,7 +429,8 @@ if __name__ == "__main__":
                 chunk = [{"prompt": r["prompt"], "completion": r.get("completion", r.get("answer"))}
                          for r in eval_records[i : i + args.micro_batch_size]]
                 input_ids, attention_mask, prompt_len, mask = sft_batch(tokenizer, chunk, device)
-                losses.append(sft_loss(sequence_logprobs(model, input_ids, attention_mask, prompt_len), mask) * len(chunk))
+                logprobs = sequence_logprobs(model, input_ids, attention_mask, prompt_len)  # (b, T)
+                losses.append(sft_loss(logprobs, mask) * len(chunk))
         metrics = {"eval/loss": torch.stack(losses).sum().item() / len(eval_records)}
         if "answer" in eval_records[0]:
             metrics["eval/accuracy"] = evaluate(model, tokenizer, eval_records, args.max_new_tokens, stop_ids, device)
@@ -466,22 +443,24 @@ if __name__ == "__main__":
         batch = data_rng.choices(train_records, k=args.batch_size)
         model.train()
         optimizer.zero_grad()
-        total_tokens = sum(len(tokenizer(r["completion"], add_special_tokens=False)["input_ids"]) + 1 for r in batch)
-        for i in range(0, args.batch_size, args.micro_batch_size):
-            input_ids, attention_mask, prompt_len, mask = sft_batch(tokenizer, batch[i : i + args.micro_batch_size], device)
-            logprobs = sequence_logprobs(model, input_ids, attention_mask, prompt_len)  # (b, T)
-            loss = sft_loss(logprobs, mask)
+        input_ids, attention_mask, prompt_len, mask = sft_batch(tokenizer, batch, device)  # (B, P + T), ..., (B, T)
+        batch_loss = 0.0
+        for idx in torch.arange(args.batch_size).split(args.micro_batch_size):
+            logprobs = sequence_logprobs(model, input_ids[idx], attention_mask[idx], prompt_len)  # (b, T)
+            loss = sft_loss(logprobs, mask[idx])
             if not torch.isfinite(loss):
                 fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the data")
-            (loss * mask.sum() / total_tokens).backward()  # the token mean over the whole batch
+            share = mask[idx].sum() / mask.sum()  # the micro-batches add up to the token mean of the batch
+            (loss * share).backward()
+            batch_loss += loss.item() * share.item()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
 
         step_time = time.time() - step_start
         if step % args.log_every == 0 or step % args.eval_every == 0 or step == args.num_steps:
-            metrics = {"losses/loss": loss.item(), "losses/grad_norm": grad_norm.item(),
+            metrics = {"losses/loss": batch_loss, "losses/grad_norm": grad_norm.item(),
                        "charts/learning_rate": optimizer.param_groups[0]["lr"], "charts/step_time": step_time,
-                       "charts/tokens_per_sec": total_tokens / step_time, "charts/elapsed_time": time.time() - start}
+                       "charts/tokens_per_sec": mask.sum().item() / step_time, "charts/elapsed_time": time.time() - start}
             if step % args.eval_every == 0 or step == args.num_steps:
                 metrics.update(eval_metrics())
             logger.log(step, metrics)
