@@ -132,8 +132,8 @@ def reward_fn(completion, answer):
 
 
 # ---- Data ---------------------------------------------------------------------------------------
-def read_jsonl(path, fields):
-    """Records of a JSONL file, each checked to hold `fields`; a bad file stops the run."""
+def read_jsonl(path, *schemas):
+    """The records of a JSONL file, each holding every field of one of `schemas`; a bad file stops the run."""
     if not os.path.isfile(path):
         fail(f"--dataset {path}: no such file")
     records = []
@@ -145,9 +145,10 @@ def read_jsonl(path, fields):
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 fail(f"--dataset {path}: line {number} is not valid JSON ({e.msg})")
-            missing = [k for k in fields if not isinstance(record, dict) or k not in record]
-            if missing:
-                fail(f"--dataset {path}: line {number} has no field {missing[0]!r} (needs {', '.join(fields)})")
+            if not any(isinstance(record, dict) and all(k in record for k in schema) for schema in schemas):
+                missing = next(k for k in schemas[0] if not isinstance(record, dict) or k not in record)
+                needs = " or ".join(" and ".join(schema) for schema in schemas)
+                fail(f"--dataset {path}: line {number} has no field {missing!r} (each record needs {needs})")
             records.append(record)
     if not records:
         fail(f"--dataset {path}: the file holds no records")
@@ -177,8 +178,7 @@ def load_task(args):
     if args.dataset is None:
         return addition_task(args.num_eval)
     if args.dataset.endswith(".jsonl"):
-        first = read_jsonl(args.dataset, [])[0]
-        records = read_jsonl(args.dataset, ["question", "answer"] if "question" in first else ["prompt", "answer"])
+        records = read_jsonl(args.dataset, ("prompt", "answer"), ("question", "answer"))
         if len(records) <= args.num_eval:
             fail(f"--dataset {args.dataset}: {len(records)} records, but --num-eval {args.num_eval} are held out")
         records = [prompt_answer(r) for r in records]
@@ -372,7 +372,8 @@ def setup(args):
     transformers.utils.logging.disable_progress_bar()
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    torch.use_deterministic_algorithms(args.torch_deterministic)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, set before CUDA starts
+    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)  # warn where CUDA has no such kernel
     return torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
 
 

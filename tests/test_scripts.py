@@ -163,3 +163,14 @@ def test_sft_bad_jsonl_names_the_line(tmp_path):
     path = write(tmp_path, "s.jsonl", '{"prompt": "a", "completion": "b"}\n{"prompt": "c"}\n')
     proc = run_script("sft.py", "--dataset", path, "--output-dir", str(tmp_path / "o"), expect_ok=False)
     assert proc.returncode != 0 and f"--dataset {path}: line 2 has no field 'completion'" in proc.stderr
+
+
+def test_hub_dataset_without_the_datasets_library_says_how_to_get_it(tmp_path):
+    proc = run_script("grpo.py", "--dataset", "someone/some-dataset", "--output-dir", str(tmp_path / "o"),
+                      expect_ok=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode != 0 and last.startswith("error: --dataset someone/some-dataset: ")
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        assert "pip install datasets" in last
