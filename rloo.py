@@ -1,0 +1,482 @@
+"""REINFORCE Leave-One-Out (RLOO), in one file.
+
+For every prompt, sample K completions and score each; the baseline of each completion is the
+mean reward of the other K - 1, which is unbiased and needs no value model. The whole completion
+is one action: its summed log-probability is pushed up or down by its advantage (Ahmadian et al.
+2024, Back to Basics, https://arxiv.org/abs/2402.14740, after Kool et al. 2019):
+
+    loss = -1/K sum_i [sum_t log pi(o_it)] (R_i - 1/(K-1) sum_{j!=i} R_j)
+    R_i = r_i - beta sum_t (log pi_old(o_it) - log pi_ref(o_it))     (a constant: no gradient)
+
+On-policy, as in the paper: one optimizer step per batch of rollouts, so there is no ratio and
+no clipping; pi_old is the policy that sampled. The KL penalty is the sampled estimate of the
+sequence's KL to the reference, as in the paper's RLHF reward. See docs/rloo.md.
+
+    python rloo.py                                   # bundled tiny model, addition task, CPU
+    python rloo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \
+        --dataset-config main --max-new-tokens 512 --prompts-per-step 16 --micro-batch-size 8 \
+        --learning-rate 1e-6 --gradient-checkpointing  # a real model on a GPU
+"""
+
+import json
+import os
+import random
+import re
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+import transformers
+import tyro
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # names the run: runs/<exp_name>__<seed>__<time>
+    seed: int = 1  # seed of the experiment (data order, sampling, initialisation)
+    torch_deterministic: bool = True  # if toggled, `torch.use_deterministic_algorithms(True)`
+    cuda: bool = True  # use CUDA when it is available (`--no-cuda` stays on the CPU)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
+    track: bool = False  # log metrics to Weights & Biases (`WANDB_MODE=offline` keeps them on disk)
+    wandb_project_name: str = "onefile-rl"  # the wandb project
+    wandb_entity: str | None = None  # the wandb entity (team or user)
+    output_dir: str | None = None  # where the model, metrics.jsonl and args.json go (default runs/<run_name>); new
+    trust_remote_code: bool = False  # let transformers run code shipped with a hub model you trust
+    log_every: int = 5  # write metrics and a console line every this many steps
+
+    # Model and data
+    model_name_or_path: str = "tiny-adder"  # the starting policy: a local folder or a hub id
+    dataset: str | None = None
+    """None: the built-in addition task; a .jsonl file of prompt/answer (or GSM8K's question/answer)
+    records; or a hub dataset name (needs `pip install datasets`)"""
+    dataset_config: str | None = None  # the hub dataset's configuration (GSM8K: `main`)
+    train_split: str = "train"  # the hub dataset's training split
+    eval_split: str = "test"  # the hub dataset's held-out split (a .jsonl file: its last --num-eval records)
+    num_eval: int = 500  # held-out prompts for evaluation
+    eval_every: int = 25  # evaluate greedy accuracy on the held-out prompts every this many steps, and at 0
+    max_new_tokens: int = 8  # the longest completion, in tokens
+
+    # Optimisation
+    num_steps: int = 300  # training steps (each: one batch of rollouts, then its updates)
+    learning_rate: float = 1e-4  # AdamW's learning rate
+    weight_decay: float = 0.0  # AdamW's weight decay
+    max_grad_norm: float = 1.0  # clip the gradient's global norm to this
+    micro_batch_size: int = 64  # sequences per forward/backward pass (gradient accumulation fills a minibatch)
+
+    # Algorithm specific arguments
+    prompts_per_step: int = 32  # prompts per batch of rollouts
+    group_size: int = 8  # completions sampled per prompt (K in the paper)
+    temperature: float = 1.0  # sampling temperature; log-probs are computed at the same temperature
+    beta: float = 0.04  # weight of the KL penalty in the sequence reward (0: no reference model is loaded)
+
+    # to be filled in at runtime
+    batch_size: int = 0  # completions per batch of rollouts (prompts_per_step * group_size)
+    run_name: str = ""  # exp_name__seed__time
+
+
+def fail(message):
+    """Stop with a one-line error and exit status 1."""
+    raise SystemExit(f"error: {message}")
+
+
+def exact_div(a, b, what):
+    if b <= 0 or a % b != 0:
+        fail(f"{what}: {a} does not divide into parts of {b}")
+    return a // b
+
+
+# ---- The task and its reward --------------------------------------------------------------------
+def addition_task(num_eval, max_operand=99):
+    """The default task, built in: 'a+b=' -> 'a+b' for 0 <= a, b <= max_operand.
+
+    All pairs are shuffled with a fixed seed and the first `num_eval` are held out, so the
+    held-out set is the same for every run and never overlaps the training prompts.
+    """
+    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    random.Random(0).shuffle(pairs)
+    records = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs]
+    return records[num_eval:], records[:num_eval]
+
+
+NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+
+
+def last_number(text):
+    """The last number written in `text`, as a float ('1,234.5' -> 1234.5), or None."""
+    found = NUMBER.findall(text)
+    return float(found[-1].replace(",", "")) if found else None
+
+
+def reward_fn(completion, answer):
+    """1.0 when the last number in the completion equals the answer exactly, else 0.0.
+
+    A whole-number match, not a substring: '5' scores 0 for the answer '55', and so does '555'.
+    """
+    value = last_number(completion)
+    return float(value is not None and value == last_number(answer))
+
+
+# ---- Data ---------------------------------------------------------------------------------------
+def read_jsonl(path, *schemas):
+    """The records of a JSONL file, each holding every field of one of `schemas`; a bad file stops the run."""
+    if not os.path.isfile(path):
+        fail(f"--dataset {path}: no such file")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                fail(f"--dataset {path}: line {number} is not valid JSON ({e.msg})")
+            if not any(isinstance(record, dict) and all(k in record for k in schema) for schema in schemas):
+                missing = next(k for k in schemas[0] if not isinstance(record, dict) or k not in record)
+                needs = " or ".join(" and ".join(schema) for schema in schemas)
+                fail(f"--dataset {path}: line {number} has no field {missing!r} (each record needs {needs})")
+            records.append(record)
+    if not records:
+        fail(f"--dataset {path}: the file holds no records")
+    return records
+
+
+def load_hub_split(name, config, split):
+    try:
+        import datasets
+    except ImportError:
+        fail(f"--dataset {name}: loading a hub dataset needs the datasets library: pip install datasets")
+    try:
+        return list(datasets.load_dataset(name, config, split=split))
+    except Exception as e:  # the datasets library raises many kinds; name the flag and the cause
+        fail(f"--dataset {name}: could not load split {split!r} ({type(e).__name__}: {e})".splitlines()[0])
+
+
+def prompt_answer(record):
+    """{'prompt', 'answer'} from a prompt/answer record or a GSM8K question/answer record."""
+    if "question" in record:  # GSM8K: the reference answer follows '####'
+        return {"prompt": record["question"], "answer": record["answer"].split("####")[-1].strip()}
+    return {"prompt": record["prompt"], "answer": str(record["answer"])}
+
+
+def load_task(args):
+    """(train, eval) lists of {'prompt', 'answer'} records."""
+    if args.dataset is None:
+        return addition_task(args.num_eval)
+    if args.dataset.endswith(".jsonl"):
+        records = read_jsonl(args.dataset, ("prompt", "answer"), ("question", "answer"))
+        if len(records) <= args.num_eval:
+            fail(f"--dataset {args.dataset}: {len(records)} records, but --num-eval {args.num_eval} are held out")
+        records = [prompt_answer(r) for r in records]
+        return records[: -args.num_eval], records[-args.num_eval :]
+    train = [prompt_answer(r) for r in load_hub_split(args.dataset, args.dataset_config, args.train_split)]
+    held_out = load_hub_split(args.dataset, args.dataset_config, args.eval_split)[: args.num_eval]
+    return train, [prompt_answer(r) for r in held_out]
+
+
+# ---- Model, tokenisation, generation and log-probs ----------------------------------------------
+def from_pretrained(cls, path, args, flag="--model-name-or-path", **kwargs):
+    """cls.from_pretrained(path), stopping with a one-line error when path is neither a folder nor a hub id."""
+    if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1 or os.path.exists(path)):
+        fail(f"{flag} {path}: no such folder")
+    try:
+        return cls.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kwargs)
+    except (OSError, ValueError) as e:
+        fail(f"{flag} {path}: not a model folder, and not loadable from the hub ({type(e).__name__}); "
+             "the bundled model loads when you run from the repository root")
+
+
+def load_model(path, args, device, model_class=AutoModelForCausalLM, flag="--model-name-or-path", **kwargs):
+    """A model in the run's dtype, with dropout off so that the policy that samples is the one trained."""
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    model = from_pretrained(model_class, path, args, flag, dtype=dtype, **kwargs)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()  # only in train mode: generation keeps its KV cache
+    return model.to(device)
+
+
+def load_tokenizer(path, args):
+    tokenizer = from_pretrained(AutoTokenizer, path, args)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def stop_token_ids(tokenizer, model):
+    """Every id that ends a completion: the tokenizer's EOS and the generation config's."""
+    ids = model.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    return sorted(set(ids) | {tokenizer.eos_token_id})
+
+
+def tokenize_prompts(tokenizer, prompts, device):
+    """Left-padded prompt ids and mask, (B, P); the chat template is applied when there is one."""
+    if tokenizer.chat_template:
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                               add_generation_prompt=True) for p in prompts]
+        batch = tokenizer(texts, padding=True, padding_side="left", add_special_tokens=False, return_tensors="pt")
+    else:
+        batch = tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt")
+    return batch["input_ids"].to(device), batch["attention_mask"].to(device)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids):
+    """Completion ids (B, T), T <= max_new_tokens; `temperature=None` decodes greedily.
+
+    Sampling is plain temperature sampling (no top-k, top-p or repetition penalty, whatever the
+    model's own generation config says), so the tokens come from exactly the distribution that
+    sequence_logprobs scores.
+    """
+    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,
+                              repetition_penalty=1.0, no_repeat_ngram_size=0, num_beams=1,
+                              remove_invalid_values=True)  # a diverged model reaches the NaN check
+    if temperature is None:
+        config.do_sample = False
+    else:
+        config.do_sample, config.temperature, config.top_k, config.top_p = True, temperature, 0, 1.0
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+    return out[:, prompt_ids.shape[1] :]
+
+
+def completion_mask(completion_ids, stop_ids):
+    """1 for the completion's tokens up to and including its first stop token, 0 after it.
+
+    completion_ids = [[5, 7, EOS, PAD],     -> mask = [[1, 1, 1, 0],
+                      [6, 6, 6,   6  ]]                [1, 1, 1, 1]]   (no EOS: truncated)
+    The padding that generate writes after EOS may be EOS itself; only the first one counts.
+    """
+    is_stop = torch.isin(completion_ids, torch.tensor(stop_ids, device=completion_ids.device)).long()  # (B, T)
+    return (is_stop.cumsum(dim=1) - is_stop) == 0  # no stop token strictly before this one
+
+
+def decode_completions(tokenizer, completion_ids, mask):
+    return [tokenizer.decode(ids[m], skip_special_tokens=True) for ids, m in zip(completion_ids, mask)]
+
+
+def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=1.0, chunk_size=8):
+    """Log-probs (B, T) of the completion tokens input_ids[:, prompt_len:], float32.
+
+    input_ids = [PAD, PAD, 4, 7, 13 | 5, 5, EOS]   left-padded prompt | completion (T = 3)
+    attention = [0,   0,   1, 1, 1  | 1, 1, 1  ]
+    positions = [0,   0,   0, 1, 2  | 3, 4, 5  ]   from the mask, as generate() computes them
+    The logits at position prompt_len - 1 + t predict completion token t. Divided by the
+    sampling temperature, they give the distribution the token was sampled from. The float32
+    log-softmax is taken chunk_size rows at a time: logsumexp over the vocabulary, minus the
+    logit of the chosen token, so no float32 (B, T, vocab) tensor is built at once.
+    """
+    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, P + T)
+    completion_len = input_ids.shape[1] - prompt_len
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=completion_len + 1).logits[:, :-1]  # (B, T, vocab)
+    targets = input_ids[:, prompt_len:]  # (B, T)
+    rows = []
+    for i in range(0, logits.shape[0], chunk_size):
+        chunk = logits[i : i + chunk_size].float() / temperature  # (chunk, T, vocab)
+        chosen = chunk.gather(-1, targets[i : i + chunk_size, :, None]).squeeze(-1)  # (chunk, T)
+        rows.append(chosen - torch.logsumexp(chunk, dim=-1))
+    return torch.cat(rows)  # (B, T)
+
+
+@torch.no_grad()
+def batched_logprobs(model, input_ids, attention_mask, prompt_len, temperature, batch_size):
+    """sequence_logprobs without gradient, batch_size rows per forward pass (old and reference)."""
+    model.eval()
+    return torch.cat([sequence_logprobs(model, input_ids[i : i + batch_size], attention_mask[i : i + batch_size],
+                                        prompt_len, temperature) for i in range(0, len(input_ids), batch_size)])
+
+
+def masked_mean(x, mask, dim=None):
+    """Mean of x over positions where mask is 1; masked positions never leak, even inf or nan."""
+    x = torch.where(mask.bool(), x, 0.0)
+    if dim is None:
+        return x.sum() / mask.sum().clamp(min=1)
+    return x.sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, batch_size=128):
+    """Greedy accuracy on held-out records: the mean reward of greedy completions."""
+    model.eval()
+    total = 0.0
+    for i in range(0, len(records), batch_size):
+        chunk = records[i : i + batch_size]
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in chunk], device)
+        completion_ids = generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, None, stop_ids)
+        texts = decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
+        total += sum(reward_fn(t, r["answer"]) for t, r in zip(texts, chunk))
+    return total / len(records)
+
+
+# ---- Logging and saving -------------------------------------------------------------------------
+TIMING_KEYS = ("charts/step_time", "charts/elapsed_time", "charts/tokens_per_sec")
+
+
+class Logger:
+    """Writes every logged step to metrics.jsonl, to wandb with --track, and a console line."""
+
+    def __init__(self, args, output_dir):
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.wandb = None
+        if args.track:
+            import wandb
+
+            self.wandb = wandb
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
+                       config=vars(args), dir=output_dir)
+
+    def log(self, step, metrics):
+        metrics = {k: float(v) for k, v in metrics.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        shown = ["charts/reward", "losses/loss", "eval/loss", "eval/accuracy", "eval/pair_accuracy", "charts/step_time"]
+        print(f"step {step:5d}  " + "  ".join(f"{k} {metrics[k]:.4f}" for k in shown if k in metrics), flush=True)
+
+    def close(self):
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def make_output_dir(args):
+    path = args.output_dir or os.path.join("runs", args.run_name)
+    if os.path.exists(path):
+        fail(f"--output-dir {path} already exists; a run never overwrites another, choose a new folder")
+    os.makedirs(path)
+    with open(os.path.join(path, "args.json"), "w") as f:
+        json.dump(asdict(args), f, indent=2)
+    return path
+
+
+def setup(args):
+    """Seed everything, quiet the library's progress bars, and pick the device."""
+    transformers.utils.logging.disable_progress_bar()
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, set before CUDA starts
+    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)  # warn where CUDA has no such kernel
+    return torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+
+
+# ---- ALGO LOGIC: RLOO's advantage and loss ------------------------------------------------------
+def rloo_advantages(rewards, group_size):
+    """A_i = R_i - 1/(K-1) sum_{j != i} R_j: the other K - 1 rewards' mean is the baseline.
+
+    rewards: (B,) group-contiguous, B = num_prompts * K. The advantages of a group sum to zero.
+    rewards = [1, 0, 0, 0,  1, 1, 1, 1]  (K = 4) -> [1, -1/3, -1/3, -1/3,  0, 0, 0, 0]
+    """
+    grouped = rewards.view(-1, group_size)  # (num_prompts, K)
+    others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+    return (grouped - others_mean).view(-1)  # (B,)
+
+
+def rloo_loss(logprobs, advantages, mask):
+    """REINFORCE with the whole completion as one action, to be minimised.
+
+    logprobs (B, T) carries the gradient; advantages (B,) are constants; mask (B, T) marks
+    completion tokens.  loss = -1/B sum_i [sum_t logprobs_it] A_i
+    """
+    seq_logprobs = torch.where(mask.bool(), logprobs, 0.0).sum(dim=1)  # (B,), padding masked out
+    loss = -(seq_logprobs * advantages).mean()
+    return loss, {"seq_logprob": seq_logprobs.mean().detach()}
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    if args.group_size < 2:
+        fail(f"--group-size {args.group_size}: RLOO's baseline needs the other completions, use 2 or more")
+    for flag in ("num_steps", "prompts_per_step", "max_new_tokens", "micro_batch_size", "num_eval",
+                 "eval_every", "log_every", "learning_rate", "temperature"):
+        if getattr(args, flag) <= 0:
+            fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    args.batch_size = args.prompts_per_step * args.group_size
+    exact_div(args.batch_size, args.micro_batch_size, "--prompts-per-step x --group-size, by --micro-batch-size,")
+    args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    device = setup(args)
+
+    # the policy, and a frozen reference only when the KL penalty is on
+    tokenizer = load_tokenizer(args.model_name_or_path, args)
+    policy = load_model(args.model_name_or_path, args, device)
+    ref_policy = load_model(args.model_name_or_path, args, device).requires_grad_(False) if args.beta > 0 else None
+    stop_ids = stop_token_ids(tokenizer, policy)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    train_records, eval_records = load_task(args)
+    output_dir = make_output_dir(args)
+    logger = Logger(args, output_dir)
+    data_rng = random.Random(args.seed)
+    print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
+
+    start = time.time()
+    logger.log(0, {"eval/accuracy": evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids, device)})
+    for step in range(1, args.num_steps + 1):
+        step_start = time.time()
+        # 1. rollouts: G completions per prompt from pi_old, group-contiguous (prompt 0 G times, then prompt 1...)
+        group = [r for r in data_rng.choices(train_records, k=args.prompts_per_step) for _ in range(args.group_size)]
+        policy.eval()
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device)  # (B, P)
+        completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature,
+                                  stop_ids)  # (B, T)
+        mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
+        attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
+        prompt_len = prompt_ids.shape[1]
+
+        # 2. reward each completion
+        texts = decode_completions(tokenizer, completion_ids, mask)
+        rewards = torch.tensor([reward_fn(t, r["answer"]) for t, r in zip(texts, group)], device=device)  # (B,)
+
+        # 3. the KL penalty joins the sequence reward as a constant, R_i = r_i - beta sum_t (log pi_old - log pi_ref),
+        # with log-probs computed once without gradient; then the leave-one-out advantage
+        seq_rewards, kl = rewards, torch.zeros_like(rewards)
+        if ref_policy is not None:
+            old_logprobs = batched_logprobs(
+                policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size)  # (B, T)
+            ref_logprobs = batched_logprobs(
+                ref_policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size)  # (B, T)
+            kl = torch.where(mask, old_logprobs - ref_logprobs, 0.0).sum(dim=1)  # (B,)
+            seq_rewards = rewards - args.beta * kl
+        advantages = rloo_advantages(seq_rewards, args.group_size)  # (B,)
+
+        # 4. one on-policy optimizer step over the whole batch, accumulated over micro-batches
+        policy.train()
+        optimizer.zero_grad()
+        step_stats = []
+        for idx in torch.arange(args.batch_size, device=device).split(args.micro_batch_size):
+            logprobs = sequence_logprobs(policy, input_ids[idx], attention_mask[idx], prompt_len,
+                                         args.temperature)  # (b, T)
+            loss, stats = rloo_loss(logprobs, advantages[idx], mask[idx])
+            if not torch.isfinite(loss):
+                fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the rewards")
+            (loss * len(idx) / args.batch_size).backward()  # the micro-batches add up to the batch's mean
+            step_stats.append({"loss": loss.detach(), **stats})
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+        optimizer.step()
+
+        # 5. log, and evaluate on the held-out prompts
+        step_time = time.time() - step_start
+        evaluate_now = step % args.eval_every == 0 or step == args.num_steps
+        if step % args.log_every == 0 or evaluate_now:
+            metrics = {f"losses/{k}": torch.stack([s[k] for s in step_stats]).mean().item() for k in step_stats[0]}
+            metrics.update({
+                "charts/reward": rewards.mean().item(), "charts/reward_std": rewards.std().item(),
+                "charts/zero_std_groups": (rewards.view(-1, args.group_size).std(dim=1) == 0).float().mean().item(),
+                "charts/completion_length": mask.sum(dim=1).float().mean().item(), "losses/kl": kl.mean().item(),
+                "charts/learning_rate": optimizer.param_groups[0]["lr"], "losses/grad_norm": grad_norm.item(),
+                "charts/step_time": step_time, "charts/tokens_per_sec": mask.sum().item() / step_time,
+                "charts/elapsed_time": time.time() - start})
+            if evaluate_now:
+                metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids,
+                                                    device)
+            logger.log(step, metrics)
+
+    policy.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    logger.close()
+    print(f"saved to {output_dir} in {time.time() - start:.0f} s")
