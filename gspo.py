@@ -2,8 +2,7 @@
 
 GRPO's rollouts and group-normalised advantages, with the importance ratio taken over the whole
 sequence instead of each token: the length-normalised sequence ratio s_i, clipped as in PPO,
-weighs every token of a completion alike (Zheng et al. 2025, https://arxiv.org/abs/2507.18071,
-eq. 5 to 7):
+weighs every token of a completion alike (Zheng et al. 2025, https://arxiv.org/abs/2507.18071):
 
     loss = -1/G sum_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)
     s_i = (pi(o_i) / pi_old(o_i)) ^ (1/|o_i|) = exp(1/|o_i| sum_t log(pi(o_it) / pi_old(o_it)))

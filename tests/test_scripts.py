@@ -13,9 +13,13 @@ from transformers import AutoModelForCausalLM
 from grpo import TIMING_KEYS
 
 # flags that make a README command small enough for the test suite (later flags win in tyro)
+RL_SMALL = ["--num-steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--micro-batch-size", "2",
+            "--num-eval", "2", "--eval-every", "2", "--max-new-tokens", "6"]
 SMALL = {
-    "grpo.py": ["--num-steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--micro-batch-size", "2",
-                "--num-eval", "2", "--eval-every", "2", "--max-new-tokens", "6"],
+    "grpo.py": RL_SMALL,
+    "rloo.py": RL_SMALL,
+    "gspo.py": RL_SMALL + ["--num-minibatches", "2"],
+    "cispo.py": RL_SMALL + ["--num-minibatches", "2"],
     "sft.py": ["--num-steps", "2", "--batch-size", "4", "--micro-batch-size", "2", "--num-eval", "2",
                "--eval-every", "2", "--max-new-tokens", "6"],
 }
@@ -66,10 +70,11 @@ def test_readme_command(command, chat_model_dir, tmp_path):
         assert json.load(f)["num_steps"] == 2
 
 
-def test_grpo_learns(tmp_path):
-    """A short GRPO run from the bundled model raises held-out accuracy clearly (sign and wiring check)."""
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "gspo.py", "cispo.py"])
+def test_learns(script, tmp_path):
+    """A short run from the bundled model raises held-out accuracy clearly (a sign and wiring check)."""
     out = str(tmp_path / "run")
-    run_script("grpo.py", "--num-steps", "30", "--eval-every", "30", "--output-dir", out)
+    run_script(script, "--num-steps", "30", "--eval-every", "30", "--output-dir", out)
     metrics = read_metrics(out)
     before, after = metrics[0]["eval/accuracy"], metrics[-1]["eval/accuracy"]
     assert after >= before + 0.10, f"held-out accuracy {before:.3f} -> {after:.3f}"
@@ -87,16 +92,20 @@ def test_sft_regenerates_the_bundled_model(tmp_path):
     assert os.path.getsize(os.path.join(out, "model.safetensors")) <= 5 * 2**20
 
 
-def test_same_seed_same_metrics(tmp_path):
-    # several updates per batch, so the old log-probs, the ratio and the reference model all take part
-    flags = ["--num-steps", "3", "--prompts-per-step", "4", "--micro-batch-size", "8", "--num-iterations", "2",
-             "--num-minibatches", "2", "--num-eval", "50", "--eval-every", "3", "--log-every", "1"]
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py"])
+def test_same_seed_same_metrics(script, tmp_path):
+    # several updates per batch (GRPO) or the KL penalty (RLOO): old log-probs and the reference take part
+    flags = ["--num-steps", "3", "--prompts-per-step", "4", "--micro-batch-size", "8", "--num-eval", "50",
+             "--eval-every", "3", "--log-every", "1"]
+    if script == "grpo.py":
+        flags += ["--num-iterations", "2", "--num-minibatches", "2"]
     runs = []
     for name in ("a", "b"):
-        run_script("grpo.py", *flags, "--output-dir", str(tmp_path / name))
+        run_script(script, *flags, "--output-dir", str(tmp_path / name))
         runs.append([{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in read_metrics(str(tmp_path / name))])
     assert runs[0] == runs[1]
-    assert any(m.get("losses/clip_frac", 0) > 0 or m.get("losses/ratio", 1) != 1 for m in runs[0])
+    moved = "losses/ratio" if script == "grpo.py" else "losses/kl"
+    assert any(m.get(moved, 1) != (1 if script == "grpo.py" else 0) for m in runs[0][1:])
 
 
 def test_track_logs_to_wandb_offline(tmp_path):
@@ -111,7 +120,7 @@ def test_bfloat16_on_the_cpu(tmp_path):
     assert "bfloat16" in open(os.path.join(out, "config.json")).read()
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "sft.py"])
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "sft.py"])
 def test_help_works_when_copied_alone(script, tmp_path):
     shutil.copy(os.path.join(ROOT, script), tmp_path / script)
     proc = run_script(script, "--help", cwd=str(tmp_path))
@@ -174,3 +183,15 @@ def test_hub_dataset_without_the_datasets_library_says_how_to_get_it(tmp_path):
         import datasets  # noqa: F401
     except ImportError:
         assert "pip install datasets" in last
+
+
+@pytest.mark.parametrize("script, flags, message", [
+    ("rloo.py", ["--group-size", "1"], "--group-size 1"),
+    ("rloo.py", ["--micro-batch-size", "7"], "does not divide"),
+    ("gspo.py", ["--prompts-per-step", "3", "--group-size", "2"], "does not divide"),  # 6 into 4 minibatches
+    ("cispo.py", ["--temperature", "0"], "--temperature must be positive"),
+])
+def test_sibling_bad_input(script, flags, message, tmp_path):
+    proc = run_script(script, *flags, "--output-dir", str(tmp_path / "o"), expect_ok=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode != 0 and last.startswith("error: ") and message in last, proc.stderr[-2000:]
