@@ -338,7 +338,24 @@ def setup(args):
     return torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
 
 
-# ---- ALGO LOGIC: the tiny model, the batches and the loss of SFT --------------------------------
+# ---- Prompt + completion batches ---------------------------------------------------------------
+def completion_batch(tokenizer, prompts, completions, device):
+    """Prompt (left-padded) then completion + EOS (right-padded): ids (B, P + T), mask (B, T).
+
+    prompts = ["1+2=", "10+20="], completions = ["3", "30"]
+    input_ids = [[PAD, PAD, 1, +, 2, = | 3, EOS, PAD],       completion_mask = [[1, 1, 0],
+                 [1,   0,   +, 2, 0, = | 3, 0,   EOS]]                          [1, 1, 1]]
+    """
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device)
+    ids = [tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for c in completions]
+    length = max(len(c) for c in ids)
+    completion_ids = torch.tensor([c + [tokenizer.pad_token_id] * (length - len(c)) for c in ids], device=device)
+    mask = torch.tensor([[1] * len(c) + [0] * (length - len(c)) for c in ids], device=device)  # (B, T)
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
+    return input_ids, torch.cat([prompt_mask, mask], dim=1), prompt_ids.shape[1], mask
+
+
+# ---- ALGO LOGIC: the tiny model and the loss of SFT ---------------------------------------------
 def build_tiny_model(args):
     """A character-level tokenizer and a small randomly initialised Llama, for the addition task.
 
@@ -362,24 +379,6 @@ def build_tiny_model(args):
                          max_position_embeddings=64, tie_word_embeddings=True,
                          pad_token_id=vocab["<pad>"], bos_token_id=vocab["<bos>"], eos_token_id=vocab["<eos>"])
     return tokenizer, AutoModelForCausalLM.from_config(config)
-
-
-def sft_batch(tokenizer, records, device):
-    """Prompt (left-padded) then completion + EOS (right-padded): ids (B, P + T), mask (B, T).
-
-    records = [{"prompt": "1+2=", "completion": "3"}, {"prompt": "10+20=", "completion": "30"}]
-    input_ids = [[PAD, PAD, 1, +, 2, = | 3, EOS, PAD],       completion_mask = [[1, 1, 0],
-                 [1,   0,   +, 2, 0, = | 3, 0,   EOS]]                          [1, 1, 1]]
-    """
-    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in records], device)
-    completions = [tokenizer(r["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-                   for r in records]
-    length = max(len(c) for c in completions)
-    completion_ids = torch.tensor([c + [tokenizer.pad_token_id] * (length - len(c)) for c in completions],
-                                  device=device)  # (B, T)
-    mask = torch.tensor([[1] * len(c) + [0] * (length - len(c)) for c in completions], device=device)  # (B, T)
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
-    return input_ids, torch.cat([prompt_mask, mask], dim=1), prompt_ids.shape[1], mask
 
 
 def sft_loss(logprobs, mask):
@@ -428,9 +427,10 @@ if __name__ == "__main__":
         with torch.no_grad():
             losses = []
             for i in range(0, len(eval_records), args.micro_batch_size):
-                chunk = [{"prompt": r["prompt"], "completion": r.get("completion", r.get("answer"))}
-                         for r in eval_records[i : i + args.micro_batch_size]]
-                input_ids, attention_mask, prompt_len, mask = sft_batch(tokenizer, chunk, device)
+                chunk = eval_records[i : i + args.micro_batch_size]
+                completions = [r.get("completion", r.get("answer")) for r in chunk]  # the addition task: the answer
+                input_ids, attention_mask, prompt_len, mask = completion_batch(
+                    tokenizer, [r["prompt"] for r in chunk], completions, device)
                 logprobs = sequence_logprobs(model, input_ids, attention_mask, prompt_len)  # (b, T)
                 losses.append(sft_loss(logprobs, mask) * len(chunk))
         metrics = {"eval/loss": torch.stack(losses).sum().item() / len(eval_records)}
@@ -445,7 +445,8 @@ if __name__ == "__main__":
         batch = data_rng.choices(train_records, k=args.batch_size)
         model.train()
         optimizer.zero_grad()
-        input_ids, attention_mask, prompt_len, mask = sft_batch(tokenizer, batch, device)  # (B, P + T), ..., (B, T)
+        input_ids, attention_mask, prompt_len, mask = completion_batch(
+            tokenizer, [r["prompt"] for r in batch], [r["completion"] for r in batch], device)  # (B, P + T), (B, T)
         batch_loss = 0.0
         for idx in torch.arange(args.batch_size).split(args.micro_batch_size):
             logprobs = sequence_logprobs(model, input_ids[idx], attention_mask[idx], prompt_len)  # (b, T)
@@ -462,7 +463,8 @@ if __name__ == "__main__":
         if step % args.log_every == 0 or step % args.eval_every == 0 or step == args.num_steps:
             metrics = {"losses/loss": batch_loss, "losses/grad_norm": grad_norm.item(),
                        "charts/learning_rate": optimizer.param_groups[0]["lr"], "charts/step_time": step_time,
-                       "charts/tokens_per_sec": mask.sum().item() / step_time, "charts/elapsed_time": time.time() - start}
+                       "charts/tokens_per_sec": mask.sum().item() / step_time,
+                       "charts/elapsed_time": time.time() - start}
             if step % args.eval_every == 0 or step == args.num_steps:
                 metrics.update(eval_metrics())
             logger.log(step, metrics)

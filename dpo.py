@@ -1,0 +1,534 @@
+"""Direct Preference Optimization (DPO), in one file.
+
+DPO trains the policy on preference pairs (a prompt x, a chosen completion y_c and a rejected one
+y_r) without a reward model and without rollouts: the log-ratio of the policy to a frozen
+reference is an implicit reward, and the Bradley-Terry likelihood of the preferences under that
+reward is maximised (Rafailov et al. 2023, https://arxiv.org/abs/2305.18290, eq. 7):
+
+    loss = -log sigmoid(beta (log pi(y_c|x)/pi_ref(y_c|x) - log pi(y_r|x)/pi_ref(y_r|x)))
+
+with log pi(y|x) summed over the completion's tokens only. `--loss-type ipo` gives IPO's squared
+loss (Azar et al. 2023) and `hinge` SLiC's (Zhao et al. 2023); `--label-smoothing` gives
+conservative DPO. With no dataset, the pairs come from the addition task: `rejected` is a wrong
+answer the starting policy itself samples, `chosen` the right one. See docs/dpo.md.
+
+    python dpo.py                                    # bundled tiny model, addition pairs, CPU
+    python dpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset my_pairs.jsonl \
+        --micro-batch-size 4 --learning-rate 5e-7 --gradient-checkpointing  # a real model on a GPU
+"""
+
+import json
+import os
+import random
+import re
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+import transformers
+import tyro
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # names the run: runs/<exp_name>__<seed>__<time>
+    seed: int = 1  # seed of the experiment (data order, sampling, initialisation)
+    torch_deterministic: bool = True  # if toggled, `torch.use_deterministic_algorithms(True)`
+    cuda: bool = True  # use CUDA when it is available (`--no-cuda` stays on the CPU)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
+    track: bool = False  # log metrics to Weights & Biases (`WANDB_MODE=offline` keeps them on disk)
+    wandb_project_name: str = "onefile-rl"  # the wandb project
+    wandb_entity: str | None = None  # the wandb entity (team or user)
+    output_dir: str | None = None  # where the model, metrics.jsonl and args.json go (default runs/<run_name>); new
+    trust_remote_code: bool = False  # let transformers run code shipped with a hub model you trust
+    log_every: int = 5  # write metrics and a console line every this many steps
+
+    # Model and data
+    model_name_or_path: str = "tiny-adder"  # the starting policy, also the frozen reference: a folder or a hub id
+    dataset: str | None = None
+    """None: pairs built from the addition task; a .jsonl file of prompt/chosen/rejected records;
+    or a hub dataset name with those fields (needs `pip install datasets`)"""
+    dataset_config: str | None = None  # the hub dataset's configuration
+    train_split: str = "train"  # the hub dataset's training split
+    eval_split: str = "test"  # the hub dataset's held-out split (a .jsonl file: its last --num-eval records)
+    num_eval: int = 500  # held-out prompts (the addition task) or pairs (a dataset)
+    eval_every: int = 25  # evaluate every this many steps, and at 0
+    max_new_tokens: int = 8  # the longest completion sampled for the pairs and generated when evaluating
+    num_train_prompts: int = 9500  # addition prompts turned into training pairs (9500: all of them)
+    pair_samples: int = 4  # completions sampled per addition prompt to find a wrong answer
+
+    # Optimisation
+    num_steps: int = 100  # optimizer steps
+    learning_rate: float = 5e-5  # AdamW's learning rate
+    weight_decay: float = 0.0  # AdamW's weight decay
+    max_grad_norm: float = 1.0  # clip the gradient's global norm to this
+    micro_batch_size: int = 32  # pairs per forward/backward pass (gradient accumulation fills a batch)
+
+    # Algorithm specific arguments
+    batch_size: int = 32  # preference pairs per optimizer step
+    beta: float = 1.0  # strength of the implicit KL constraint to the reference (the paper: 0.1 to 5)
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"  # DPO's loss, IPO's, or SLiC's hinge
+    label_smoothing: float = 0.0  # conservative DPO: the share of pairs assumed to be mislabelled (sigmoid only)
+
+    # to be filled in at runtime
+    run_name: str = ""  # exp_name__seed__time
+
+
+def fail(message):
+    """Stop with a one-line error and exit status 1."""
+    raise SystemExit(f"error: {message}")
+
+
+def exact_div(a, b, what):
+    if b <= 0 or a % b != 0:
+        fail(f"{what}: {a} does not divide into parts of {b}")
+    return a // b
+
+
+# ---- The task and its reward --------------------------------------------------------------------
+def addition_task(num_eval, max_operand=99):
+    """The default task, built in: 'a+b=' -> 'a+b' for 0 <= a, b <= max_operand.
+
+    All pairs are shuffled with a fixed seed and the first `num_eval` are held out, so the
+    held-out set is the same for every run and never overlaps the training prompts.
+    """
+    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    random.Random(0).shuffle(pairs)
+    records = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs]
+    return records[num_eval:], records[:num_eval]
+
+
+NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+
+
+def last_number(text):
+    """The last number written in `text`, as a float ('1,234.5' -> 1234.5), or None."""
+    found = NUMBER.findall(text)
+    return float(found[-1].replace(",", "")) if found else None
+
+
+def reward_fn(completion, answer):
+    """1.0 when the last number in the completion equals the answer exactly, else 0.0.
+
+    A whole-number match, not a substring: '5' scores 0 for the answer '55', and so does '555'.
+    """
+    value = last_number(completion)
+    return float(value is not None and value == last_number(answer))
+
+
+# ---- Data ---------------------------------------------------------------------------------------
+def read_jsonl(path, *schemas):
+    """The records of a JSONL file, each holding every field of one of `schemas`; a bad file stops the run."""
+    if not os.path.isfile(path):
+        fail(f"--dataset {path}: no such file")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                fail(f"--dataset {path}: line {number} is not valid JSON ({e.msg})")
+            if not any(isinstance(record, dict) and all(k in record for k in schema) for schema in schemas):
+                missing = next(k for k in schemas[0] if not isinstance(record, dict) or k not in record)
+                needs = " or ".join(" and ".join(schema) for schema in schemas)
+                fail(f"--dataset {path}: line {number} has no field {missing!r} (each record needs {needs})")
+            records.append(record)
+    if not records:
+        fail(f"--dataset {path}: the file holds no records")
+    return records
+
+
+def load_hub_split(name, config, split):
+    try:
+        import datasets
+    except ImportError:
+        fail(f"--dataset {name}: loading a hub dataset needs the datasets library: pip install datasets")
+    try:
+        return list(datasets.load_dataset(name, config, split=split))
+    except Exception as e:  # the datasets library raises many kinds; name the flag and the cause
+        fail(f"--dataset {name}: could not load split {split!r} ({type(e).__name__}: {e})".splitlines()[0])
+
+
+# ---- Model, tokenisation, generation and log-probs ----------------------------------------------
+def from_pretrained(cls, path, args, flag="--model-name-or-path", **kwargs):
+    """cls.from_pretrained(path), stopping with a one-line error when path is neither a folder nor a hub id."""
+    if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1 or os.path.exists(path)):
+        fail(f"{flag} {path}: no such folder")
+    try:
+        return cls.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kwargs)
+    except (OSError, ValueError) as e:
+        fail(f"{flag} {path}: not a model folder, and not loadable from the hub ({type(e).__name__}); "
+             "the bundled model loads when you run from the repository root")
+
+
+def load_model(path, args, device, model_class=AutoModelForCausalLM, flag="--model-name-or-path", **kwargs):
+    """A model in the run's dtype, with dropout off so that the policy that samples is the one trained."""
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    model = from_pretrained(model_class, path, args, flag, dtype=dtype, **kwargs)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()  # only in train mode: generation keeps its KV cache
+    return model.to(device)
+
+
+def load_tokenizer(path, args):
+    tokenizer = from_pretrained(AutoTokenizer, path, args)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def stop_token_ids(tokenizer, model):
+    """Every id that ends a completion: the tokenizer's EOS and the generation config's."""
+    ids = model.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    return sorted(set(ids) | {tokenizer.eos_token_id})
+
+
+def tokenize_prompts(tokenizer, prompts, device):
+    """Left-padded prompt ids and mask, (B, P); the chat template is applied when there is one."""
+    if tokenizer.chat_template:
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                               add_generation_prompt=True) for p in prompts]
+        batch = tokenizer(texts, padding=True, padding_side="left", add_special_tokens=False, return_tensors="pt")
+    else:
+        batch = tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt")
+    return batch["input_ids"].to(device), batch["attention_mask"].to(device)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids):
+    """Completion ids (B, T), T <= max_new_tokens; `temperature=None` decodes greedily.
+
+    Sampling is plain temperature sampling (no top-k, top-p or repetition penalty, whatever the
+    model's own generation config says), so the tokens come from exactly the distribution that
+    sequence_logprobs scores.
+    """
+    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,
+                              repetition_penalty=1.0, no_repeat_ngram_size=0, num_beams=1,
+                              remove_invalid_values=True)  # a diverged model reaches the NaN check
+    if temperature is None:
+        config.do_sample = False
+    else:
+        config.do_sample, config.temperature, config.top_k, config.top_p = True, temperature, 0, 1.0
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+    return out[:, prompt_ids.shape[1] :]
+
+
+def completion_mask(completion_ids, stop_ids):
+    """1 for the completion's tokens up to and including its first stop token, 0 after it.
+
+    completion_ids = [[5, 7, EOS, PAD],     -> mask = [[1, 1, 1, 0],
+                      [6, 6, 6,   6  ]]                [1, 1, 1, 1]]   (no EOS: truncated)
+    The padding that generate writes after EOS may be EOS itself; only the first one counts.
+    """
+    is_stop = torch.isin(completion_ids, torch.tensor(stop_ids, device=completion_ids.device)).long()  # (B, T)
+    return (is_stop.cumsum(dim=1) - is_stop) == 0  # no stop token strictly before this one
+
+
+def decode_completions(tokenizer, completion_ids, mask):
+    return [tokenizer.decode(ids[m], skip_special_tokens=True) for ids, m in zip(completion_ids, mask)]
+
+
+def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=1.0, chunk_size=8):
+    """Log-probs (B, T) of the completion tokens input_ids[:, prompt_len:], float32.
+
+    input_ids = [PAD, PAD, 4, 7, 13 | 5, 5, EOS]   left-padded prompt | completion (T = 3)
+    attention = [0,   0,   1, 1, 1  | 1, 1, 1  ]
+    positions = [0,   0,   0, 1, 2  | 3, 4, 5  ]   from the mask, as generate() computes them
+    The logits at position prompt_len - 1 + t predict completion token t. Divided by the
+    sampling temperature, they give the distribution the token was sampled from. The float32
+    log-softmax is taken chunk_size rows at a time: logsumexp over the vocabulary, minus the
+    logit of the chosen token, so no float32 (B, T, vocab) tensor is built at once.
+    """
+    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, P + T)
+    completion_len = input_ids.shape[1] - prompt_len
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=completion_len + 1).logits[:, :-1]  # (B, T, vocab)
+    targets = input_ids[:, prompt_len:]  # (B, T)
+    rows = []
+    for i in range(0, logits.shape[0], chunk_size):
+        chunk = logits[i : i + chunk_size].float() / temperature  # (chunk, T, vocab)
+        chosen = chunk.gather(-1, targets[i : i + chunk_size, :, None]).squeeze(-1)  # (chunk, T)
+        rows.append(chosen - torch.logsumexp(chunk, dim=-1))
+    return torch.cat(rows)  # (B, T)
+
+
+@torch.no_grad()
+def batched_logprobs(model, input_ids, attention_mask, prompt_len, temperature, batch_size):
+    """sequence_logprobs without gradient, batch_size rows per forward pass (old and reference)."""
+    model.eval()
+    return torch.cat([sequence_logprobs(model, input_ids[i : i + batch_size], attention_mask[i : i + batch_size],
+                                        prompt_len, temperature) for i in range(0, len(input_ids), batch_size)])
+
+
+def masked_mean(x, mask, dim=None):
+    """Mean of x over positions where mask is 1; masked positions never leak, even inf or nan."""
+    x = torch.where(mask.bool(), x, 0.0)
+    if dim is None:
+        return x.sum() / mask.sum().clamp(min=1)
+    return x.sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, batch_size=128):
+    """Greedy accuracy on held-out records: the mean reward of greedy completions."""
+    model.eval()
+    total = 0.0
+    for i in range(0, len(records), batch_size):
+        chunk = records[i : i + batch_size]
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in chunk], device)
+        completion_ids = generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, None, stop_ids)
+        texts = decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
+        total += sum(reward_fn(t, r["answer"]) for t, r in zip(texts, chunk))
+    return total / len(records)
+
+
+# ---- Logging and saving -------------------------------------------------------------------------
+TIMING_KEYS = ("charts/step_time", "charts/elapsed_time", "charts/tokens_per_sec")
+
+
+class Logger:
+    """Writes every logged step to metrics.jsonl, to wandb with --track, and a console line."""
+
+    def __init__(self, args, output_dir):
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.wandb = None
+        if args.track:
+            import wandb
+
+            self.wandb = wandb
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
+                       config=vars(args), dir=output_dir)
+
+    def log(self, step, metrics):
+        metrics = {k: float(v) for k, v in metrics.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        shown = ["charts/reward", "losses/loss", "eval/loss", "eval/accuracy", "eval/pair_accuracy", "charts/step_time"]
+        print(f"step {step:5d}  " + "  ".join(f"{k} {metrics[k]:.4f}" for k in shown if k in metrics), flush=True)
+
+    def close(self):
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def make_output_dir(args):
+    path = args.output_dir or os.path.join("runs", args.run_name)
+    if os.path.exists(path):
+        fail(f"--output-dir {path} already exists; a run never overwrites another, choose a new folder")
+    os.makedirs(path)
+    with open(os.path.join(path, "args.json"), "w") as f:
+        json.dump(asdict(args), f, indent=2)
+    return path
+
+
+def setup(args):
+    """Seed everything, quiet the library's progress bars, and pick the device."""
+    transformers.utils.logging.disable_progress_bar()
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, set before CUDA starts
+    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)  # warn where CUDA has no such kernel
+    return torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+
+
+# ---- Prompt + completion batches ---------------------------------------------------------------
+def completion_batch(tokenizer, prompts, completions, device):
+    """Prompt (left-padded) then completion + EOS (right-padded): ids (B, P + T), mask (B, T).
+
+    prompts = ["1+2=", "10+20="], completions = ["3", "30"]
+    input_ids = [[PAD, PAD, 1, +, 2, = | 3, EOS, PAD],       completion_mask = [[1, 1, 0],
+                 [1,   0,   +, 2, 0, = | 3, 0,   EOS]]                          [1, 1, 1]]
+    """
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device)
+    ids = [tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for c in completions]
+    length = max(len(c) for c in ids)
+    completion_ids = torch.tensor([c + [tokenizer.pad_token_id] * (length - len(c)) for c in ids], device=device)
+    mask = torch.tensor([[1] * len(c) + [0] * (length - len(c)) for c in ids], device=device)  # (B, T)
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
+    return input_ids, torch.cat([prompt_mask, mask], dim=1), prompt_ids.shape[1], mask
+
+
+# ---- Preference pairs ---------------------------------------------------------------------------
+@torch.no_grad()
+def addition_pairs(policy, tokenizer, records, samples, max_new_tokens, device, chunk=64):
+    """Hard negatives: per prompt, `samples` completions from the policy; the first wrong one is rejected.
+
+    {"prompt": "47+8=", "chosen": "55", "rejected": "54", "answer": "55"}: chosen is the answer,
+    rejected a wrong completion the policy really produced. Prompts it always got right give no pair.
+    """
+    policy.eval()
+    stop_ids = stop_token_ids(tokenizer, policy)
+    pairs = []
+    for i in range(0, len(records), chunk):
+        part = records[i : i + chunk]
+        prompts = [r["prompt"] for r in part for _ in range(samples)]
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device)
+        completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, max_new_tokens, 1.0, stop_ids)
+        texts = decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
+        for j, r in enumerate(part):
+            sampled = [t.strip() for t in texts[j * samples : (j + 1) * samples]]
+            wrong = [t for t in sampled if t and not reward_fn(t, r["answer"])]
+            if wrong:
+                pairs.append({"prompt": r["prompt"], "chosen": r["answer"], "rejected": wrong[0],
+                              "answer": r["answer"]})
+    return pairs
+
+
+def load_preferences(args, tokenizer, device):
+    """(train, eval) lists of {'prompt', 'chosen', 'rejected'} pairs; the built-in task's also hold 'answer'."""
+    if args.dataset is None:
+        policy = load_model(args.model_name_or_path, args, device)  # the starting policy samples the negatives
+        train, held_out = addition_task(args.num_eval)  # held-out prompts never appear in training
+        return [addition_pairs(policy, tokenizer, records, args.pair_samples, args.max_new_tokens, device)
+                for records in (train[: args.num_train_prompts], held_out)]
+    if args.dataset.endswith(".jsonl"):
+        records = read_jsonl(args.dataset, ("prompt", "chosen", "rejected"))
+        if len(records) <= args.num_eval:
+            fail(f"--dataset {args.dataset}: {len(records)} records, but --num-eval {args.num_eval} are held out")
+        return records[: -args.num_eval], records[-args.num_eval :]
+    train = load_hub_split(args.dataset, args.dataset_config, args.train_split)
+    return train, load_hub_split(args.dataset, args.dataset_config, args.eval_split)[: args.num_eval]
+
+
+def pair_batch(tokenizer, pairs, device):
+    """Chosen then rejected, one sequence each, in one batch: rows i and i + len(pairs) share a prompt."""
+    prompts = [p["prompt"] for p in pairs] * 2
+    return completion_batch(tokenizer, prompts, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], device)
+
+
+def pair_accuracy(margins):
+    """Share of pairs whose chosen completion scores higher than the rejected one; a tie counts half."""
+    return ((margins > 0).float() + 0.5 * (margins == 0).float()).mean()
+
+
+# ---- ALGO LOGIC: DPO's sequence log-probs and loss -----------------------------------------------
+def completion_logps(model, input_ids, attention_mask, prompt_len, mask):
+    """log pi(y|x) (B,): the completion's token log-probs summed, never the prompt's or the padding's."""
+    return torch.where(mask.bool(), sequence_logprobs(model, input_ids, attention_mask, prompt_len), 0.0).sum(dim=1)
+
+
+def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=0.1,
+             loss_type="sigmoid", label_smoothing=0.0):
+    """The DPO loss (or IPO's, or SLiC's hinge) of a batch of pairs, to be minimised; all arguments (B,).
+
+    h = (log pi(y_c) - log pi_ref(y_c)) - (log pi(y_r) - log pi_ref(y_r))
+    sigmoid: -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)   (eps = label_smoothing)
+    ipo:     (h - 1 / (2 beta))^2
+    hinge:   max(0, 1 - beta h)
+    When the policy equals the reference, h = 0 and the sigmoid loss is log 2 for any beta.
+    Stats: the implicit rewards beta (log pi - log pi_ref) of chosen and rejected, their margin,
+    and the share of pairs whose margin is positive (a tie counts half).
+    """
+    chosen_logratios = policy_chosen_logps - ref_chosen_logps  # (B,)
+    rejected_logratios = policy_rejected_logps - ref_rejected_logps
+    h = chosen_logratios - rejected_logratios
+    if loss_type == "sigmoid":
+        logsigmoid = torch.nn.functional.logsigmoid
+        losses = -(1 - label_smoothing) * logsigmoid(beta * h) - label_smoothing * logsigmoid(-beta * h)
+    elif loss_type == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * h)
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+    chosen_rewards, rejected_rewards = beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
+    margins = chosen_rewards - rejected_rewards
+    return losses.mean(), {"chosen_reward": chosen_rewards.mean(), "rejected_reward": rejected_rewards.mean(),
+                           "margin": margins.mean(), "accuracy": pair_accuracy(margins)}
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    for flag in ("num_steps", "batch_size", "max_new_tokens", "micro_batch_size", "num_eval", "eval_every",
+                 "log_every", "learning_rate", "beta", "num_train_prompts", "pair_samples"):
+        if getattr(args, flag) <= 0:
+            fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if not 0 <= args.label_smoothing < 0.5:
+        fail(f"--label-smoothing {args.label_smoothing}: use a value in [0, 0.5)")
+    exact_div(args.batch_size, args.micro_batch_size, "--batch-size, by --micro-batch-size,")
+    args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    device = setup(args)
+
+    # the policy and its frozen copy, the reference
+    tokenizer = load_tokenizer(args.model_name_or_path, args)
+    policy = load_model(args.model_name_or_path, args, device)
+    ref_policy = load_model(args.model_name_or_path, args, device).eval().requires_grad_(False)
+    stop_ids = stop_token_ids(tokenizer, policy)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    # the pairs, made once at the start (the built-in task: sampled from the starting policy)
+    train_pairs, eval_pairs = load_preferences(args, tokenizer, device)
+    eval_records = addition_task(args.num_eval)[1] if args.dataset is None else None
+    if not train_pairs or not eval_pairs:
+        fail(f"no preference pairs to {'train' if not train_pairs else 'evaluate'} on; check --dataset")
+    output_dir = make_output_dir(args)
+    logger = Logger(args, output_dir)
+    data_rng = random.Random(args.seed)
+    print(f"{args.run_name}: {len(train_pairs)} training pairs, {len(eval_pairs)} held out, device {device}")
+
+    def forward(pairs, model):
+        """Summed completion log-probs of chosen (B,) and rejected (B,), in one forward pass."""
+        input_ids, attention_mask, prompt_len, mask = pair_batch(tokenizer, pairs, device)  # (2B, P + T), (2B, T)
+        return completion_logps(model, input_ids, attention_mask, prompt_len, mask).chunk(2)
+
+    @torch.no_grad()
+    def eval_metrics():
+        """Held-out preference accuracy of the implicit reward, and the task's greedy accuracy."""
+        policy.eval()
+        margins = []
+        for i in range(0, len(eval_pairs), args.micro_batch_size):
+            (pc, pr), (rc, rr) = (forward(eval_pairs[i : i + args.micro_batch_size], m) for m in (policy, ref_policy))
+            margins.append(args.beta * ((pc - rc) - (pr - rr)))
+        metrics = {"eval/pair_accuracy": pair_accuracy(torch.cat(margins)).item()}
+        if eval_records is not None:
+            metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids, device)
+        return metrics
+
+    start = time.time()
+    logger.log(0, eval_metrics())
+    for step in range(1, args.num_steps + 1):
+        step_start = time.time()
+        batch = data_rng.choices(train_pairs, k=args.batch_size)
+        policy.train()
+        optimizer.zero_grad()
+        step_stats = []
+        for i in range(0, args.batch_size, args.micro_batch_size):
+            pairs = batch[i : i + args.micro_batch_size]
+            with torch.no_grad():
+                ref_chosen, ref_rejected = forward(pairs, ref_policy)  # (b,), (b,): constants
+            chosen, rejected = forward(pairs, policy)  # chosen and rejected through one forward pass
+            loss, stats = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
+                                   args.label_smoothing)
+            if not torch.isfinite(loss):
+                fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the data")
+            (loss * len(pairs) / args.batch_size).backward()  # the micro-batches add up to the batch's mean
+            step_stats.append({"loss": loss.detach(), **stats})
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+        optimizer.step()
+
+        step_time = time.time() - step_start
+        evaluate_now = step % args.eval_every == 0 or step == args.num_steps
+        if step % args.log_every == 0 or evaluate_now:
+            metrics = {f"losses/{k}": torch.stack([s[k] for s in step_stats]).mean().item() for k in step_stats[0]}
+            metrics.update({"charts/learning_rate": optimizer.param_groups[0]["lr"],
+                            "losses/grad_norm": grad_norm.item(), "charts/step_time": step_time,
+                            "charts/elapsed_time": time.time() - start})
+            if evaluate_now:
+                metrics.update(eval_metrics())
+            logger.log(step, metrics)
+
+    policy.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    logger.close()
+    print(f"saved to {output_dir} in {time.time() - start:.0f} s")
