@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 from conftest import FIXTURES, ROOT, read_metrics, run_script
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from grpo import TIMING_KEYS
 
@@ -22,7 +22,13 @@ SMALL = {
     "cispo.py": RL_SMALL + ["--num-minibatches", "2"],
     "sft.py": ["--num-steps", "2", "--batch-size", "4", "--micro-batch-size", "2", "--num-eval", "2",
                "--eval-every", "2", "--max-new-tokens", "6"],
+    # 20 held-out addition prompts (2 records of a file): enough that some sampled answer is wrong
+    "dpo.py": ["--num-steps", "2", "--batch-size", "4", "--micro-batch-size", "2", "--eval-every", "2",
+               "--num-train-prompts", "16", "--pair-samples", "2"],
+    "reward_model.py": ["--num-steps", "2", "--batch-size", "4", "--micro-batch-size", "2", "--eval-every", "2",
+                        "--num-train-prompts", "16", "--pair-samples", "2"],
 }
+EVAL_SIZE = {"dpo.py": "20", "reward_model.py": "20"}
 
 
 def readme_commands():
@@ -43,7 +49,8 @@ def offline(argv, chat_model_dir):
     stand_ins = {"Qwen/Qwen2.5-0.5B-Instruct": chat_model_dir, "Qwen/Qwen2.5-0.5B": chat_model_dir,
                  "openai/gsm8k": os.path.join(FIXTURES, "gsm8k_tiny.jsonl"),
                  "my_problems.jsonl": os.path.join(FIXTURES, "gsm8k_tiny.jsonl"),
-                 "my_sft_data.jsonl": os.path.join(FIXTURES, "sft_tiny.jsonl")}
+                 "my_sft_data.jsonl": os.path.join(FIXTURES, "sft_tiny.jsonl"),
+                 "my_pairs.jsonl": os.path.join(FIXTURES, "pairs_tiny.jsonl")}
     return [stand_ins.get(a, a) for a in argv]
 
 
@@ -60,12 +67,14 @@ def test_readme_command(command, chat_model_dir, tmp_path):
     script = argv[0]
     assert script in SMALL, f"the README runs {script}, which this test does not know how to make small"
     out = str(tmp_path / "run")
-    run_script(*argv, *SMALL[script], "--output-dir", out)
-    model = AutoModelForCausalLM.from_pretrained(out)  # the saved policy loads
-    assert model.num_parameters() > 0
+    num_eval = "2" if any(a.endswith(".jsonl") for a in argv) else EVAL_SIZE.get(script, "2")
+    run_script(*argv, *SMALL[script], "--num-eval", num_eval, "--output-dir", out)
+    # the saved model loads: the policy as a causal LM, the reward model as a sequence classifier
+    model_class = AutoModelForSequenceClassification if script == "reward_model.py" else AutoModelForCausalLM
+    assert model_class.from_pretrained(out).num_parameters() > 0
     metrics = read_metrics(out)
     assert metrics[0]["step"] == 0 and metrics[-1]["step"] == 2
-    assert "eval/accuracy" in metrics[0] or "eval/loss" in metrics[0]
+    assert {"eval/accuracy", "eval/loss", "eval/pair_accuracy"} & set(metrics[0])
     with open(os.path.join(out, "args.json")) as f:
         assert json.load(f)["num_steps"] == 2
 
@@ -120,7 +129,7 @@ def test_bfloat16_on_the_cpu(tmp_path):
     assert "bfloat16" in open(os.path.join(out, "config.json")).read()
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "sft.py"])
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "sft.py", "dpo.py", "reward_model.py"])
 def test_help_works_when_copied_alone(script, tmp_path):
     shutil.copy(os.path.join(ROOT, script), tmp_path / script)
     proc = run_script(script, "--help", cwd=str(tmp_path))
@@ -195,3 +204,19 @@ def test_sibling_bad_input(script, flags, message, tmp_path):
     proc = run_script(script, *flags, "--output-dir", str(tmp_path / "o"), expect_ok=False)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode != 0 and last.startswith("error: ") and message in last, proc.stderr[-2000:]
+
+
+def test_dpo_learns(tmp_path):
+    """DPO on the policy's own wrong answers: the implicit reward ranks held-out pairs, and greedy accuracy rises."""
+    out = str(tmp_path / "run")
+    run_script("dpo.py", "--num-steps", "25", "--eval-every", "25", "--num-train-prompts", "2000", "--output-dir", out)
+    first, last = read_metrics(out)[0], read_metrics(out)[-1]
+    assert first["eval/pair_accuracy"] == 0.5  # policy = reference: every margin is a tie
+    assert last["eval/pair_accuracy"] >= 0.65 and last["eval/accuracy"] >= first["eval/accuracy"] + 0.05, last
+
+
+def test_reward_model_learns(tmp_path):
+    out = str(tmp_path / "run")
+    run_script("reward_model.py", "--num-steps", "500", "--eval-every", "500", "--output-dir", out)
+    first, last = read_metrics(out)[0], read_metrics(out)[-1]
+    assert last["eval/pair_accuracy"] >= max(0.62, first["eval/pair_accuracy"] + 0.08), (first, last)

@@ -122,14 +122,16 @@ def common_args_block(tree, source):
 
 def test_shared_helpers_are_identical_in_every_file():
     files = [f for f in ALGORITHM_FILES if os.path.exists(os.path.join(ROOT, f))]
-    assert "grpo.py" in files and "sft.py" in files
-    reference, tree, source = top_level_functions(os.path.join(ROOT, "grpo.py"))
-    reference_args = common_args_block(tree, source)
-    algorithm_only = {"grpo_loss"}  # group_advantages is shared by the files that use it
-    for name in files[1:]:
-        functions, tree, source = top_level_functions(os.path.join(ROOT, name))
-        shared = (set(functions) & set(reference)) - algorithm_only
-        assert len(shared) >= 15, f"{name} shares only {sorted(shared)} with grpo.py"
-        for helper in sorted(shared):
-            assert functions[helper] == reference[helper], f"{helper} in {name} differs from grpo.py's"
+    assert {"grpo.py", "sft.py"} <= set(files)
+    parsed = {f: top_level_functions(os.path.join(ROOT, f)) for f in files}
+    reference_args = common_args_block(*parsed["grpo.py"][1:])
+    for name in files:
+        functions, tree, source = parsed[name]
         assert common_args_block(tree, source) == reference_args, f"the common Args block of {name} differs"
+        shared_with_grpo = set(functions) & set(parsed["grpo.py"][0]) - {"grpo_loss"}
+        assert len(shared_with_grpo) >= 15, f"{name} shares only {sorted(shared_with_grpo)} with grpo.py"
+        # every function two files both define is the same, word for word (the algorithms' own functions
+        # have names of their own: grpo_loss, gspo_loss, dpo_loss ...)
+        for other in files:
+            for helper in sorted(set(functions) & set(parsed[other][0])):
+                assert functions[helper] == parsed[other][0][helper], f"{helper} differs between {name} and {other}"

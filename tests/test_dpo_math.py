@@ -1,0 +1,89 @@
+"""dpo.py's loss and sequence log-probs against numbers worked out by hand."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from dpo import completion_logps, dpo_loss
+
+# one pair with log-probs: policy chosen -10, rejected -12; reference chosen -11, rejected -11
+# log-ratios: chosen +1, rejected -1, so h = 2
+PAIR = [torch.tensor([-10.0]), torch.tensor([-12.0]), torch.tensor([-11.0]), torch.tensor([-11.0])]
+
+
+def log_sigmoid(x):
+    return -math.log(1 + math.exp(-x))
+
+
+@pytest.mark.parametrize("loss_type, beta, smoothing, expected", [
+    ("sigmoid", 0.1, 0.0, -log_sigmoid(0.2)),  # -log sigmoid(0.1 * 2) = 0.598139
+    ("sigmoid", 0.5, 0.0, -log_sigmoid(1.0)),  # 0.313262
+    ("sigmoid", 0.5, 0.2, -0.8 * log_sigmoid(1.0) - 0.2 * log_sigmoid(-1.0)),  # 0.250610 + 0.262652 = 0.513262
+    ("ipo", 0.1, 0.0, (2 - 1 / 0.2) ** 2),  # (2 - 5)^2 = 9
+    ("ipo", 0.5, 0.0, (2 - 1) ** 2),  # 1
+    ("hinge", 0.1, 0.0, 1 - 0.2),  # max(0, 1 - 0.1 * 2) = 0.8
+    ("hinge", 1.0, 0.0, 0.0),  # max(0, 1 - 2) = 0
+])
+def test_dpo_loss_by_hand(loss_type, beta, smoothing, expected):
+    loss, stats = dpo_loss(*PAIR, beta=beta, loss_type=loss_type, label_smoothing=smoothing)
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    # implicit rewards beta (log pi - log pi_ref): chosen +beta, rejected -beta
+    assert stats["chosen_reward"].item() == pytest.approx(beta)
+    assert stats["rejected_reward"].item() == pytest.approx(-beta)
+    assert stats["margin"].item() == pytest.approx(2 * beta)
+    assert stats["accuracy"].item() == 1.0
+
+
+@pytest.mark.parametrize("beta", [0.01, 0.1, 1.0, 7.0])
+def test_dpo_loss_is_log_2_when_the_policy_is_the_reference(beta):
+    logps = torch.tensor([-3.0, -20.0, -0.5])
+    rejected = torch.tensor([-4.0, -1.0, -9.0])
+    loss, stats = dpo_loss(logps, rejected, logps.clone(), rejected.clone(), beta=beta)
+    assert loss.item() == pytest.approx(math.log(2), abs=1e-7)
+    assert stats["accuracy"].item() == 0.5  # every margin is 0: a tie counts half
+
+
+def test_dpo_gradient_with_respect_to_the_chosen_logp():
+    chosen = torch.tensor([-10.0, -5.0], requires_grad=True)
+    rejected = torch.tensor([-12.0, -5.0])
+    loss, stats = dpo_loss(chosen, rejected, torch.tensor([-11.0, -5.0]), torch.tensor([-11.0, -5.0]), beta=0.5)
+    loss.backward()
+    # d/d c of -log sigmoid(beta h) / B = -beta sigmoid(-beta h) / B:
+    #   pair 1: h = 2, -0.5 * sigmoid(-1) / 2 = -0.0672146;  pair 2: h = 0, -0.5 * 0.5 / 2 = -0.125
+    sig = 1 / (1 + math.exp(1.0))
+    torch.testing.assert_close(chosen.grad, torch.tensor([-0.5 * sig / 2, -0.125]))
+    assert stats["accuracy"].item() == 0.75  # one right, one tie
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=64, pad_token_id=0, eos_token_id=2)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def reference_completion_logp(model, prompt, completion):
+    """Computed alone, with no padding: the log-softmax of every logit, summed over the completion only."""
+    ids = torch.tensor([prompt + completion])
+    logprobs = model(input_ids=ids).logits[0].log_softmax(-1)  # (L, vocab)
+    return sum(logprobs[len(prompt) - 1 + t, token].item() for t, token in enumerate(completion))
+
+
+def test_completion_logps_sum_only_completion_tokens_with_prompts_of_different_lengths():
+    model = tiny_llama()
+    # a chosen/rejected-like pair whose prompts differ in length (3 and 6 tokens) and whose completions
+    # differ in length (2 and 4 tokens), laid out as completion_batch does: prompts left-padded, completions
+    # right-padded
+    prompts, completions = [[11, 12, 13], [21, 22, 23, 24, 25, 26]], [[31, 2], [41, 42, 43, 2]]
+    input_ids = torch.tensor([[0, 0, 0, 11, 12, 13, 31, 2, 0, 0], [21, 22, 23, 24, 25, 26, 41, 42, 43, 2]])
+    attention_mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 0, 0], [1] * 10])
+    mask = attention_mask[:, 6:]
+    with torch.no_grad():
+        got = completion_logps(model, input_ids, attention_mask, 6, mask)
+        expected = torch.tensor([reference_completion_logp(model, p, c) for p, c in zip(prompts, completions)])
+        # what a wrong sum over the prompt tokens too would add: not zero, and not the same for both
+        prompt_terms = torch.tensor([reference_completion_logp(model, p[:1], p[1:]) for p in prompts])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    assert (prompt_terms.abs() > 1).all() and abs(prompt_terms[0] - prompt_terms[1]) > 1
