@@ -272,7 +272,7 @@ def decode_completions(tokenizer, completion_ids, mask):
     return [tokenizer.decode(ids[m], skip_special_tokens=True) for ids, m in zip(completion_ids, mask)]
 
 
-def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=1.0, chunk_size=8):
+def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=1.0, chunk_size=8, with_entropy=False):
     """Log-probs (B, T) of the completion tokens input_ids[:, prompt_len:], float32.
 
     input_ids = [PAD, PAD, 4, 7, 13 | 5, 5, EOS]   left-padded prompt | completion (T = 3)
@@ -282,18 +282,22 @@ def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=
     sampling temperature, they give the distribution the token was sampled from. The float32
     log-softmax is taken chunk_size rows at a time: logsumexp over the vocabulary, minus the
     logit of the chosen token, so no float32 (B, T, vocab) tensor is built at once.
+    with_entropy: also return each position's entropy (B, T), logsumexp(z) - sum_v p_v z_v.
     """
     position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, P + T)
     completion_len = input_ids.shape[1] - prompt_len
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    logits_to_keep=completion_len + 1).logits[:, :-1]  # (B, T, vocab)
     targets = input_ids[:, prompt_len:]  # (B, T)
-    rows = []
+    rows, entropies = [], []
     for i in range(0, logits.shape[0], chunk_size):
         chunk = logits[i : i + chunk_size].float() / temperature  # (chunk, T, vocab)
         chosen = chunk.gather(-1, targets[i : i + chunk_size, :, None]).squeeze(-1)  # (chunk, T)
-        rows.append(chosen - torch.logsumexp(chunk, dim=-1))
-    return torch.cat(rows)  # (B, T)
+        logsumexp = torch.logsumexp(chunk, dim=-1)
+        rows.append(chosen - logsumexp)
+        if with_entropy:
+            entropies.append(logsumexp - (chunk.softmax(dim=-1) * chunk).sum(dim=-1))
+    return (torch.cat(rows), torch.cat(entropies)) if with_entropy else torch.cat(rows)  # (B, T)
 
 
 @torch.no_grad()

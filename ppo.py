@@ -1,0 +1,598 @@
+"""Proximal Policy Optimization (PPO) for RLHF, in one file.
+
+The RLHF recipe of InstructGPT (Ouyang et al. 2022, https://arxiv.org/abs/2203.02155), after
+Ziegler et al. 2019 and Stiennon et al. 2020: sample one completion per prompt, score it (the
+task's verifier, or a Bradley-Terry reward model from reward_model.py), and turn the score into
+per-token rewards: a KL penalty to the frozen reference on every token, plus the score on the
+last. A learned critic gives a value per token; GAE turns rewards and values into advantages; the
+policy and the critic take PPO's clipped losses (Schulman et al. 2017,
+https://arxiv.org/abs/1707.06347) for several epochs of minibatches per batch of rollouts:
+
+    r_t = -beta (log pi_old(y_t) - log pi_ref(y_t)) + [t = last] score
+    delta_t = r_t + gamma V(t+1) - V(t),   A_t = delta_t + gamma lambda A_(t+1),   V = 0 after the last token
+    L_policy = mean_t max(-A_t rho_t, -A_t clip(rho_t, 1-eps, 1+eps)),   rho_t = pi(y_t) / pi_old(y_t)
+    L_value = 0.5 mean_t max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2),   R = A + V_old
+    loss = L_policy + vf_coef L_value
+
+Where this file departs from the papers: no entropy bonus and no adaptive KL coefficient; the
+advantages are whitened over the batch's real tokens (as in Stiennon et al.'s code). See docs/ppo.md.
+
+    python ppo.py                                    # bundled tiny model, addition task, CPU
+    python reward_model.py --output-dir runs/rm && python ppo.py --reward-model-path runs/rm  # learned reward
+    python ppo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --dataset-config main \
+        --max-new-tokens 512 --prompts-per-step 64 --micro-batch-size 8 --learning-rate 1e-6  # on a GPU
+"""
+
+import json
+import os
+import random
+import re
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+import transformers
+import tyro
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # names the run: runs/<exp_name>__<seed>__<time>
+    seed: int = 1  # seed of the experiment (data order, sampling, initialisation)
+    torch_deterministic: bool = True  # if toggled, `torch.use_deterministic_algorithms(True)`
+    cuda: bool = True  # use CUDA when it is available (`--no-cuda` stays on the CPU)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
+    track: bool = False  # log metrics to Weights & Biases (`WANDB_MODE=offline` keeps them on disk)
+    wandb_project_name: str = "onefile-rl"  # the wandb project
+    wandb_entity: str | None = None  # the wandb entity (team or user)
+    output_dir: str | None = None  # where the model, metrics.jsonl and args.json go (default runs/<run_name>); new
+    trust_remote_code: bool = False  # let transformers run code shipped with a hub model you trust
+    log_every: int = 5  # write metrics and a console line every this many steps
+
+    # Model and data
+    model_name_or_path: str = "tiny-adder"  # the starting policy: a local folder or a hub id
+    reward_model_path: str | None = None  # a reward model from reward_model.py (default: the task's verifier)
+    dataset: str | None = None
+    """None: the built-in addition task; a .jsonl file of prompt/answer (or GSM8K's question/answer)
+    records; or a hub dataset name (needs `pip install datasets`)"""
+    dataset_config: str | None = None  # the hub dataset's configuration (GSM8K: `main`)
+    train_split: str = "train"  # the hub dataset's training split
+    eval_split: str = "test"  # the hub dataset's held-out split (a .jsonl file: its last --num-eval records)
+    num_eval: int = 500  # held-out prompts for evaluation
+    eval_every: int = 25  # evaluate greedy accuracy on the held-out prompts every this many steps, and at 0
+    max_new_tokens: int = 8  # the longest completion, in tokens
+
+    # Optimisation
+    num_steps: int = 300  # training steps (each: one batch of rollouts, then its updates)
+    learning_rate: float = 1e-4  # AdamW's learning rate
+    weight_decay: float = 0.0  # AdamW's weight decay
+    max_grad_norm: float = 1.0  # clip the gradient's global norm to this
+    micro_batch_size: int = 32  # sequences per forward/backward pass (gradient accumulation fills a minibatch)
+
+    # Algorithm specific arguments
+    prompts_per_step: int = 128  # prompts per batch of rollouts, one completion each
+    temperature: float = 1.0  # sampling temperature; log-probs are computed at the same temperature
+    ppo_epochs: int = 2  # passes over each batch of rollouts
+    num_minibatches: int = 4  # optimizer steps per pass
+    beta: float = 0.05  # weight of the per-token KL penalty in the reward
+    clip_eps: float = 0.2  # the policy ratio is clipped to [1 - clip_eps, 1 + clip_eps]
+    clip_value: float = 0.2  # the value is clipped to [V_old - clip_value, V_old + clip_value]
+    vf_coef: float = 0.1  # weight of the value loss
+    gamma: float = 1.0  # discount over tokens
+    lam: float = 0.95  # GAE's lambda
+    missing_eos_penalty: float = 1.0  # with a reward model: subtracted from the score of a completion without EOS
+
+    # to be filled in at runtime
+    batch_size: int = 0  # completions per batch of rollouts (prompts_per_step)
+    minibatch_size: int = 0  # completions per optimizer step (batch_size // num_minibatches)
+    run_name: str = ""  # exp_name__seed__time
+
+
+def fail(message):
+    """Stop with a one-line error and exit status 1."""
+    raise SystemExit(f"error: {message}")
+
+
+def exact_div(a, b, what):
+    if b <= 0 or a % b != 0:
+        fail(f"{what}: {a} does not divide into parts of {b}")
+    return a // b
+
+
+# ---- The task and its reward --------------------------------------------------------------------
+def addition_task(num_eval, max_operand=99):
+    """The default task, built in: 'a+b=' -> 'a+b' for 0 <= a, b <= max_operand.
+
+    All pairs are shuffled with a fixed seed and the first `num_eval` are held out, so the
+    held-out set is the same for every run and never overlaps the training prompts.
+    """
+    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    random.Random(0).shuffle(pairs)
+    records = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs]
+    return records[num_eval:], records[:num_eval]
+
+
+NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+
+
+def last_number(text):
+    """The last number written in `text`, as a float ('1,234.5' -> 1234.5), or None."""
+    found = NUMBER.findall(text)
+    return float(found[-1].replace(",", "")) if found else None
+
+
+def reward_fn(completion, answer):
+    """1.0 when the last number in the completion equals the answer exactly, else 0.0.
+
+    A whole-number match, not a substring: '5' scores 0 for the answer '55', and so does '555'.
+    """
+    value = last_number(completion)
+    return float(value is not None and value == last_number(answer))
+
+
+# ---- Data ---------------------------------------------------------------------------------------
+def read_jsonl(path, *schemas):
+    """The records of a JSONL file, each holding every field of one of `schemas`; a bad file stops the run."""
+    if not os.path.isfile(path):
+        fail(f"--dataset {path}: no such file")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                fail(f"--dataset {path}: line {number} is not valid JSON ({e.msg})")
+            if not any(isinstance(record, dict) and all(k in record for k in schema) for schema in schemas):
+                missing = next(k for k in schemas[0] if not isinstance(record, dict) or k not in record)
+                needs = " or ".join(" and ".join(schema) for schema in schemas)
+                fail(f"--dataset {path}: line {number} has no field {missing!r} (each record needs {needs})")
+            records.append(record)
+    if not records:
+        fail(f"--dataset {path}: the file holds no records")
+    return records
+
+
+def load_hub_split(name, config, split):
+    try:
+        import datasets
+    except ImportError:
+        fail(f"--dataset {name}: loading a hub dataset needs the datasets library: pip install datasets")
+    try:
+        return list(datasets.load_dataset(name, config, split=split))
+    except Exception as e:  # the datasets library raises many kinds; name the flag and the cause
+        fail(f"--dataset {name}: could not load split {split!r} ({type(e).__name__}: {e})".splitlines()[0])
+
+
+def prompt_answer(record):
+    """{'prompt', 'answer'} from a prompt/answer record or a GSM8K question/answer record."""
+    if "question" in record:  # GSM8K: the reference answer follows '####'
+        return {"prompt": record["question"], "answer": record["answer"].split("####")[-1].strip()}
+    return {"prompt": record["prompt"], "answer": str(record["answer"])}
+
+
+def load_task(args):
+    """(train, eval) lists of {'prompt', 'answer'} records."""
+    if args.dataset is None:
+        return addition_task(args.num_eval)
+    if args.dataset.endswith(".jsonl"):
+        records = read_jsonl(args.dataset, ("prompt", "answer"), ("question", "answer"))
+        if len(records) <= args.num_eval:
+            fail(f"--dataset {args.dataset}: {len(records)} records, but --num-eval {args.num_eval} are held out")
+        records = [prompt_answer(r) for r in records]
+        return records[: -args.num_eval], records[-args.num_eval :]
+    train = [prompt_answer(r) for r in load_hub_split(args.dataset, args.dataset_config, args.train_split)]
+    held_out = load_hub_split(args.dataset, args.dataset_config, args.eval_split)[: args.num_eval]
+    return train, [prompt_answer(r) for r in held_out]
+
+
+# ---- Model, tokenisation, generation and log-probs ----------------------------------------------
+def from_pretrained(cls, path, args, flag="--model-name-or-path", **kwargs):
+    """cls.from_pretrained(path), stopping with a one-line error when path is neither a folder nor a hub id."""
+    if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1 or os.path.exists(path)):
+        fail(f"{flag} {path}: no such folder")
+    try:
+        return cls.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kwargs)
+    except (OSError, ValueError) as e:
+        fail(f"{flag} {path}: not a model folder, and not loadable from the hub ({type(e).__name__}); "
+             "the bundled model loads when you run from the repository root")
+
+
+def load_model(path, args, device, model_class=AutoModelForCausalLM, flag="--model-name-or-path", **kwargs):
+    """A model in the run's dtype, with dropout off so that the policy that samples is the one trained."""
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    model = from_pretrained(model_class, path, args, flag, dtype=dtype, **kwargs)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()  # only in train mode: generation keeps its KV cache
+    return model.to(device)
+
+
+def load_tokenizer(path, args):
+    tokenizer = from_pretrained(AutoTokenizer, path, args)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def stop_token_ids(tokenizer, model):
+    """Every id that ends a completion: the tokenizer's EOS and the generation config's."""
+    ids = model.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    return sorted(set(ids) | {tokenizer.eos_token_id})
+
+
+def tokenize_prompts(tokenizer, prompts, device):
+    """Left-padded prompt ids and mask, (B, P); the chat template is applied when there is one."""
+    if tokenizer.chat_template:
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                               add_generation_prompt=True) for p in prompts]
+        batch = tokenizer(texts, padding=True, padding_side="left", add_special_tokens=False, return_tensors="pt")
+    else:
+        batch = tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt")
+    return batch["input_ids"].to(device), batch["attention_mask"].to(device)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids):
+    """Completion ids (B, T), T <= max_new_tokens; `temperature=None` decodes greedily.
+
+    Sampling is plain temperature sampling (no top-k, top-p or repetition penalty, whatever the
+    model's own generation config says), so the tokens come from exactly the distribution that
+    sequence_logprobs scores.
+    """
+    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,
+                              repetition_penalty=1.0, no_repeat_ngram_size=0, num_beams=1,
+                              remove_invalid_values=True)  # a diverged model reaches the NaN check
+    if temperature is None:
+        config.do_sample = False
+    else:
+        config.do_sample, config.temperature, config.top_k, config.top_p = True, temperature, 0, 1.0
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+    return out[:, prompt_ids.shape[1] :]
+
+
+def completion_mask(completion_ids, stop_ids):
+    """1 for the completion's tokens up to and including its first stop token, 0 after it.
+
+    completion_ids = [[5, 7, EOS, PAD],     -> mask = [[1, 1, 1, 0],
+                      [6, 6, 6,   6  ]]                [1, 1, 1, 1]]   (no EOS: truncated)
+    The padding that generate writes after EOS may be EOS itself; only the first one counts.
+    """
+    is_stop = torch.isin(completion_ids, torch.tensor(stop_ids, device=completion_ids.device)).long()  # (B, T)
+    return (is_stop.cumsum(dim=1) - is_stop) == 0  # no stop token strictly before this one
+
+
+def decode_completions(tokenizer, completion_ids, mask):
+    return [tokenizer.decode(ids[m], skip_special_tokens=True) for ids, m in zip(completion_ids, mask)]
+
+
+def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=1.0, chunk_size=8, with_entropy=False):
+    """Log-probs (B, T) of the completion tokens input_ids[:, prompt_len:], float32.
+
+    input_ids = [PAD, PAD, 4, 7, 13 | 5, 5, EOS]   left-padded prompt | completion (T = 3)
+    attention = [0,   0,   1, 1, 1  | 1, 1, 1  ]
+    positions = [0,   0,   0, 1, 2  | 3, 4, 5  ]   from the mask, as generate() computes them
+    The logits at position prompt_len - 1 + t predict completion token t. Divided by the
+    sampling temperature, they give the distribution the token was sampled from. The float32
+    log-softmax is taken chunk_size rows at a time: logsumexp over the vocabulary, minus the
+    logit of the chosen token, so no float32 (B, T, vocab) tensor is built at once.
+    with_entropy: also return each position's entropy (B, T), logsumexp(z) - sum_v p_v z_v.
+    """
+    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, P + T)
+    completion_len = input_ids.shape[1] - prompt_len
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=completion_len + 1).logits[:, :-1]  # (B, T, vocab)
+    targets = input_ids[:, prompt_len:]  # (B, T)
+    rows, entropies = [], []
+    for i in range(0, logits.shape[0], chunk_size):
+        chunk = logits[i : i + chunk_size].float() / temperature  # (chunk, T, vocab)
+        chosen = chunk.gather(-1, targets[i : i + chunk_size, :, None]).squeeze(-1)  # (chunk, T)
+        logsumexp = torch.logsumexp(chunk, dim=-1)
+        rows.append(chosen - logsumexp)
+        if with_entropy:
+            entropies.append(logsumexp - (chunk.softmax(dim=-1) * chunk).sum(dim=-1))
+    return (torch.cat(rows), torch.cat(entropies)) if with_entropy else torch.cat(rows)  # (B, T)
+
+
+@torch.no_grad()
+def batched_logprobs(model, input_ids, attention_mask, prompt_len, temperature, batch_size):
+    """sequence_logprobs without gradient, batch_size rows per forward pass (old and reference)."""
+    model.eval()
+    return torch.cat([sequence_logprobs(model, input_ids[i : i + batch_size], attention_mask[i : i + batch_size],
+                                        prompt_len, temperature) for i in range(0, len(input_ids), batch_size)])
+
+
+def masked_mean(x, mask, dim=None):
+    """Mean of x over positions where mask is 1; masked positions never leak, even inf or nan."""
+    x = torch.where(mask.bool(), x, 0.0)
+    if dim is None:
+        return x.sum() / mask.sum().clamp(min=1)
+    return x.sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, batch_size=128):
+    """Greedy accuracy on held-out records: the mean reward of greedy completions."""
+    model.eval()
+    total = 0.0
+    for i in range(0, len(records), batch_size):
+        chunk = records[i : i + batch_size]
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in chunk], device)
+        completion_ids = generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, None, stop_ids)
+        texts = decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
+        total += sum(reward_fn(t, r["answer"]) for t, r in zip(texts, chunk))
+    return total / len(records)
+
+
+# ---- Logging and saving -------------------------------------------------------------------------
+TIMING_KEYS = ("charts/step_time", "charts/elapsed_time", "charts/tokens_per_sec")
+
+
+class Logger:
+    """Writes every logged step to metrics.jsonl, to wandb with --track, and a console line."""
+
+    def __init__(self, args, output_dir):
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.wandb = None
+        if args.track:
+            import wandb
+
+            self.wandb = wandb
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
+                       config=vars(args), dir=output_dir)
+
+    def log(self, step, metrics):
+        metrics = {k: float(v) for k, v in metrics.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        shown = ["charts/reward", "losses/loss", "eval/loss", "eval/accuracy", "eval/pair_accuracy", "charts/step_time"]
+        print(f"step {step:5d}  " + "  ".join(f"{k} {metrics[k]:.4f}" for k in shown if k in metrics), flush=True)
+
+    def close(self):
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def make_output_dir(args):
+    path = args.output_dir or os.path.join("runs", args.run_name)
+    if os.path.exists(path):
+        fail(f"--output-dir {path} already exists; a run never overwrites another, choose a new folder")
+    os.makedirs(path)
+    with open(os.path.join(path, "args.json"), "w") as f:
+        json.dump(asdict(args), f, indent=2)
+    return path
+
+
+def setup(args):
+    """Seed everything, quiet the library's progress bars, and pick the device."""
+    transformers.utils.logging.disable_progress_bar()
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, set before CUDA starts
+    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)  # warn where CUDA has no such kernel
+    return torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+
+
+# ---- ALGO LOGIC: values, rewards, GAE and PPO's two losses ---------------------------------------
+def last_token_scores(model, input_ids, attention_mask):
+    """The score (B,) at each sequence's last real token: the last 1 of the attention mask.
+
+    input_ids = [[PAD, 4, 7, 13, 5, EOS, PAD],    left-padded prompt, right-padded completion
+    attention = [[0,   1, 1, 1,  1, 1,   0  ]]    -> the score is read at index 5, the EOS
+    The mask, not the pad id, finds the token, so a pad id equal to the EOS id cannot move it.
+    """
+    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, T), as for the policy
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=position_ids).last_hidden_state  # (B, T, hidden)
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    last = (attention_mask * positions).argmax(dim=1)  # (B,) the index of the last real token
+    return model.score(hidden[torch.arange(len(last), device=last.device), last]).squeeze(-1).float()  # (B,)
+
+
+def token_values(value_model, input_ids, attention_mask, prompt_len):
+    """V(s_t) (B, T) for each completion token t: the value head on the hidden state that predicts token t."""
+    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, P + T), as for the policy
+    hidden = value_model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                    position_ids=position_ids).last_hidden_state  # (B, P + T, hidden)
+    return value_model.score(hidden[:, prompt_len - 1 : -1]).squeeze(-1).float()  # (B, T)
+
+
+def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, beta):
+    """Per-token rewards (B, T): -beta (logprobs - ref_logprobs) on every completion token, the score added
+    on the last real one; 0 on padding. scores (B,); logprobs, ref_logprobs, mask (B, T).
+
+    mask = [[1, 1, 1, 0]], scores = [1.0], kl = [[.1, .2, .3, x]] -> [[-.1b, -.2b, 1 - .3b, 0]]  (b = beta)
+    """
+    m = mask.bool()
+    rewards = torch.where(m, -beta * (logprobs - ref_logprobs), 0.0)  # (B, T)
+    last = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(dim=1)  # (B,) the last real token
+    return rewards + torch.nn.functional.one_hot(last, mask.shape[1]) * scores[:, None]
+
+
+def gae(rewards, values, mask, gamma, lam):
+    """Generalised advantage estimation over the completion tokens; returns (advantages, returns), (B, T).
+
+    delta_t = r_t + gamma V_(t+1) - V_t,  A_t = delta_t + gamma lam A_(t+1),  with V and A = 0 after the
+    last real token (never a bootstrap from padding); returns = A + V. Padding gets 0.
+    """
+    m = mask.bool()
+    rewards, values = torch.where(m, rewards, 0.0), torch.where(m, values, 0.0)
+    next_advantage, next_value = torch.zeros_like(rewards[:, 0]), torch.zeros_like(values[:, 0])
+    advantages = []
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = torch.where(m[:, t], delta + gamma * lam * next_advantage, 0.0)
+        next_value = values[:, t]
+        advantages.append(next_advantage)
+    advantages = torch.stack(advantages[::-1], dim=1)  # (B, T)
+    return advantages, torch.where(m, advantages + values, 0.0)
+
+
+def whiten(x, mask, eps=1e-8):
+    """(x - mean) / std over the positions where mask is 1 (unbiased std); 0 elsewhere."""
+    m = mask.bool()
+    mean = masked_mean(x, m)
+    n = m.sum()
+    var = masked_mean((x - mean) ** 2, m) * n / (n - 1).clamp(min=1)
+    return torch.where(m, (x - mean) * torch.rsqrt(var + eps), 0.0)
+
+
+def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps):
+    """PPO's clipped policy loss, the mean over real tokens; logprobs carries the gradient; all (B, T).
+
+    l_t = max(-A_t rho_t, -A_t clip(rho_t, 1 - eps, 1 + eps)),  rho_t = exp(logprobs_t - old_logprobs_t)
+    """
+    m = mask.bool()
+    log_ratio = torch.where(m, logprobs - old_logprobs, 0.0)  # padding never reaches exp()
+    ratio = torch.exp(log_ratio)
+    unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1 - clip_eps, 1 + clip_eps)
+    loss = masked_mean(torch.max(unclipped, clipped), m)
+    return loss, {"clip_frac": masked_mean((clipped > unclipped).float(), m).detach(),
+                  "approx_kl": masked_mean((ratio - 1) - log_ratio, m).detach()}
+
+
+def ppo_value_loss(values, old_values, returns, mask, clip_value):
+    """0.5 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2), the mean over real tokens; all (B, T)."""
+    m = mask.bool()
+    clipped_values = old_values + (values - old_values).clamp(-clip_value, clip_value)
+    unclipped_error, clipped_error = (values - returns) ** 2, (clipped_values - returns) ** 2
+    loss = 0.5 * masked_mean(torch.max(unclipped_error, clipped_error), m)
+    return loss, {"value_clip_frac": masked_mean((clipped_error > unclipped_error).float(), m).detach()}
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    for flag in ("num_steps", "prompts_per_step", "max_new_tokens", "micro_batch_size", "ppo_epochs",
+                 "num_minibatches", "num_eval", "eval_every", "log_every", "learning_rate", "temperature"):
+        if getattr(args, flag) <= 0:
+            fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    args.batch_size = args.prompts_per_step
+    args.minibatch_size = exact_div(args.batch_size, args.num_minibatches, "--prompts-per-step")
+    exact_div(args.minibatch_size, args.micro_batch_size, "a minibatch, by --micro-batch-size,")
+    args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    device = setup(args)
+
+    # four models: the policy, its frozen reference, the critic, and the reward (a model, or the verifier)
+    tokenizer = load_tokenizer(args.model_name_or_path, args)
+    policy = load_model(args.model_name_or_path, args, device)
+    ref_policy = load_model(args.model_name_or_path, args, device).requires_grad_(False)
+    reward_model = None if args.reward_model_path is None else load_model(
+        args.reward_model_path, args, device, AutoModelForSequenceClassification, "--reward-model-path",
+        num_labels=1).eval().requires_grad_(False)
+    value_model = load_model(args.reward_model_path or args.model_name_or_path, args, device,
+                             AutoModelForSequenceClassification, num_labels=1)
+    if args.reward_model_path is None:
+        torch.nn.init.zeros_(value_model.score.weight)  # a new head, zero: V = 0 everywhere at the start
+    stop_ids = stop_token_ids(tokenizer, policy)
+    optimizer = torch.optim.AdamW([*policy.parameters(), *value_model.parameters()], lr=args.learning_rate,
+                                  weight_decay=args.weight_decay)
+    train_records, eval_records = load_task(args)
+    output_dir = make_output_dir(args)
+    logger = Logger(args, output_dir)
+    data_rng, shuffle_gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
+    print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
+
+    start = time.time()
+    logger.log(0, {"eval/accuracy": evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids, device)})
+    for step in range(1, args.num_steps + 1):
+        step_start = time.time()
+        # 1. rollouts: one completion per prompt from pi_old
+        batch = data_rng.choices(train_records, k=args.prompts_per_step)
+        policy.eval()
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in batch], device)  # (B, P)
+        completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature,
+                                  stop_ids)  # (B, T)
+        mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
+        attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
+        prompt_len = prompt_ids.shape[1]
+
+        # 2. score each completion: the verifier, or the reward model at the last real token
+        texts = decode_completions(tokenizer, completion_ids, mask)
+        correct = torch.tensor([reward_fn(t, r["answer"]) for t, r in zip(texts, batch)], device=device)  # (B,)
+        if reward_model is None:
+            scores = correct
+        else:
+            with torch.no_grad():
+                scores = last_token_scores(reward_model, input_ids, attention_mask)  # (B,)
+            has_eos = torch.isin(completion_ids, torch.tensor(stop_ids, device=device)).any(dim=1)
+            scores = torch.where(has_eos, scores, scores - args.missing_eos_penalty)
+
+        # 3. once per batch, without gradient: log-probs of pi_old and pi_ref, and the critic's values
+        old_logprobs = batched_logprobs(policy, input_ids, attention_mask, prompt_len, args.temperature,
+                                        args.micro_batch_size)  # (B, T)
+        ref_logprobs = batched_logprobs(ref_policy, input_ids, attention_mask, prompt_len, args.temperature,
+                                        args.micro_batch_size)  # (B, T)
+        with torch.no_grad():
+            value_model.eval()
+            old_values = torch.cat([token_values(value_model, input_ids[i : i + args.micro_batch_size],
+                                                 attention_mask[i : i + args.micro_batch_size], prompt_len)
+                                    for i in range(0, args.batch_size, args.micro_batch_size)])  # (B, T)
+
+        # 4. per-token rewards, GAE, returns (before whitening), whitened advantages
+        rewards = kl_penalized_rewards(scores, old_logprobs, ref_logprobs, mask, args.beta)  # (B, T)
+        advantages, returns = gae(rewards, old_values, mask, args.gamma, args.lam)  # (B, T), (B, T)
+        advantages = whiten(advantages, mask)
+
+        # 5. ppo_epochs passes over the batch, each num_minibatches optimizer steps on both losses
+        policy.train()
+        value_model.train()
+        step_stats = []
+        for _ in range(args.ppo_epochs):
+            for mb in torch.randperm(args.batch_size, generator=shuffle_gen).to(device).split(args.minibatch_size):
+                optimizer.zero_grad()
+                for idx in mb.split(args.micro_batch_size):
+                    logprobs, entropy = sequence_logprobs(policy, input_ids[idx], attention_mask[idx], prompt_len,
+                                                          args.temperature, with_entropy=True)  # (b, T), (b, T)
+                    values = token_values(value_model, input_ids[idx], attention_mask[idx], prompt_len)  # (b, T)
+                    pg_loss, pg_stats = ppo_policy_loss(logprobs, old_logprobs[idx], advantages[idx], mask[idx],
+                                                        args.clip_eps)
+                    vf_loss, vf_stats = ppo_value_loss(values, old_values[idx], returns[idx], mask[idx],
+                                                       args.clip_value)
+                    loss = pg_loss + args.vf_coef * vf_loss
+                    if not torch.isfinite(loss):
+                        fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the rewards")
+                    # both losses are token means: weigh each micro-batch by its share of the minibatch's tokens
+                    (loss * mask[idx].sum() / mask[mb].sum()).backward()
+                    step_stats.append({"loss": loss.detach(), "policy_loss": pg_loss.detach(),
+                                       "value_loss": vf_loss.detach(), **pg_stats, **vf_stats,
+                                       "entropy": masked_mean(entropy.detach(), mask[idx])})
+                grad_norm = torch.nn.utils.clip_grad_norm_([*policy.parameters(), *value_model.parameters()],
+                                                           args.max_grad_norm)
+                optimizer.step()
+
+        # 6. log, and evaluate on the held-out prompts
+        step_time = time.time() - step_start
+        evaluate_now = step % args.eval_every == 0 or step == args.num_steps
+        if step % args.log_every == 0 or evaluate_now:
+            kl = torch.where(mask, old_logprobs - ref_logprobs, 0.0).sum(dim=1)  # (B,) per completion
+            residual = torch.where(mask, returns - old_values, 0.0)
+            metrics = {f"losses/{k}": torch.stack([s[k] for s in step_stats]).mean().item() for k in step_stats[0]}
+            metrics.update({
+                "charts/score": scores.mean().item(), "charts/reward": correct.mean().item(),
+                "losses/kl": kl.mean().item(), "charts/non_score_reward": (-args.beta * kl).mean().item(),
+                "losses/explained_variance": (1 - masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
+                                              / masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)).item(),
+                "charts/completion_length": mask.sum(dim=1).float().mean().item(),
+                "charts/learning_rate": optimizer.param_groups[0]["lr"], "losses/grad_norm": grad_norm.item(),
+                "charts/step_time": step_time, "charts/tokens_per_sec": mask.sum().item() / step_time,
+                "charts/elapsed_time": time.time() - start})
+            if evaluate_now:
+                metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids,
+                                                    device)
+            logger.log(step, metrics)
+
+    policy.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    logger.close()
+    print(f"saved to {output_dir} in {time.time() - start:.0f} s")
