@@ -27,6 +27,8 @@ SMALL = {
                "--num-train-prompts", "16", "--pair-samples", "2"],
     "reward_model.py": ["--num-steps", "2", "--batch-size", "4", "--micro-batch-size", "2", "--eval-every", "2",
                         "--num-train-prompts", "16", "--pair-samples", "2"],
+    "ppo.py": ["--num-steps", "2", "--prompts-per-step", "4", "--num-minibatches", "2", "--micro-batch-size", "2",
+               "--eval-every", "2", "--max-new-tokens", "6"],
 }
 EVAL_SIZE = {"dpo.py": "20", "reward_model.py": "20"}
 
@@ -79,11 +81,12 @@ def test_readme_command(command, chat_model_dir, tmp_path):
         assert json.load(f)["num_steps"] == 2
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "gspo.py", "cispo.py"])
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py"])
 def test_learns(script, tmp_path):
     """A short run from the bundled model raises held-out accuracy clearly (a sign and wiring check)."""
     out = str(tmp_path / "run")
-    run_script(script, "--num-steps", "30", "--eval-every", "30", "--output-dir", out)
+    steps = "20" if script == "ppo.py" else "30"
+    run_script(script, "--num-steps", steps, "--eval-every", steps, "--output-dir", out)
     metrics = read_metrics(out)
     before, after = metrics[0]["eval/accuracy"], metrics[-1]["eval/accuracy"]
     assert after >= before + 0.10, f"held-out accuracy {before:.3f} -> {after:.3f}"
@@ -129,7 +132,10 @@ def test_bfloat16_on_the_cpu(tmp_path):
     assert "bfloat16" in open(os.path.join(out, "config.json")).read()
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "sft.py", "dpo.py", "reward_model.py"])
+ALL_SCRIPTS = ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "sft.py", "dpo.py", "reward_model.py"]
+
+
+@pytest.mark.parametrize("script", ALL_SCRIPTS)
 def test_help_works_when_copied_alone(script, tmp_path):
     shutil.copy(os.path.join(ROOT, script), tmp_path / script)
     proc = run_script(script, "--help", cwd=str(tmp_path))
@@ -220,3 +226,26 @@ def test_reward_model_learns(tmp_path):
     run_script("reward_model.py", "--num-steps", "500", "--eval-every", "500", "--output-dir", out)
     first, last = read_metrics(out)[0], read_metrics(out)[-1]
     assert last["eval/pair_accuracy"] >= max(0.62, first["eval/pair_accuracy"] + 0.08), (first, last)
+
+
+def readme_pipeline():
+    """The README's RLHF pipeline: the commands of its ```sh block, in order."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        (block,) = re.findall(r"```sh\n(.*?)```", f.read(), flags=re.S)
+    return [line.strip() for line in block.replace("\\\n", " ").splitlines() if line.strip().startswith("python ")]
+
+
+def test_readme_rlhf_pipeline_sft_reward_model_ppo(tmp_path):
+    """sft -> reward_model -> ppo with the learned reward, as the README writes it, with small flags."""
+    commands = readme_pipeline()
+    assert [shlex.split(c)[1] for c in commands] == ["sft.py", "reward_model.py", "ppo.py"]
+    for command in commands:
+        argv = [a.replace("runs/", str(tmp_path) + "/") for a in shlex.split(command)[1:]]
+        num_eval = EVAL_SIZE.get(argv[0], "2")
+        run_script(*argv, *SMALL[argv[0]], "--num-eval", num_eval)
+    ppo_out = argv[argv.index("--output-dir") + 1]
+    assert AutoModelForCausalLM.from_pretrained(ppo_out).num_parameters() > 0
+    metrics = read_metrics(ppo_out)
+    assert "charts/score" in metrics[-1] and "losses/value_loss" in metrics[-1]
+    with open(os.path.join(ppo_out, "args.json")) as f:
+        assert json.load(f)["reward_model_path"] == str(tmp_path) + "/rm"
