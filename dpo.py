@@ -390,10 +390,13 @@ def addition_pairs(policy, tokenizer, records, samples, max_new_tokens, device, 
     return pairs
 
 
-def load_preferences(args, tokenizer, device):
-    """(train, eval) lists of {'prompt', 'chosen', 'rejected'} pairs; the built-in task's also hold 'answer'."""
+def load_preferences(args, tokenizer, device, policy=None):
+    """(train, eval) lists of {'prompt', 'chosen', 'rejected'} pairs; the built-in task's also hold 'answer'.
+
+    The built-in pairs' negatives are sampled from `policy`, the starting policy (loaded here when not given).
+    """
     if args.dataset is None:
-        policy = load_model(args.model_name_or_path, args, device)  # the starting policy samples the negatives
+        policy = policy or load_model(args.model_name_or_path, args, device)
         train, held_out = addition_task(args.num_eval)  # held-out prompts never appear in training
         return [addition_pairs(policy, tokenizer, records, args.pair_samples, args.max_new_tokens, device)
                 for records in (train[: args.num_train_prompts], held_out)]
@@ -472,7 +475,7 @@ if __name__ == "__main__":
     stop_ids = stop_token_ids(tokenizer, policy)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     # the pairs, made once at the start (the built-in task: sampled from the starting policy)
-    train_pairs, eval_pairs = load_preferences(args, tokenizer, device)
+    train_pairs, eval_pairs = load_preferences(args, tokenizer, device, policy)  # policy: not trained yet
     eval_records = addition_task(args.num_eval)[1] if args.dataset is None else None
     if not train_pairs or not eval_pairs:
         fail(f"no preference pairs to {'train' if not train_pairs else 'evaluate'} on; check --dataset")

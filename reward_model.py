@@ -388,10 +388,13 @@ def addition_pairs(policy, tokenizer, records, samples, max_new_tokens, device, 
     return pairs
 
 
-def load_preferences(args, tokenizer, device):
-    """(train, eval) lists of {'prompt', 'chosen', 'rejected'} pairs; the built-in task's also hold 'answer'."""
+def load_preferences(args, tokenizer, device, policy=None):
+    """(train, eval) lists of {'prompt', 'chosen', 'rejected'} pairs; the built-in task's also hold 'answer'.
+
+    The built-in pairs' negatives are sampled from `policy`, the starting policy (loaded here when not given).
+    """
     if args.dataset is None:
-        policy = load_model(args.model_name_or_path, args, device)  # the starting policy samples the negatives
+        policy = policy or load_model(args.model_name_or_path, args, device)
         train, held_out = addition_task(args.num_eval)  # held-out prompts never appear in training
         return [addition_pairs(policy, tokenizer, records, args.pair_samples, args.max_new_tokens, device)
                 for records in (train[: args.num_train_prompts], held_out)]
