@@ -297,7 +297,16 @@ def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, batch_
 
 
 # ---- Logging and saving -------------------------------------------------------------------------
-TIMING_KEYS = ("charts/step_time", "charts/elapsed_time", "charts/tokens_per_sec")
+def clock(device):
+    """Seconds on a monotonic clock, once the GPU has finished the work queued so far (CUDA runs
+    asynchronously: without the wait, a phase's time would show up in the next one)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+TIMING_KEYS = ("charts/step_time", "charts/elapsed_time", "charts/tokens_per_sec", "charts/generation_time",
+               "charts/logprob_time", "charts/forward_backward_time")
 
 
 class Logger:
@@ -505,7 +514,7 @@ if __name__ == "__main__":
     start = time.time()
     logger.log(0, eval_metrics())
     for step in range(1, args.num_steps + 1):
-        step_start = time.time()
+        step_start = clock(device)
         batch = data_rng.choices(train_pairs, k=args.batch_size)
         policy.train()
         optimizer.zero_grad()
@@ -524,7 +533,7 @@ if __name__ == "__main__":
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
         optimizer.step()
 
-        step_time = time.time() - step_start
+        step_time = clock(device) - step_start
         evaluate_now = step % args.eval_every == 0 or step == args.num_steps
         if step % args.log_every == 0 or evaluate_now:
             metrics = {f"losses/{k}": torch.stack([s[k] for s in step_stats]).mean().item() for k in step_stats[0]}

@@ -333,7 +333,16 @@ def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, batch_
 
 
 # ---- Logging and saving -------------------------------------------------------------------------
-TIMING_KEYS = ("charts/step_time", "charts/elapsed_time", "charts/tokens_per_sec")
+def clock(device):
+    """Seconds on a monotonic clock, once the GPU has finished the work queued so far (CUDA runs
+    asynchronously: without the wait, a phase's time would show up in the next one)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+TIMING_KEYS = ("charts/step_time", "charts/elapsed_time", "charts/tokens_per_sec", "charts/generation_time",
+               "charts/logprob_time", "charts/forward_backward_time")
 
 
 class Logger:
@@ -505,13 +514,14 @@ if __name__ == "__main__":
     start = time.time()
     logger.log(0, {"eval/accuracy": evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids, device)})
     for step in range(1, args.num_steps + 1):
-        step_start = time.time()
+        step_start = clock(device)
         # 1. rollouts: one completion per prompt from pi_old
         batch = data_rng.choices(train_records, k=args.prompts_per_step)
         policy.eval()
         prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in batch], device)  # (B, P)
         completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature,
                                   stop_ids)  # (B, T)
+        generation_time = clock(device) - step_start
         mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
         attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
@@ -529,6 +539,7 @@ if __name__ == "__main__":
             scores = torch.where(has_eos, scores, scores - args.missing_eos_penalty)
 
         # 3. once per batch, without gradient: log-probs of pi_old and pi_ref, and the critic's values
+        logprob_start = clock(device)
         old_logprobs = batched_logprobs(policy, input_ids, attention_mask, prompt_len, args.temperature,
                                         args.micro_batch_size)  # (B, T)
         ref_logprobs = batched_logprobs(ref_policy, input_ids, attention_mask, prompt_len, args.temperature,
@@ -538,6 +549,7 @@ if __name__ == "__main__":
             old_values = torch.cat([token_values(value_model, input_ids[i : i + args.micro_batch_size],
                                                  attention_mask[i : i + args.micro_batch_size], prompt_len)
                                     for i in range(0, args.batch_size, args.micro_batch_size)])  # (B, T)
+        logprob_time = clock(device) - logprob_start
 
         # 4. per-token rewards, GAE, returns (before whitening), whitened advantages
         rewards = kl_penalized_rewards(scores, old_logprobs, ref_logprobs, mask, args.beta)  # (B, T)
@@ -547,11 +559,12 @@ if __name__ == "__main__":
         # 5. ppo_epochs passes over the batch, each num_minibatches optimizer steps on both losses
         policy.train()
         value_model.train()
-        step_stats = []
+        step_stats, forward_backward_time = [], 0.0
         for _ in range(args.ppo_epochs):
             for mb in torch.randperm(args.batch_size, generator=shuffle_gen).to(device).split(args.minibatch_size):
                 optimizer.zero_grad()
                 for idx in mb.split(args.micro_batch_size):
+                    forward_start = clock(device)
                     logprobs, entropy = sequence_logprobs(policy, input_ids[idx], attention_mask[idx], prompt_len,
                                                           args.temperature, with_entropy=True)  # (b, T), (b, T)
                     values = token_values(value_model, input_ids[idx], attention_mask[idx], prompt_len)  # (b, T)
@@ -564,6 +577,7 @@ if __name__ == "__main__":
                         fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the rewards")
                     # both losses are token means: weigh each micro-batch by its share of the minibatch's tokens
                     (loss * mask[idx].sum() / mask[mb].sum()).backward()
+                    forward_backward_time += clock(device) - forward_start
                     step_stats.append({"loss": loss.detach(), "policy_loss": pg_loss.detach(),
                                        "value_loss": vf_loss.detach(), **pg_stats, **vf_stats,
                                        "entropy": masked_mean(entropy.detach(), mask[idx])})
@@ -572,7 +586,7 @@ if __name__ == "__main__":
                 optimizer.step()
 
         # 6. log, and evaluate on the held-out prompts
-        step_time = time.time() - step_start
+        step_time = clock(device) - step_start
         evaluate_now = step % args.eval_every == 0 or step == args.num_steps
         if step % args.log_every == 0 or evaluate_now:
             kl = torch.where(mask, old_logprobs - ref_logprobs, 0.0).sum(dim=1)  # (B,) per completion
@@ -586,6 +600,8 @@ if __name__ == "__main__":
                 "charts/completion_length": mask.sum(dim=1).float().mean().item(),
                 "charts/learning_rate": optimizer.param_groups[0]["lr"], "losses/grad_norm": grad_norm.item(),
                 "charts/step_time": step_time, "charts/tokens_per_sec": mask.sum().item() / step_time,
+                "charts/generation_time": generation_time, "charts/logprob_time": logprob_time,
+                "charts/forward_backward_time": forward_backward_time,
                 "charts/elapsed_time": time.time() - start})
             if evaluate_now:
                 metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids,

@@ -319,7 +319,16 @@ def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, batch_
 
 
 # ---- Logging and saving -------------------------------------------------------------------------
-TIMING_KEYS = ("charts/step_time", "charts/elapsed_time", "charts/tokens_per_sec")
+def clock(device):
+    """Seconds on a monotonic clock, once the GPU has finished the work queued so far (CUDA runs
+    asynchronously: without the wait, a phase's time would show up in the next one)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+TIMING_KEYS = ("charts/step_time", "charts/elapsed_time", "charts/tokens_per_sec", "charts/generation_time",
+               "charts/logprob_time", "charts/forward_backward_time")
 
 
 class Logger:
@@ -420,13 +429,14 @@ if __name__ == "__main__":
     start = time.time()
     logger.log(0, {"eval/accuracy": evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids, device)})
     for step in range(1, args.num_steps + 1):
-        step_start = time.time()
+        step_start = clock(device)
         # 1. rollouts: G completions per prompt from pi_old, group-contiguous (prompt 0 G times, then prompt 1...)
         group = [r for r in data_rng.choices(train_records, k=args.prompts_per_step) for _ in range(args.group_size)]
         policy.eval()
         prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device)  # (B, P)
         completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature,
                                   stop_ids)  # (B, T)
+        generation_time = clock(device) - step_start
         mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
         attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
@@ -438,6 +448,7 @@ if __name__ == "__main__":
 
         # 3. the KL penalty joins the sequence reward as a constant, R_i = r_i - beta sum_t (log pi_old - log pi_ref),
         # with log-probs computed once without gradient; then the leave-one-out advantage
+        logprob_start = clock(device)
         seq_rewards, kl = rewards, torch.zeros_like(rewards)
         if ref_policy is not None:
             old_logprobs = batched_logprobs(
@@ -446,25 +457,28 @@ if __name__ == "__main__":
                 ref_policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size)  # (B, T)
             kl = torch.where(mask, old_logprobs - ref_logprobs, 0.0).sum(dim=1)  # (B,)
             seq_rewards = rewards - args.beta * kl
+        logprob_time = clock(device) - logprob_start
         advantages = rloo_advantages(seq_rewards, args.group_size)  # (B,)
 
         # 4. one on-policy optimizer step over the whole batch, accumulated over micro-batches
         policy.train()
         optimizer.zero_grad()
-        step_stats = []
+        step_stats, forward_backward_time = [], 0.0
         for idx in torch.arange(args.batch_size, device=device).split(args.micro_batch_size):
+            forward_start = clock(device)
             logprobs = sequence_logprobs(policy, input_ids[idx], attention_mask[idx], prompt_len,
                                          args.temperature)  # (b, T)
             loss, stats = rloo_loss(logprobs, advantages[idx], mask[idx])
             if not torch.isfinite(loss):
                 fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the rewards")
             (loss * len(idx) / args.batch_size).backward()  # the micro-batches add up to the batch's mean
+            forward_backward_time += clock(device) - forward_start
             step_stats.append({"loss": loss.detach(), **stats})
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
         optimizer.step()
 
         # 5. log, and evaluate on the held-out prompts
-        step_time = time.time() - step_start
+        step_time = clock(device) - step_start
         evaluate_now = step % args.eval_every == 0 or step == args.num_steps
         if step % args.log_every == 0 or evaluate_now:
             metrics = {f"losses/{k}": torch.stack([s[k] for s in step_stats]).mean().item() for k in step_stats[0]}
@@ -474,6 +488,8 @@ if __name__ == "__main__":
                 "charts/completion_length": mask.sum(dim=1).float().mean().item(), "losses/kl": kl.mean().item(),
                 "charts/learning_rate": optimizer.param_groups[0]["lr"], "losses/grad_norm": grad_norm.item(),
                 "charts/step_time": step_time, "charts/tokens_per_sec": mask.sum().item() / step_time,
+                "charts/generation_time": generation_time, "charts/logprob_time": logprob_time,
+                "charts/forward_backward_time": forward_backward_time,
                 "charts/elapsed_time": time.time() - start})
             if evaluate_now:
                 metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids,
