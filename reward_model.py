@@ -236,7 +236,8 @@ def decode_completions(tokenizer, completion_ids, mask):
     return [tokenizer.decode(ids[m], skip_special_tokens=True) for ids, m in zip(completion_ids, mask)]
 
 
-def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=1.0, chunk_size=8, with_entropy=False):
+def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=1.0, with_entropy=False,
+                      chunk_values=2**26):
     """Log-probs (B, T) of the completion tokens input_ids[:, prompt_len:], float32.
 
     input_ids = [PAD, PAD, 4, 7, 13 | 5, 5, EOS]   left-padded prompt | completion (T = 3)
@@ -244,8 +245,10 @@ def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=
     positions = [0,   0,   0, 1, 2  | 3, 4, 5  ]   from the mask, as generate() computes them
     The logits at position prompt_len - 1 + t predict completion token t. Divided by the
     sampling temperature, they give the distribution the token was sampled from. The float32
-    log-softmax is taken chunk_size rows at a time: logsumexp over the vocabulary, minus the
-    logit of the chosen token, so no float32 (B, T, vocab) tensor is built at once.
+    log-softmax is taken a few rows at a time, at most chunk_values floats (256 MB) or one row:
+    logsumexp over the vocabulary, minus the logit of the chosen token. Without gradient, no float32
+    (B, T, vocab) tensor is built at once; with gradient, autograd keeps every chunk for the
+    backward pass, so there the saving is small (docs/results.md measures both).
     with_entropy: also return each position's entropy (B, T), logsumexp(z) - sum_v p_v z_v.
     """
     position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, P + T)
@@ -253,10 +256,11 @@ def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    logits_to_keep=completion_len + 1).logits[:, :-1]  # (B, T, vocab)
     targets = input_ids[:, prompt_len:]  # (B, T)
+    chunk_rows = max(1, chunk_values // (logits.shape[1] * logits.shape[2]))
     rows, entropies = [], []
-    for i in range(0, logits.shape[0], chunk_size):
-        chunk = logits[i : i + chunk_size].float() / temperature  # (chunk, T, vocab)
-        chosen = chunk.gather(-1, targets[i : i + chunk_size, :, None]).squeeze(-1)  # (chunk, T)
+    for i in range(0, logits.shape[0], chunk_rows):
+        chunk = logits[i : i + chunk_rows].float() / temperature  # (chunk, T, vocab)
+        chosen = chunk.gather(-1, targets[i : i + chunk_rows, :, None]).squeeze(-1)  # (chunk, T)
         logsumexp = torch.logsumexp(chunk, dim=-1)
         rows.append(chosen - logsumexp)
         if with_entropy:
