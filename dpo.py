@@ -522,12 +522,16 @@ if __name__ == "__main__":
         batch = data_rng.choices(train_pairs, k=args.batch_size)
         policy.train()
         optimizer.zero_grad()
-        step_stats = []
+        step_stats, num_tokens = [], 0
         for i in range(0, args.batch_size, args.micro_batch_size):
             pairs = batch[i : i + args.micro_batch_size]
+            input_ids, attention_mask, prompt_len, mask = pair_batch(tokenizer, pairs, device)  # (2b, P + T), (2b, T)
             with torch.no_grad():
-                ref_chosen, ref_rejected = forward(pairs, ref_policy)  # (b,), (b,): constants
-            chosen, rejected = forward(pairs, policy)  # chosen and rejected through one forward pass
+                ref_chosen, ref_rejected = completion_logps(ref_policy, input_ids, attention_mask, prompt_len,
+                                                            mask).chunk(2)  # (b,), (b,): constants
+            # chosen and rejected through one forward pass
+            chosen, rejected = completion_logps(policy, input_ids, attention_mask, prompt_len, mask).chunk(2)
+            num_tokens += mask.sum().item()
             loss, stats = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
                                    args.label_smoothing)
             if not torch.isfinite(loss):
@@ -543,6 +547,7 @@ if __name__ == "__main__":
             metrics = {f"losses/{k}": torch.stack([s[k] for s in step_stats]).mean().item() for k in step_stats[0]}
             metrics.update({"charts/learning_rate": optimizer.param_groups[0]["lr"],
                             "losses/grad_norm": grad_norm.item(), "charts/step_time": step_time,
+                            "charts/tokens_per_sec": num_tokens / step_time,
                             "charts/elapsed_time": time.time() - start})
             if evaluate_now:
                 metrics.update(eval_metrics())

@@ -501,10 +501,13 @@ if __name__ == "__main__":
         batch = data_rng.choices(train_pairs, k=args.batch_size)
         model.train()
         optimizer.zero_grad()
-        step_stats = []
+        step_stats, num_tokens = [], 0
         for i in range(0, args.batch_size, args.micro_batch_size):
             pairs = batch[i : i + args.micro_batch_size]
-            chosen, rejected = scores(pairs)  # chosen and rejected through one forward pass
+            input_ids, attention_mask, _, mask = pair_batch(tokenizer, pairs, device)  # (2b, P + T), (2b, T)
+            # chosen and rejected through one forward pass
+            chosen, rejected = last_token_scores(model, input_ids, attention_mask).chunk(2)  # (b,), (b,)
+            num_tokens += mask.sum().item()
             margin = torch.tensor([float(p["margin"]) for p in pairs], device=device) if "margin" in pairs[0] else None
             loss, stats = bradley_terry_loss(chosen, rejected, margin)
             if not torch.isfinite(loss):
@@ -520,6 +523,7 @@ if __name__ == "__main__":
             metrics = {f"losses/{k}": torch.stack([s[k] for s in step_stats]).mean().item() for k in step_stats[0]}
             metrics.update({"charts/learning_rate": optimizer.param_groups[0]["lr"],
                             "losses/grad_norm": grad_norm.item(), "charts/step_time": step_time,
+                            "charts/tokens_per_sec": num_tokens / step_time,
                             "charts/elapsed_time": time.time() - start})
             if evaluate_now:
                 metrics.update(eval_metrics())
