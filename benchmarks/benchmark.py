@@ -1,0 +1,348 @@
+"""Runs every algorithm's default on the bundled task over several seeds and writes the results page.
+
+Each algorithm file runs exactly as a user runs it (`python grpo.py --seed 2 --output-dir ...`), one
+at a time, in a subprocess whose wall time and peak resident memory are measured. The script then
+reads every run's metrics.jsonl and writes, from nothing:
+
+    docs/results.md            one row per algorithm (held-out accuracy at start and end, mean ± std
+                               over seeds; wall time; peak memory; tokens per second), where a
+                               training step's time goes, and the memory of the log-prob computation
+    docs/learning_curves.png   held-out accuracy against step and against wall-clock seconds
+
+    pip install -r requirements.txt -r benchmarks/requirements.txt
+    python benchmarks/benchmark.py                      # 3 seeds of every default, about 45 min on 2 CPU cores
+    python benchmarks/benchmark.py --seeds 1 2 3 4 5    # more seeds
+    python benchmarks/benchmark.py --quick --runs-dir /tmp/quick --out-dir /tmp/quick   # a check, about 2 min
+
+Runs go to --runs-dir; a run that already finished there is read, not run again (delete the folder
+to run it again). `ppo-learned-rm` is the RLHF pipeline: PPO against the reward model that the
+`reward_model` run of the same seed trained.
+"""
+
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import tyro
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ALGORITHMS = ("sft", "grpo", "rloo", "gspo", "cispo", "ppo", "dpo", "reward_model", "ppo-learned-rm")
+ONLINE = ("grpo", "rloo", "gspo", "cispo", "ppo", "ppo-learned-rm")  # the ones that sample during training
+# --quick: a few steps of each, on few prompts: checks the whole pipeline, measures nothing worth reading
+QUICK_FLAGS = {
+    "sft": ["--num-steps", "4", "--batch-size", "8", "--micro-batch-size", "8"],
+    "grpo": ["--num-steps", "4", "--prompts-per-step", "4", "--micro-batch-size", "16"],
+    "rloo": ["--num-steps", "4", "--prompts-per-step", "4", "--micro-batch-size", "16"],
+    "gspo": ["--num-steps", "4", "--prompts-per-step", "4", "--micro-batch-size", "8"],
+    "cispo": ["--num-steps", "4", "--prompts-per-step", "4", "--micro-batch-size", "8"],
+    "ppo": ["--num-steps", "4", "--prompts-per-step", "8", "--micro-batch-size", "2"],
+    "dpo": ["--num-steps", "4", "--batch-size", "8", "--micro-batch-size", "8", "--num-train-prompts", "32"],
+    "reward_model": ["--num-steps", "4", "--batch-size", "8", "--micro-batch-size", "8", "--num-train-prompts", "32"],
+    "ppo-learned-rm": ["--num-steps", "4", "--prompts-per-step", "8", "--micro-batch-size", "2"],
+}
+QUICK_COMMON = ["--eval-every", "2", "--log-every", "1", "--num-eval", "20"]
+MEMORY_CASES = [("plain", False), ("chunked", False), ("plain", True), ("chunked", True)]
+
+
+@dataclass
+class Args:
+    seeds: tuple[int, ...] = (1, 2, 3)  # seeds of every algorithm's runs
+    algorithms: tuple[str, ...] = ALGORITHMS  # which rows to run (ppo-learned-rm needs reward_model)
+    quick: bool = False  # a few steps of each on one seed, and a short memory case: a check of this script
+    runs_dir: str = "runs/benchmarks"  # where the runs go; a finished run there is read, not run again
+    out_dir: str = "docs"  # where results.md and learning_curves.png are written
+    memory_batch_size: int = 4  # sequences in the log-prob memory measurement
+    memory_seq_len: int = 1024  # tokens per sequence in the log-prob memory measurement (64 of them prompt)
+
+
+def fail(message):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+def run_measured(command, log_path):
+    """Run a command from the repository root; return (exit code, wall seconds, peak resident GB)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    with open(log_path, "w") as log:
+        start = time.perf_counter()
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage, not all children's
+        seconds = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, seconds, usage.ru_maxrss / 2**20  # Linux reports KiB
+
+
+def run_algorithm(name, seed, args):
+    """One run of one algorithm's default; its metrics and measurements, read back from disk."""
+    out = os.path.join(args.runs_dir, f"{name}__{seed}")
+    record_path = out + ".json"
+    if os.path.exists(record_path) and os.path.exists(os.path.join(out, "metrics.jsonl")):
+        print(f"{name} seed {seed}: finished before, read from {out}", flush=True)
+    else:
+        shutil.rmtree(out, ignore_errors=True)  # an unfinished run of this script, in this script's folder
+        script = "ppo" if name == "ppo-learned-rm" else name
+        command = [sys.executable, f"{script}.py", "--seed", str(seed), "--output-dir", os.path.abspath(out)]
+        if name == "ppo-learned-rm":
+            rm_dir = os.path.abspath(os.path.join(args.runs_dir, f"reward_model__{seed}"))
+            if not os.path.exists(os.path.join(rm_dir, "config.json")):
+                fail(f"ppo-learned-rm seed {seed} needs the reward_model run of that seed: add reward_model "
+                     "to --algorithms")
+            command += ["--reward-model-path", rm_dir]
+        if args.quick:
+            command += QUICK_FLAGS[name] + QUICK_COMMON
+        print(f"{name} seed {seed}: {' '.join(command[1:])}", flush=True)
+        code, seconds, peak_gb = run_measured(command, out + ".log")
+        if code != 0:
+            with open(out + ".log") as f:
+                tail = f.read()[-2000:]
+            fail(f"{name} seed {seed} exited {code}; its output ends:\n{tail}\n(full log: {out}.log)")
+        with open(record_path, "w") as f:
+            json.dump({"command": command[1:], "wall_seconds": seconds, "peak_rss_gb": peak_gb}, f, indent=2)
+        print(f"  {seconds:.0f} s, {peak_gb:.2f} GB", flush=True)
+    with open(record_path) as f:
+        record = json.load(f)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        record["metrics"] = [json.loads(line) for line in f]
+    return record
+
+
+def measure_logprob_memory(args):
+    """Each case in a fresh process, one at a time, so that one case's peak is not another's."""
+    seq_len, batch = (128, 2) if args.quick else (args.memory_seq_len, args.memory_batch_size)
+    results = []
+    for method, grad in MEMORY_CASES:
+        command = [sys.executable, "benchmarks/logprob_memory.py", "--method", method, "--batch-size", str(batch),
+                   "--seq-len", str(seq_len), "--prompt-len", "64"] + (["--grad"] if grad else [])
+        print(f"log-prob memory: {' '.join(command[1:])}", flush=True)
+        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                              env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        if proc.returncode != 0:
+            fail(f"{' '.join(command[1:])} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return results
+
+
+# ---- summaries ------------------------------------------------------------------------------------
+def series(metrics, key):
+    """(step, elapsed seconds, value) of every record that has the key; step 0 is at 0 s."""
+    return [(m["step"], m.get("charts/elapsed_time", 0.0), m[key]) for m in metrics if key in m]
+
+
+def mean_std(values, scale=1.0, digits=1):
+    values = [v * scale for v in values]
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def summary_rows(runs):
+    """One row per algorithm, every number over its seeds."""
+    rows = []
+    for name, records in runs.items():
+        row = {"name": name, "seeds": len(records)}
+        for key, label in (("eval/accuracy", "accuracy"), ("eval/pair_accuracy", "pair_accuracy")):
+            curves = [series(r["metrics"], key) for r in records]
+            if all(curves):
+                row[label] = ([c[0][2] for c in curves], [c[-1][2] for c in curves], [max(v for _, _, v in c)
+                                                                                      for c in curves])
+        row["wall"] = [r["wall_seconds"] for r in records]
+        row["peak"] = [r["peak_rss_gb"] for r in records]
+        row["tokens_per_sec"] = [statistics.mean(v for _, _, v in series(r["metrics"], "charts/tokens_per_sec"))
+                                 for r in records]
+        rows.append(row)
+    return rows
+
+
+def time_breakdown(records):
+    """Mean seconds per logged training step: generation, no-grad log-prob passes, forward+backward, rest."""
+    steps = [m for r in records for m in r["metrics"] if "charts/generation_time" in m]
+    mean = {k: statistics.mean(m[f"charts/{k}"] for m in steps)
+            for k in ("step_time", "generation_time", "logprob_time", "forward_backward_time")}
+    mean["overhead"] = mean["step_time"] - mean["generation_time"] - mean["logprob_time"] - mean["forward_backward_time"]
+    return mean, len(steps)
+
+
+def machine_line():
+    cpu = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    import torch
+    import transformers
+
+    return (f"{cpu}, {os.cpu_count()} cores, {memory_gb:.0f} GiB of memory, no GPU used; Python "
+            f"{platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}")
+
+
+def plot_curves(runs, path):
+    import matplotlib
+
+    matplotlib.use("Agg")  # no screen needed
+    import matplotlib.pyplot as plt
+
+    panels = [("eval/accuracy", "held-out greedy accuracy (%)"), ("eval/pair_accuracy", "held-out pair accuracy (%)")]
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9), squeeze=False)
+    colors = plt.get_cmap("tab10")
+    for row, (key, ylabel) in enumerate(panels):
+        for i, (name, records) in enumerate(runs.items()):
+            curves = [series(r["metrics"], key) for r in records]
+            if not all(curves):
+                continue
+            n = min(len(c) for c in curves)  # the same evaluation steps in every seed
+            steps = [c[0] for c in curves[0][:n]]
+            values = [[100 * c[j][2] for c in curves] for j in range(n)]
+            mean = [statistics.mean(v) for v in values]
+            low, high = [min(v) for v in values], [max(v) for v in values]
+            seconds = [statistics.mean(c[j][1] for c in curves) for j in range(n)]
+            for ax, x in ((axes[row][0], steps), (axes[row][1], seconds)):
+                ax.plot(x, mean, marker="o", markersize=3, color=colors(i), label=name)
+                if len(records) > 1:
+                    ax.fill_between(x, low, high, color=colors(i), alpha=0.15)
+        for col, xlabel in enumerate(("training step", "wall-clock seconds of training (evaluations included)")):
+            ax = axes[row][col]
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    seeds = max(len(r) for r in runs.values())
+    fig.suptitle(f"every algorithm's default on the bundled addition task: mean of {seeds} seed(s)"
+                 + (", band = min to max over seeds" if seeds > 1 else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_results(runs, memory, args, started, total_seconds, path):
+    rows = summary_rows(runs)
+    pct = lambda values: mean_std(values, 100)  # noqa: E731
+    lines = [
+        "# Results",
+        "",
+        "Generated by `python benchmarks/benchmark.py" + (" --quick" if args.quick else "") + "`; do not edit by hand.",
+        "",
+        f"- Date: {started:%Y-%m-%d} (UTC); {total_seconds / 60:.0f} minutes for this command (runs it read from an"
+        " earlier invocation are not counted).",
+        f"- Machine: {machine_line()}.",
+        f"- Seeds: {', '.join(map(str, args.seeds))}. Every number is the mean ± standard deviation over the seeds"
+        " (one seed: the number itself).",
+        "- Each run is the file's default command (`python <file>.py --seed S`)"
+        + (", shortened by --quick to a few steps: **these numbers check the script, they measure nothing**"
+           if args.quick else "") + "; `ppo-learned-rm` is `python ppo.py --reward-model-path <the reward_model run"
+        " of the same seed>`.",
+        "",
+        "## Every algorithm on the bundled task",
+        "",
+        "Held-out accuracy is greedy accuracy on the task's held-out prompts (500 in a default run, the same in every"
+        " run; `eval/accuracy`); the reward"
+        " model has none, and its row gives held-out pair accuracy (`eval/pair_accuracy`), as DPO's does too."
+        " Start is step 0, end the last step, best the best evaluation of each seed."
+        " Wall time is the whole command, loading, building pairs and evaluations included;"
+        " peak memory is the process's peak resident set (most of it is the torch library itself);"
+        " tokens/s is `charts/tokens_per_sec` averaged over the logged steps: completion tokens per second of a"
+        " training step (sampled tokens for the online algorithms, trained-on tokens of both completions of"
+        " each pair for DPO and the reward model).",
+        "",
+        "| algorithm | held-out accuracy, start → end (%) | best (%) | pair accuracy, start → end (%) |"
+        " wall time (s) | peak memory (GB) | tokens/s |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        acc = row.get("accuracy")
+        pair = row.get("pair_accuracy")
+        lines.append(
+            f"| {row['name']} | {f'{pct(acc[0])} → {pct(acc[1])}' if acc else '—'} | {pct(acc[2]) if acc else '—'} | "
+            f"{f'{pct(pair[0])} → {pct(pair[1])}' if pair else '—'} | {mean_std(row['wall'], digits=0)} | "
+            f"{mean_std(row['peak'], digits=2)} | {mean_std(row['tokens_per_sec'], digits=0)} |")
+    lines += ["", "![held-out accuracy against step and wall-clock time](learning_curves.png)", ""]
+
+    lines += ["## Held-out accuracy at every evaluation", "",
+              "Mean over seeds, in %, at the steps each file evaluates by default.", ""]
+    for name, records in runs.items():
+        for key, label in (("eval/accuracy", "accuracy"), ("eval/pair_accuracy", "pair accuracy")):
+            curves = [series(r["metrics"], key) for r in records]
+            if all(curves):
+                n = min(len(c) for c in curves)
+                points = ", ".join(f"{curves[0][j][0]}: {statistics.mean(100 * c[j][2] for c in curves):.1f}"
+                                   for j in range(n))
+                lines.append(f"- {name}, {label}: {points}")
+    lines.append("")
+
+    online = [name for name in runs if name in ONLINE]
+    if online:
+        lines += ["## Where a training step's time goes", "",
+                  "Each online file times the phases of every logged step (`charts/generation_time`, "
+                  "`charts/logprob_time`, `charts/forward_backward_time`, all within `charts/step_time`). Generation"
+                  " is sampling the batch's completions; the log-prob passes are the no-gradient forward passes"
+                  " before the update (old policy and reference; PPO also the critic's values); forward+backward is"
+                  " every micro-batch's forward, loss and backward; the rest (overhead) is tokenising, decoding,"
+                  " rewards (and the reward model's scoring in `ppo-learned-rm`), advantages, gradient clipping and"
+                  " the optimizer step. Evaluation is outside the step. Mean over the logged steps of every seed.",
+                  "", "| algorithm | step (ms) | generation | log-prob passes | forward+backward | overhead |"
+                  " logged steps |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for name in online:
+            mean, count = time_breakdown(runs[name])
+            share = lambda k: f"{100 * mean[k] / mean['step_time']:.0f}%"  # noqa: E731
+            lines.append(f"| {name} | {1000 * mean['step_time']:.0f} | {share('generation_time')} | "
+                         f"{share('logprob_time')} | {share('forward_backward_time')} | {share('overhead')} | {count} |")
+        lines.append("")
+
+    if memory:
+        first = memory[0]
+        lines += ["## Memory of the log-prob computation", "",
+                  f"A random one-layer Qwen2 model (hidden size 64) with Qwen's {first['vocab_size']:,}-token"
+                  f" vocabulary, {first['batch_size']} sequences of {first['seq_len']:,} tokens"
+                  f" ({first['prompt_len']} of prompt), float32 on the CPU: the logits of the completion positions"
+                  f" alone are {first['logits_gb']:.2f} GB. Each case runs in a fresh process"
+                  " (`benchmarks/logprob_memory.py`); the memory is the rise of the process's peak resident set over"
+                  " the computation (forward pass included, and the backward pass with gradient). `chunked` is the"
+                  " files' `sequence_logprobs`; `plain` is one float32 `log_softmax` over the whole logits tensor"
+                  " after the same forward pass.", "",
+                  "| method | gradient | peak memory added (GB) | × the logits | seconds | sum of log-probs |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for m in memory:
+            lines.append(f"| {m['method']} | {'forward + backward' if m['grad'] else 'no (old/reference passes)'} | "
+                         f"{m['added_gb']:.2f} | {m['added_gb'] / m['logits_gb']:.1f} | {m['seconds']:.1f} | "
+                         f"{m['logprob_sum']:.1f} |")
+        lines.append("")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    unknown = [a for a in args.algorithms if a not in ALGORITHMS]
+    if unknown:
+        fail(f"--algorithms: unknown {', '.join(unknown)}; choose among {', '.join(ALGORITHMS)}")
+    if not args.seeds:
+        fail("--seeds: give at least one seed")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        fail("matplotlib is missing: pip install -r benchmarks/requirements.txt")
+    if args.quick:
+        args.seeds = args.seeds[:1]
+    args.runs_dir, args.out_dir = os.path.abspath(args.runs_dir), os.path.abspath(args.out_dir)
+    os.makedirs(args.runs_dir, exist_ok=True)
+    os.makedirs(args.out_dir, exist_ok=True)
+    started, start = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
+
+    order = [a for a in ALGORITHMS if a in args.algorithms]  # reward_model runs before ppo-learned-rm
+    runs = {name: [] for name in order}
+    for seed in args.seeds:
+        for name in order:
+            runs[name].append(run_algorithm(name, seed, args))
+    memory = measure_logprob_memory(args)
+
+    plot_curves(runs, os.path.join(args.out_dir, "learning_curves.png"))
+    write_results(runs, memory, args, started, time.perf_counter() - start, os.path.join(args.out_dir, "results.md"))
+    print(f"wrote {os.path.join(args.out_dir, 'results.md')} and learning_curves.png in "
+          f"{(time.perf_counter() - start) / 60:.1f} min")
