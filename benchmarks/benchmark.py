@@ -30,6 +30,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+import torch
+import transformers
 import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,10 +118,11 @@ def run_algorithm(name, seed, args):
 def measure_logprob_memory(args):
     """Each case in a fresh process, one at a time, so that one case's peak is not another's."""
     seq_len, batch = (128, 2) if args.quick else (args.memory_seq_len, args.memory_batch_size)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where the algorithm files would run
     results = []
     for method, grad in MEMORY_CASES:
         command = [sys.executable, "benchmarks/logprob_memory.py", "--method", method, "--batch-size", str(batch),
-                   "--seq-len", str(seq_len), "--prompt-len", "64"] + (["--grad"] if grad else [])
+                   "--seq-len", str(seq_len), "--prompt-len", "64", "--device", device] + (["--grad"] if grad else [])
         print(f"log-prob memory: {' '.join(command[1:])}", flush=True)
         proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
                               env=dict(os.environ, HF_HUB_OFFLINE="1"))
@@ -165,7 +168,8 @@ def time_breakdown(records):
     steps = [m for r in records for m in r["metrics"] if "charts/generation_time" in m]
     mean = {k: statistics.mean(m[f"charts/{k}"] for m in steps)
             for k in ("step_time", "generation_time", "logprob_time", "forward_backward_time")}
-    mean["overhead"] = mean["step_time"] - mean["generation_time"] - mean["logprob_time"] - mean["forward_backward_time"]
+    mean["overhead"] = mean["step_time"] - sum(mean[k] for k in ("generation_time", "logprob_time",
+                                                                "forward_backward_time"))
     return mean, len(steps)
 
 
@@ -176,10 +180,8 @@ def machine_line():
             names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
         cpu = names[0] if names else cpu
     memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    import torch
-    import transformers
-
-    return (f"{cpu}, {os.cpu_count()} cores, {memory_gb:.0f} GiB of memory, no GPU used; Python "
+    gpu = f"GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no GPU"
+    return (f"{cpu}, {os.cpu_count()} cores, {memory_gb:.0f} GiB of memory, {gpu}; Python "
             f"{platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}")
 
 
@@ -256,12 +258,11 @@ def write_results(runs, memory, args, started, total_seconds, path):
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in rows:
-        acc = row.get("accuracy")
-        pair = row.get("pair_accuracy")
-        lines.append(
-            f"| {row['name']} | {f'{pct(acc[0])} → {pct(acc[1])}' if acc else '—'} | {pct(acc[2]) if acc else '—'} | "
-            f"{f'{pct(pair[0])} → {pct(pair[1])}' if pair else '—'} | {mean_std(row['wall'], digits=0)} | "
-            f"{mean_std(row['peak'], digits=2)} | {mean_std(row['tokens_per_sec'], digits=0)} |")
+        acc, pair = row.get("accuracy"), row.get("pair_accuracy")
+        accuracy = f"{pct(acc[0])} → {pct(acc[1])} | {pct(acc[2])}" if acc else "— | —"
+        pair_accuracy = f"{pct(pair[0])} → {pct(pair[1])}" if pair else "—"
+        lines.append(f"| {row['name']} | {accuracy} | {pair_accuracy} | {mean_std(row['wall'], digits=0)} | "
+                     f"{mean_std(row['peak'], digits=2)} | {mean_std(row['tokens_per_sec'], digits=0)} |")
     lines += ["", "![held-out accuracy against step and wall-clock time](learning_curves.png)", ""]
 
     lines += ["## Held-out accuracy at every evaluation", "",
@@ -290,9 +291,9 @@ def write_results(runs, memory, args, started, total_seconds, path):
                   " logged steps |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for name in online:
             mean, count = time_breakdown(runs[name])
-            share = lambda k: f"{100 * mean[k] / mean['step_time']:.0f}%"  # noqa: E731
-            lines.append(f"| {name} | {1000 * mean['step_time']:.0f} | {share('generation_time')} | "
-                         f"{share('logprob_time')} | {share('forward_backward_time')} | {share('overhead')} | {count} |")
+            shares = " | ".join(f"{100 * mean[k] / mean['step_time']:.0f}%"
+                                for k in ("generation_time", "logprob_time", "forward_backward_time", "overhead"))
+            lines.append(f"| {name} | {1000 * mean['step_time']:.0f} | {shares} | {count} |")
         lines.append("")
 
     if memory:
@@ -300,10 +301,11 @@ def write_results(runs, memory, args, started, total_seconds, path):
         lines += ["## Memory of the log-prob computation", "",
                   f"A random one-layer Qwen2 model (hidden size 64) with Qwen's {first['vocab_size']:,}-token"
                   f" vocabulary, {first['batch_size']} sequences of {first['seq_len']:,} tokens"
-                  f" ({first['prompt_len']} of prompt), float32 on the CPU: the logits of the completion positions"
-                  f" alone are {first['logits_gb']:.2f} GB. Each case runs in a fresh process"
-                  " (`benchmarks/logprob_memory.py`); the memory is the rise of the process's peak resident set over"
-                  " the computation (forward pass included, and the backward pass with gradient). `chunked` is the"
+                  f" ({first['prompt_len']} of prompt), float32 on the {first['device'].upper()}: the logits of the"
+                  f" completion positions alone are {first['logits_gb']:.2f} GB. Each case runs in a fresh process"
+                  " (`benchmarks/logprob_memory.py`); the memory is the rise of the process's peak resident set (on a"
+                  " GPU: of `torch.cuda.max_memory_allocated`) over the computation (forward pass included, and the"
+                  " backward pass with gradient). `chunked` is the"
                   " files' `sequence_logprobs`; `plain` is one float32 `log_softmax` over the whole logits tensor"
                   " after the same forward pass.", "",
                   "| method | gradient | peak memory added (GB) | × the logits | seconds | sum of log-probs |",

@@ -4,8 +4,9 @@ A random one-layer Qwen2 model with Qwen's vocabulary (151,936 tokens) reads a b
 the log-probs of the last (seq_len - prompt_len) tokens are computed either the way the algorithm
 files do (`sequence_logprobs`, float32 log-softmax a few rows at a time) or with one plain
 `log_softmax` over the whole float32 logits tensor. Both use the same forward pass (logits of the
-completion positions only). The peak resident memory of the process (ru_maxrss) is read before and
-after; the difference is what the computation added. Prints one JSON line.
+completion positions only). On the CPU the peak resident memory of the process (ru_maxrss) is read
+before and after; the difference is what the computation added. With --device cuda (float32 too) it
+is the rise of torch.cuda.max_memory_allocated instead. Prints one JSON line.
 
     python benchmarks/logprob_memory.py --method chunked --grad
 """
@@ -24,7 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from grpo import sequence_logprobs  # noqa: E402  (every algorithm file has the same copy)
 
 
-def peak_rss_gb():
+def peak_gb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
@@ -44,6 +47,7 @@ if __name__ == "__main__":
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--vocab-size", type=int, default=151936)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda to measure GPU memory")
     args = parser.parse_args()
     if not 0 < args.prompt_len < args.seq_len:
         sys.exit(f"--prompt-len must be between 0 and --seq-len ({args.seq_len}), got {args.prompt_len}")
@@ -52,21 +56,25 @@ if __name__ == "__main__":
     config = Qwen2Config(vocab_size=args.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=args.seq_len,
                          tie_word_embeddings=True)
-    model = AutoModelForCausalLM.from_config(config)  # float32, as on the CPU
-    input_ids = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len))
+    device = torch.device(args.device)
+    model = AutoModelForCausalLM.from_config(config).to(device)  # float32
+    input_ids = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len)).to(device)
     attention_mask = torch.ones_like(input_ids)
     compute = sequence_logprobs if args.method == "chunked" else plain_logprobs
 
-    before = peak_rss_gb()
+    before = peak_gb(device)
     start = time.perf_counter()
     with torch.set_grad_enabled(args.grad):
         logprobs = compute(model, input_ids, attention_mask, args.prompt_len)  # (B, T)
         if args.grad:
             logprobs.sum().backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
     completion_len = args.seq_len - args.prompt_len
-    print(json.dumps({"method": args.method, "grad": args.grad, "batch_size": args.batch_size,
+    peak = peak_gb(device)
+    print(json.dumps({"method": args.method, "grad": args.grad, "device": args.device, "batch_size": args.batch_size,
                       "seq_len": args.seq_len, "prompt_len": args.prompt_len, "vocab_size": args.vocab_size,
                       "logits_gb": args.batch_size * completion_len * args.vocab_size * 4 / 2**30,
-                      "before_gb": before, "peak_gb": peak_rss_gb(), "added_gb": peak_rss_gb() - before,
+                      "before_gb": before, "peak_gb": peak, "added_gb": peak - before,
                       "seconds": seconds, "logprob_sum": logprobs.sum().item()}))

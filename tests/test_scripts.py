@@ -60,10 +60,12 @@ def test_the_readme_has_the_two_setup_lines():
     with open(os.path.join(ROOT, "README.md")) as f:
         text = f.read()
     assert "pip install -r requirements.txt && python grpo.py\n" in text
-    assert "pip install -r requirements.txt && python -m pytest\n" in text
+    assert "pip install -r requirements.txt -r benchmarks/requirements.txt && python -m pytest\n" in text
 
 
-@pytest.mark.parametrize("command", [c for c in readme_commands() if not c.startswith("python -m pytest")])
+# the benchmark command is run by test_benchmark.py, with --quick
+@pytest.mark.parametrize("command", [c for c in readme_commands()
+                                     if not c.startswith(("python -m pytest", "python benchmarks/benchmark.py"))])
 def test_readme_command(command, chat_model_dir, tmp_path):
     argv = offline(shlex.split(command)[1:], chat_model_dir)
     script = argv[0]

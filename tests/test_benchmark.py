@@ -1,0 +1,113 @@
+"""The benchmark command's quick variant, run as the README says, and what it writes."""
+
+import json
+import os
+import re
+import struct
+
+import pytest
+from conftest import ROOT, run_script
+
+ALGORITHMS = ["sft", "grpo", "rloo", "gspo", "cispo", "ppo", "dpo", "reward_model", "ppo-learned-rm"]
+ONLINE = ["grpo", "rloo", "gspo", "cispo", "ppo", "ppo-learned-rm"]
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("benchmark")
+    proc = run_script("benchmarks/benchmark.py", "--quick", "--runs-dir", str(out / "runs"), "--out-dir", str(out))
+    with open(out / "results.md") as f:
+        return out, f.read(), proc.stdout
+
+
+def table_rows(text, heading):
+    """The rows of the first table after a heading, each a list of its cells."""
+    rows = []
+    for line in text.split(heading, 1)[1].splitlines():
+        if line.startswith("|"):
+            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        elif rows:
+            break
+    return rows[2:]  # past the header and the separator
+
+
+def test_every_algorithm_has_a_row_that_matches_its_metrics(quick):
+    out, text, _ = quick
+    rows = {row[0]: row for row in table_rows(text, "## Every algorithm on the bundled task")}
+    assert list(rows) == ALGORITHMS
+    for name in ALGORITHMS:
+        with open(out / "runs" / f"{name}__1" / "metrics.jsonl") as f:
+            metrics = [json.loads(line) for line in f]
+        accuracy = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
+        _, acc_cell, best_cell, pair_cell, wall, peak, tokens = rows[name]
+        if accuracy:  # one seed: the numbers themselves, in %
+            assert acc_cell == f"{100 * accuracy[0]:.1f} → {100 * accuracy[-1]:.1f}"
+            assert best_cell == f"{100 * max(accuracy):.1f}"
+        else:
+            assert name == "reward_model" and acc_cell == "—"
+        pairs = [m["eval/pair_accuracy"] for m in metrics if "eval/pair_accuracy" in m]
+        assert (pair_cell != "—") == (name in ("dpo", "reward_model"))
+        if pairs:
+            assert pair_cell == f"{100 * pairs[0]:.1f} → {100 * pairs[-1]:.1f}"
+        with open(out / "runs" / f"{name}__1.json") as f:
+            record = json.load(f)
+        assert wall == f"{record['wall_seconds']:.0f}" and float(wall) > 0
+        assert 0.1 < float(peak) < 24  # GB: a python process with torch, less than the machine has
+        assert float(tokens) > 0
+
+
+def test_the_time_breakdown_adds_up(quick):
+    _, text, _ = quick
+    rows = table_rows(text, "## Where a training step's time goes")
+    assert [row[0] for row in rows] == ONLINE
+    for name, step_ms, *shares, logged in rows:
+        percents = [int(s.rstrip("%")) for s in shares]
+        assert float(step_ms) > 0 and int(logged) == 4  # --quick: 4 steps, each logged
+        assert all(p >= 0 for p in percents) and abs(sum(percents) - 100) <= 3  # rounding of four shares
+        assert percents[0] > 0 and percents[2] > 0  # every online step samples and trains
+
+
+def test_the_memory_cases_compute_the_same_log_probs(quick):
+    _, text, _ = quick
+    rows = table_rows(text, "## Memory of the log-prob computation")
+    assert [(r[0], r[1].startswith("forward")) for r in rows] == [("plain", False), ("chunked", False),
+                                                                  ("plain", True), ("chunked", True)]
+    assert len({r[5] for r in rows}) == 1  # the same sum of log-probs, whichever way it was computed
+    assert all(float(r[2]) > 0 for r in rows)
+
+
+def test_the_figure_is_a_png(quick):
+    out, text, _ = quick
+    assert "](learning_curves.png)" in text
+    with open(out / "learning_curves.png", "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", head[16:24])
+    assert width > 800 and height > 600
+
+
+def test_the_page_says_which_machine_and_date(quick):
+    _, text, _ = quick
+    assert re.search(r"- Date: \d{4}-\d\d-\d\d \(UTC\)", text)
+    assert re.search(r"- Machine: .*\d+ cores, \d+ GiB of memory", text)
+    assert "--quick" in text and "they measure nothing" in text
+
+
+def test_a_finished_run_is_read_not_run_again(quick, tmp_path):
+    out, _, _ = quick
+    proc = run_script("benchmarks/benchmark.py", "--quick", "--algorithms", "sft", "--runs-dir", str(out / "runs"),
+                      "--out-dir", str(tmp_path))
+    assert "sft seed 1: finished before" in proc.stdout
+    assert "| sft |" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--algorithms", "trpo"], "--algorithms: unknown trpo"),
+    (["--algorithms", "ppo-learned-rm", "--quick"], "needs the reward_model run of that seed"),
+])
+def test_bad_input_stops_with_one_line(flags, message, tmp_path):
+    proc = run_script("benchmarks/benchmark.py", *flags, "--runs-dir", str(tmp_path / "runs"),
+                      "--out-dir", str(tmp_path), expect_ok=False)
+    assert proc.returncode == 1
+    assert message in proc.stderr and proc.stderr.strip().count("\n") == 0
+    assert not os.path.exists(tmp_path / "results.md")
