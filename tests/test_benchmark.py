@@ -90,6 +90,7 @@ def test_the_page_says_which_machine_and_date(quick):
     _, text, _ = quick
     assert re.search(r"- Date: \d{4}-\d\d-\d\d \(UTC\)", text)
     assert re.search(r"- Machine: .*\d+ cores, \d+ GiB of memory", text)
+    assert "- Start model: the bundled `tiny-adder/`, 527,232 parameters." in text
     assert "--quick" in text and "they measure nothing" in text
 
 
