@@ -339,7 +339,10 @@ def write_results(runs, memory, args, path):
                   " GPU: of `torch.cuda.max_memory_allocated`) over the computation (forward pass included, and the"
                   " backward pass with gradient). `chunked` is the"
                   " files' `sequence_logprobs`; `plain` is one float32 `log_softmax` over the whole logits tensor"
-                  " after the same forward pass.", "",
+                  " after the same forward pass. Without gradient the files keep at most one chunk's float32 copy"
+                  " at a time. With gradient, autograd keeps every chunk's copy for the backward pass, and the"
+                  " backward pass builds a full-size gradient of the logits whichever way they were reduced, so"
+                  " there chunking can save little.", "",
                   "| method | gradient | peak memory added (GiB) | × the logits | seconds | sum of log-probs |",
                   "| --- | --- | --- | --- | --- | --- |"]
         for m in memory:
