@@ -10,12 +10,12 @@ reads every run's metrics.jsonl and writes, from nothing:
     docs/learning_curves.png   held-out accuracy against step and against wall-clock seconds
 
     pip install -r requirements.txt -r benchmarks/requirements.txt
-    python benchmarks/benchmark.py                      # 3 seeds of every default, about 45 min on 2 CPU cores
+    python benchmarks/benchmark.py                      # 3 seeds of every default: 27 runs, about 40 min on 2 CPU cores
     python benchmarks/benchmark.py --seeds 1 2 3 4 5    # more seeds
-    python benchmarks/benchmark.py --quick --runs-dir /tmp/quick --out-dir /tmp/quick   # a check, about 2 min
+    python benchmarks/benchmark.py --quick --runs-dir /tmp/quick --out-dir /tmp/quick   # a check, under 2 min
 
-Runs go to --runs-dir; a run that already finished there is read, not run again (delete the folder
-to run it again). `ppo-learned-rm` is the RLHF pipeline: PPO against the reward model that the
+Runs go to --runs-dir; a run that already finished there with the same command is read, not run
+again (delete its folder to run it again). `ppo-learned-rm` is the RLHF pipeline: PPO against the reward model that the
 `reward_model` run of the same seed trained.
 """
 
@@ -60,6 +60,7 @@ class Args:
     quick: bool = False  # a few steps of each on one seed, and a short memory case: a check of this script
     runs_dir: str = "runs/benchmarks"  # where the runs go; a finished run there is read, not run again
     out_dir: str = "docs"  # where results.md and learning_curves.png are written
+    measure_memory: bool = True  # measure the log-prob memory cases (--no-measure-memory: the runs' tables only)
     memory_batch_size: int = 4  # sequences in the log-prob memory measurement
     memory_seq_len: int = 1024  # tokens per sequence in the log-prob memory measurement (64 of them prompt)
 
@@ -85,20 +86,26 @@ def run_algorithm(name, seed, args):
     """One run of one algorithm's default; its metrics and measurements, read back from disk."""
     out = os.path.join(args.runs_dir, f"{name}__{seed}")
     record_path = out + ".json"
+    script = "ppo" if name == "ppo-learned-rm" else name
+    command = [sys.executable, f"{script}.py", "--seed", str(seed), "--output-dir", os.path.abspath(out)]
+    if name == "ppo-learned-rm":
+        rm_dir = os.path.abspath(os.path.join(args.runs_dir, f"reward_model__{seed}"))
+        if not os.path.exists(os.path.join(rm_dir, "config.json")):
+            fail(f"ppo-learned-rm seed {seed} needs the reward_model run of that seed: add reward_model "
+                 "to --algorithms")
+        command += ["--reward-model-path", rm_dir]
+    if args.quick:
+        command += QUICK_FLAGS[name] + QUICK_COMMON
+    finished = None
     if os.path.exists(record_path) and os.path.exists(os.path.join(out, "metrics.jsonl")):
+        with open(record_path) as f:
+            finished = json.load(f)
+    if finished is not None and finished["command"] == command[1:]:  # a --quick run never stands for a full one
         print(f"{name} seed {seed}: finished before, read from {out}", flush=True)
     else:
-        shutil.rmtree(out, ignore_errors=True)  # an unfinished run of this script, in this script's folder
-        script = "ppo" if name == "ppo-learned-rm" else name
-        command = [sys.executable, f"{script}.py", "--seed", str(seed), "--output-dir", os.path.abspath(out)]
-        if name == "ppo-learned-rm":
-            rm_dir = os.path.abspath(os.path.join(args.runs_dir, f"reward_model__{seed}"))
-            if not os.path.exists(os.path.join(rm_dir, "config.json")):
-                fail(f"ppo-learned-rm seed {seed} needs the reward_model run of that seed: add reward_model "
-                     "to --algorithms")
-            command += ["--reward-model-path", rm_dir]
-        if args.quick:
-            command += QUICK_FLAGS[name] + QUICK_COMMON
+        shutil.rmtree(out, ignore_errors=True)  # unfinished, or another command's: this script's own folder
+        if os.path.exists(record_path):
+            os.remove(record_path)
         print(f"{name} seed {seed}: {' '.join(command[1:])}", flush=True)
         code, seconds, peak_gb = run_measured(command, out + ".log")
         if code != 0:
@@ -314,7 +321,8 @@ def write_results(runs, memory, args, path):
         signals = [("charts/reward", "sampled reward (share right)"), ("charts/score", "score (PPO's reward)"),
                    ("losses/kl", "KL to the reference"), ("losses/clip_frac", "clip fraction")]
         lines += ["## Training signals of the online algorithms", "",
-                  "The mean over the first five logged steps → over the last five, then over seeds. The KL is per token for GRPO and per completion"
+                  "The mean over the first five logged steps → over the last five, then over seeds. The KL is per"
+                  " token for GRPO and per completion"
                   " (summed over its tokens) for RLOO and PPO; GSPO and CISPO have no KL term.", "",
                   "| algorithm | " + " | ".join(label for _, label in signals) + " |",
                   "| --- |" + " --- |" * len(signals)]
@@ -359,8 +367,10 @@ if __name__ == "__main__":
     unknown = [a for a in args.algorithms if a not in ALGORITHMS]
     if unknown:
         fail(f"--algorithms: unknown {', '.join(unknown)}; choose among {', '.join(ALGORITHMS)}")
-    if not args.seeds:
-        fail("--seeds: give at least one seed")
+    if not args.seeds or len(set(args.seeds)) != len(args.seeds):
+        fail(f"--seeds: give one or more different seeds, got {' '.join(map(str, args.seeds)) or 'none'}")
+    if args.memory_batch_size <= 0 or args.memory_seq_len <= 64:
+        fail("--memory-batch-size must be positive and --memory-seq-len above 64 (the prompt's length)")
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -377,7 +387,7 @@ if __name__ == "__main__":
     for seed in args.seeds:
         for name in order:
             runs[name].append(run_algorithm(name, seed, args))
-    memory = measure_logprob_memory(args)
+    memory = measure_logprob_memory(args) if args.measure_memory else []
 
     plot_curves(runs, os.path.join(args.out_dir, "learning_curves.png"))
     write_results(runs, memory, args, os.path.join(args.out_dir, "results.md"))

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import struct
 
 import pytest
@@ -94,17 +95,31 @@ def test_the_page_says_which_machine_and_date(quick):
     assert "--quick" in text and "they measure nothing" in text
 
 
-def test_a_finished_run_is_read_not_run_again(quick, tmp_path):
+def test_a_finished_run_is_read_again_only_for_the_same_command(quick, tmp_path):
     out, _, _ = quick
-    proc = run_script("benchmarks/benchmark.py", "--quick", "--algorithms", "sft", "--runs-dir", str(out / "runs"),
-                      "--out-dir", str(tmp_path))
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for name in ("sft", "grpo"):
+        shutil.copytree(out / "runs" / f"{name}__1", runs / f"{name}__1")
+        record = json.loads((out / "runs" / f"{name}__1.json").read_text())
+        record["command"] = [str(runs / f"{name}__1") if a == str(out / "runs" / f"{name}__1") else a
+                             for a in record["command"]]  # the copy's own folder
+        if name == "grpo":
+            record["command"][record["command"].index("--num-eval") + 1] = "10"  # a different command
+        (runs / f"{name}__1.json").write_text(json.dumps(record))
+    proc = run_script("benchmarks/benchmark.py", "--quick", "--algorithms", "sft", "grpo", "--no-measure-memory",
+                      "--runs-dir", str(runs), "--out-dir", str(tmp_path))
     assert "sft seed 1: finished before" in proc.stdout
-    assert "| sft |" in (tmp_path / "results.md").read_text()
+    assert "grpo seed 1: grpo.py --seed 1" in proc.stdout  # run again: its record was another command's
+    assert json.loads((runs / "grpo__1.json").read_text())["command"][-1] == "20"
+    text = (tmp_path / "results.md").read_text()
+    assert "| sft |" in text and "## Memory" not in text and "log-prob memory" not in proc.stdout
 
 
 @pytest.mark.parametrize("flags, message", [
     (["--algorithms", "trpo"], "--algorithms: unknown trpo"),
     (["--algorithms", "ppo-learned-rm", "--quick"], "needs the reward_model run of that seed"),
+    (["--seeds", "1", "1"], "--seeds: give one or more different seeds"),
 ])
 def test_bad_input_stops_with_one_line(flags, message, tmp_path):
     proc = run_script("benchmarks/benchmark.py", *flags, "--runs-dir", str(tmp_path / "runs"),
