@@ -7,7 +7,8 @@ import shutil
 import struct
 
 import pytest
-from conftest import ROOT, run_script
+from conftest import read_metrics, run_script
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 ALGORITHMS = ["sft", "grpo", "rloo", "gspo", "cispo", "ppo", "dpo", "reward_model", "ppo-learned-rm"]
 ONLINE = ["grpo", "rloo", "gspo", "cispo", "ppo", "ppo-learned-rm"]
@@ -55,6 +56,18 @@ def test_every_algorithm_has_a_row_that_matches_its_metrics(quick):
         assert wall == f"{record['wall_seconds']:.0f}" and float(wall) > 0
         assert 0.1 < float(peak) < 24  # GB: a python process with torch, less than the machine has
         assert float(tokens) > 0
+
+
+def test_every_run_saved_a_model_that_loads(quick):
+    """What the README's test runs for a command: the saved model loads, the arguments are recorded."""
+    out, _, _ = quick
+    for name in ALGORITHMS:
+        run = out / "runs" / f"{name}__1"
+        model_class = AutoModelForSequenceClassification if name == "reward_model" else AutoModelForCausalLM
+        assert model_class.from_pretrained(run).num_parameters() > 0
+        args = json.loads((run / "args.json").read_text())
+        assert args["seed"] == 1 and args["num_steps"] == 4
+        assert read_metrics(str(run))[-1]["step"] == 4
 
 
 def test_the_time_breakdown_adds_up(quick):
@@ -127,3 +140,11 @@ def test_bad_input_stops_with_one_line(flags, message, tmp_path):
     assert proc.returncode == 1
     assert message in proc.stderr and proc.stderr.strip().count("\n") == 0
     assert not os.path.exists(tmp_path / "results.md")
+
+
+def test_the_readme_defaults_are_among_the_benchmark_runs():
+    """test_scripts.py leaves the README's bare defaults to this file: each must be a benchmark run."""
+    from test_scripts import readme_commands
+
+    bare = {c.split()[1] for c in readme_commands() if re.fullmatch(r"python \w+\.py", c)}
+    assert "grpo.py" in bare and bare <= {f"{name}.py" for name in ALGORITHMS}
