@@ -497,10 +497,12 @@ if __name__ == "__main__":
     data_rng = random.Random(args.seed)
     print(f"{args.run_name}: {len(train_pairs)} training pairs, {len(eval_pairs)} held out, device {device}")
 
-    def forward(pairs, model):
-        """Summed completion log-probs of chosen (B,) and rejected (B,), in one forward pass."""
-        input_ids, attention_mask, prompt_len, mask = pair_batch(tokenizer, pairs, device)  # (2B, P + T), (2B, T)
-        return completion_logps(model, input_ids, attention_mask, prompt_len, mask).chunk(2)
+    def forward(tokens, model):
+        """Summed completion log-probs of chosen (B,) and rejected (B,), in one forward pass.
+
+        tokens: pair_batch's ids (2B, P + T), attention mask, prompt length and completion mask (2B, T).
+        """
+        return completion_logps(model, *tokens).chunk(2)
 
     @torch.no_grad()
     def eval_metrics():
@@ -508,7 +510,8 @@ if __name__ == "__main__":
         policy.eval()
         margins = []
         for i in range(0, len(eval_pairs), args.micro_batch_size):
-            (pc, pr), (rc, rr) = (forward(eval_pairs[i : i + args.micro_batch_size], m) for m in (policy, ref_policy))
+            tokens = pair_batch(tokenizer, eval_pairs[i : i + args.micro_batch_size], device)
+            (pc, pr), (rc, rr) = (forward(tokens, m) for m in (policy, ref_policy))
             margins.append(args.beta * ((pc - rc) - (pr - rr)))
         metrics = {"eval/pair_accuracy": pair_accuracy(torch.cat(margins)).item()}
         if eval_records is not None:
@@ -525,13 +528,11 @@ if __name__ == "__main__":
         step_stats, num_tokens = [], 0
         for i in range(0, args.batch_size, args.micro_batch_size):
             pairs = batch[i : i + args.micro_batch_size]
-            input_ids, attention_mask, prompt_len, mask = pair_batch(tokenizer, pairs, device)  # (2b, P + T), (2b, T)
+            tokens = pair_batch(tokenizer, pairs, device)  # tokenised once, for both models
             with torch.no_grad():
-                ref_chosen, ref_rejected = completion_logps(ref_policy, input_ids, attention_mask, prompt_len,
-                                                            mask).chunk(2)  # (b,), (b,): constants
-            # chosen and rejected through one forward pass
-            chosen, rejected = completion_logps(policy, input_ids, attention_mask, prompt_len, mask).chunk(2)
-            num_tokens += mask.sum().item()
+                ref_chosen, ref_rejected = forward(tokens, ref_policy)  # (b,), (b,): constants
+            chosen, rejected = forward(tokens, policy)  # chosen and rejected through one forward pass
+            num_tokens += tokens[-1].sum().item()  # completion tokens of the 2b sequences
             loss, stats = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
                                    args.label_smoothing)
             if not torch.isfinite(loss):

@@ -482,15 +482,18 @@ if __name__ == "__main__":
     data_rng = random.Random(args.seed)
     print(f"{args.run_name}: {len(train_pairs)} training pairs, {len(eval_pairs)} held out, device {device}")
 
-    def scores(pairs):
-        """Scores of chosen (B,) and rejected (B,), through one forward pass."""
-        input_ids, attention_mask, _, _ = pair_batch(tokenizer, pairs, device)  # (2B, P + T)
+    def scores(tokens):
+        """Scores of chosen (B,) and rejected (B,), through one forward pass.
+
+        tokens: pair_batch's ids (2B, P + T), attention mask, prompt length and completion mask (2B, T).
+        """
+        input_ids, attention_mask, _, _ = tokens
         return last_token_scores(model, input_ids, attention_mask).chunk(2)
 
     @torch.no_grad()
     def eval_metrics():
         model.eval()
-        diffs = [torch.sub(*scores(eval_pairs[i : i + args.micro_batch_size]))
+        diffs = [torch.sub(*scores(pair_batch(tokenizer, eval_pairs[i : i + args.micro_batch_size], device)))
                  for i in range(0, len(eval_pairs), args.micro_batch_size)]
         return {"eval/pair_accuracy": pair_accuracy(torch.cat(diffs)).item()}
 
@@ -504,10 +507,9 @@ if __name__ == "__main__":
         step_stats, num_tokens = [], 0
         for i in range(0, args.batch_size, args.micro_batch_size):
             pairs = batch[i : i + args.micro_batch_size]
-            input_ids, attention_mask, _, mask = pair_batch(tokenizer, pairs, device)  # (2b, P + T), (2b, T)
-            # chosen and rejected through one forward pass
-            chosen, rejected = last_token_scores(model, input_ids, attention_mask).chunk(2)  # (b,), (b,)
-            num_tokens += mask.sum().item()
+            tokens = pair_batch(tokenizer, pairs, device)
+            chosen, rejected = scores(tokens)  # chosen and rejected through one forward pass
+            num_tokens += tokens[-1].sum().item()  # completion tokens of the 2b sequences
             margin = torch.tensor([float(p["margin"]) for p in pairs], device=device) if "margin" in pairs[0] else None
             loss, stats = bradley_terry_loss(chosen, rejected, margin)
             if not torch.isfinite(loss):
