@@ -433,6 +433,20 @@ def pair_accuracy(margins):
     return ((margins > 0).float() + 0.5 * (margins == 0).float()).mean()
 
 
+def rounding_tolerance(completion_mask, dtype):
+    """The largest |h| that float rounding alone can make, per pair (B,): sqrt(eps * N), N tokens.
+
+    At step 0 the policy is the reference, so h = 0 in exact arithmetic; but the two copies' summed
+    log-probs can differ in their last bits (a frozen model's matmul may take another kernel, and
+    kernels round by shape and memory alignment), by either sign. Rounding moves a token's log-prob
+    by far less than sqrt(eps) of the model's float type (float32: 3.5e-4, bfloat16: 0.088), and N
+    independent errors add up to about sqrt(N) of them. A pair with |h| at most this is a tie.
+    completion_mask: pair_batch's (2B, T), chosen rows then rejected rows; N counts both completions.
+    """
+    num_tokens = completion_mask.sum(dim=1).view(2, -1).sum(dim=0)  # (B,)
+    return (torch.finfo(dtype).eps * num_tokens).sqrt()
+
+
 # ---- ALGO LOGIC: DPO's sequence log-probs and loss -----------------------------------------------
 def completion_logps(model, input_ids, attention_mask, prompt_len, mask):
     """log pi(y|x) (B,): the completion's token log-probs summed, never the prompt's or the padding's."""
@@ -440,7 +454,7 @@ def completion_logps(model, input_ids, attention_mask, prompt_len, mask):
 
 
 def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=0.1,
-             loss_type="sigmoid", label_smoothing=0.0):
+             loss_type="sigmoid", label_smoothing=0.0, tie_tolerance=0.0):
     """The DPO loss (or IPO's, or SLiC's hinge) of a batch of pairs, to be minimised; all arguments (B,).
 
     h = (log pi(y_c) - log pi_ref(y_c)) - (log pi(y_r) - log pi_ref(y_r))
@@ -449,7 +463,7 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
     hinge:   max(0, 1 - beta h)
     When the policy equals the reference, h = 0 and the sigmoid loss is log 2 for any beta.
     Stats: the implicit rewards beta (log pi - log pi_ref) of chosen and rejected, their margin,
-    and the share of pairs whose margin is positive (a tie counts half).
+    and the share of pairs whose margin is positive (a tie, |h| <= tie_tolerance, counts half).
     """
     chosen_logratios = policy_chosen_logps - ref_chosen_logps  # (B,)
     rejected_logratios = policy_rejected_logps - ref_rejected_logps
@@ -465,8 +479,9 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
         raise ValueError(f"unknown loss_type {loss_type!r}")
     chosen_rewards, rejected_rewards = beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
     margins = chosen_rewards - rejected_rewards
+    ranked = torch.where(h.detach().abs() <= tie_tolerance, 0.0, margins)  # within rounding of 0: a tie
     return losses.mean(), {"chosen_reward": chosen_rewards.mean(), "rejected_reward": rejected_rewards.mean(),
-                           "margin": margins.mean(), "accuracy": pair_accuracy(margins)}
+                           "margin": margins.mean(), "accuracy": pair_accuracy(ranked)}
 
 
 if __name__ == "__main__":
@@ -512,7 +527,9 @@ if __name__ == "__main__":
         for i in range(0, len(eval_pairs), args.micro_batch_size):
             tokens = pair_batch(tokenizer, eval_pairs[i : i + args.micro_batch_size], device)
             (pc, pr), (rc, rr) = (forward(tokens, m) for m in (policy, ref_policy))
-            margins.append(args.beta * ((pc - rc) - (pr - rr)))
+            h = (pc - rc) - (pr - rr)  # (b,)
+            tie = h.abs() <= rounding_tolerance(tokens[-1], policy.dtype)  # at step 0, every pair
+            margins.append(torch.where(tie, 0.0, args.beta * h))
         metrics = {"eval/pair_accuracy": pair_accuracy(torch.cat(margins)).item()}
         if eval_records is not None:
             metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids, device)
@@ -534,7 +551,7 @@ if __name__ == "__main__":
             chosen, rejected = forward(tokens, policy)  # chosen and rejected through one forward pass
             num_tokens += tokens[-1].sum().item()  # completion tokens of the 2b sequences
             loss, stats = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
-                                   args.label_smoothing)
+                                   args.label_smoothing, rounding_tolerance(tokens[-1], policy.dtype))
             if not torch.isfinite(loss):
                 fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the data")
             (loss * len(pairs) / args.batch_size).backward()  # the micro-batches add up to the batch's mean

@@ -86,7 +86,10 @@ def test_the_memory_cases_compute_the_same_log_probs(quick):
     rows = table_rows(text, "## Memory of the log-prob computation")
     assert [(r[0], r[1].startswith("forward")) for r in rows] == [("plain", False), ("chunked", False),
                                                                   ("plain", True), ("chunked", True)]
-    assert len({r[5] for r in rows}) == 1  # the same sum of log-probs, whichever way it was computed
+    # the same sum of log-probs, whichever way it was computed: equal up to float rounding (the two ways sum in
+    # another order) and the page's one decimal
+    sums = [float(r[5]) for r in rows]
+    assert max(sums) - min(sums) <= 0.1 + 1e-5 * max(abs(x) for x in sums), sums
     assert all(float(r[2]) > 0 for r in rows)
 
 

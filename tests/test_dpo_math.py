@@ -1,12 +1,15 @@
 """dpo.py's loss and sequence log-probs against numbers worked out by hand."""
 
 import math
+import os
+from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import ROOT
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from dpo import completion_logps, dpo_loss
+from dpo import addition_task, completion_logps, dpo_loss, load_model, load_tokenizer, pair_batch, rounding_tolerance
 
 # one pair with log-probs: policy chosen -10, rejected -12; reference chosen -11, rejected -11
 # log-ratios: chosen +1, rejected -1, so h = 2
@@ -55,6 +58,49 @@ def test_dpo_gradient_with_respect_to_the_chosen_logp():
     sig = 1 / (1 + math.exp(1.0))
     torch.testing.assert_close(chosen.grad, torch.tensor([-0.5 * sig / 2, -0.125]))
     assert stats["accuracy"].item() == 0.75  # one right, one tie
+
+
+def test_rounding_tolerance_by_hand():
+    # two pairs: chosen completions of 2 and 3 tokens, rejected of 4 and 1 -> N = 6 and 4 tokens
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    # float32: eps = 2^-23 = 1.1920929e-7, sqrt(6 eps) = 8.45728e-4, sqrt(4 eps) = 6.90534e-4
+    torch.testing.assert_close(rounding_tolerance(mask, torch.float32), torch.tensor([8.45728e-4, 6.90534e-4]),
+                               atol=1e-9, rtol=0)
+    # bfloat16: eps = 2^-7, sqrt(6 / 128) = 0.216506, sqrt(4 / 128) = 0.176777
+    torch.testing.assert_close(rounding_tolerance(mask, torch.bfloat16), torch.tensor([0.216506, 0.176777]))
+
+
+def test_a_margin_within_the_tolerance_is_a_tie():
+    # h = log-ratio of chosen - log-ratio of rejected: 3e-6 and -3e-6 (rounding), 0.5, -0.5
+    chosen, rejected = torch.tensor([-5.0, -5.0, -5.0, -5.0]), torch.tensor([-7.0, -7.0, -7.0, -7.0])
+    ref_chosen = chosen - torch.tensor([3e-6, -3e-6, 0.5, -0.5])
+    _, stats = dpo_loss(chosen, rejected, ref_chosen, rejected, beta=0.1, tie_tolerance=1e-4)
+    assert stats["accuracy"].item() == pytest.approx((0.5 + 0.5 + 1 + 0) / 4)  # two ties, one right, one wrong
+    _, stats = dpo_loss(chosen, rejected, ref_chosen, rejected, beta=0.1)  # no tolerance: the signs count
+    assert stats["accuracy"].item() == pytest.approx((1 + 0 + 1 + 0) / 4)
+
+
+def test_two_copies_of_the_bundled_model_tie_within_rounding_and_a_changed_one_does_not():
+    """dpo.py's step 0: the policy and a frozen reference loaded from one folder. Their margins may
+    differ from 0 in the last bits (they do on some CPUs), but stay inside rounding_tolerance; a
+    reference whose weights really differ (by about one per cent) is ranked outside it."""
+    args = SimpleNamespace(trust_remote_code=False, dtype="float32", gradient_checkpointing=False)
+    path, device = os.path.join(ROOT, "tiny-adder"), torch.device("cpu")
+    tokenizer = load_tokenizer(path, args)
+    policy = load_model(path, args, device).eval()
+    reference = load_model(path, args, device).eval().requires_grad_(False)
+    changed = load_model(path, args, device).eval().requires_grad_(False)
+    with torch.no_grad():
+        for p in changed.parameters():
+            p.mul_(1 + 1e-2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+    held_out = addition_task(num_eval=64)[1]
+    pairs = [{"prompt": r["prompt"], "chosen": r["answer"], "rejected": str(int(r["answer"]) + 10)} for r in held_out]
+    tokens = pair_batch(tokenizer, pairs, device)
+    with torch.no_grad():
+        (pc, pr), (rc, rr), (cc, cr) = (completion_logps(m, *tokens).chunk(2) for m in (policy, reference, changed))
+    tolerance = rounding_tolerance(tokens[-1], torch.float32)  # (64,)
+    assert ((pc - rc) - (pr - rr)).abs().le(tolerance).all()
+    assert ((pc - cc) - (pr - cr)).abs().gt(tolerance).float().mean() > 0.9
 
 
 def tiny_llama():
