@@ -51,6 +51,9 @@ class Args:
     dataset: str | None = None
     """None: pairs built from the addition task; a .jsonl file of prompt/chosen/rejected records;
     or a hub dataset name with those fields (needs `pip install datasets`)"""
+    task: Literal["addition", "addition-question"] = "addition"
+    """the built-in task when there is no --dataset: `addition` prompts `47+8=` (for the bundled model);
+    `addition-question` asks `What is 47 + 8? Reply with the number only.` (for a chat model)"""
     dataset_config: str | None = None  # the hub dataset's configuration
     train_split: str = "train"  # the hub dataset's training split
     eval_split: str = "test"  # the hub dataset's held-out split (a .jsonl file: its last --num-eval records)
@@ -59,6 +62,10 @@ class Args:
     max_new_tokens: int = 8  # the longest completion sampled for the pairs and generated when evaluating
     num_train_prompts: int = 9500  # addition prompts turned into training pairs (9500: all of them)
     pair_samples: int = 4  # completions sampled per addition prompt to find a wrong answer
+    pair_temperature: float = 1.0  # the temperature those completions are sampled at
+    chosen: Literal["answer", "sample"] = "answer"
+    """the built-in pairs' chosen completion: the answer itself, or a right completion the policy sampled (in its
+    own words; prompts where it sampled none give no pair)"""
 
     # Optimisation
     num_steps: int = 100  # optimizer steps
@@ -89,15 +96,19 @@ def exact_div(a, b, what):
 
 
 # ---- The task and its reward --------------------------------------------------------------------
-def addition_task(num_eval, max_operand=99):
-    """The default task, built in: 'a+b=' -> 'a+b' for 0 <= a, b <= max_operand.
+TASKS = {"addition": "{a}+{b}=",  # for the bundled character-level model
+         "addition-question": "What is {a} + {b}? Reply with the number only."}  # for a chat model
+
+
+def addition_task(num_eval, task="addition", max_operand=99):
+    """The built-in task: a + b -> 'a+b' for 0 <= a, b <= max_operand, the prompt written as TASKS[task].
 
     All pairs are shuffled with a fixed seed and the first `num_eval` are held out, so the
-    held-out set is the same for every run and never overlaps the training prompts.
+    held-out set is the same for every run (and both tasks) and never overlaps the training prompts.
     """
     pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
     random.Random(0).shuffle(pairs)
-    records = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs]
+    records = [{"prompt": TASKS[task].format(a=a, b=b), "answer": str(a + b)} for a, b in pairs]
     return records[num_eval:], records[:num_eval]
 
 
@@ -379,11 +390,14 @@ def completion_batch(tokenizer, prompts, completions, device):
 
 # ---- Preference pairs ---------------------------------------------------------------------------
 @torch.no_grad()
-def addition_pairs(policy, tokenizer, records, samples, max_new_tokens, device, chunk=64):
+def addition_pairs(policy, tokenizer, records, samples, max_new_tokens, device, temperature=1.0, chosen="answer",
+                   chunk=64):
     """Hard negatives: per prompt, `samples` completions from the policy; the first wrong one is rejected.
 
-    {"prompt": "47+8=", "chosen": "55", "rejected": "54", "answer": "55"}: chosen is the answer,
-    rejected a wrong completion the policy really produced. Prompts it always got right give no pair.
+    {"prompt": "47+8=", "chosen": "55", "rejected": "54", "answer": "55"}: rejected is a wrong completion
+    the policy really produced; chosen is the answer ("answer"), or the policy's first right completion
+    ("sample": "47 + 8 = 55" from a chat model that writes its sums out). A prompt gives no pair when the
+    policy got it right every time, or (with "sample") never.
     """
     policy.eval()
     stop_ids = stop_token_ids(tokenizer, policy)
@@ -392,14 +406,14 @@ def addition_pairs(policy, tokenizer, records, samples, max_new_tokens, device, 
         part = records[i : i + chunk]
         prompts = [r["prompt"] for r in part for _ in range(samples)]
         prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device)
-        completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, max_new_tokens, 1.0, stop_ids)
+        completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids)
         texts = decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
         for j, r in enumerate(part):
             sampled = [t.strip() for t in texts[j * samples : (j + 1) * samples]]
             wrong = [t for t in sampled if t and not reward_fn(t, r["answer"])]
-            if wrong:
-                pairs.append({"prompt": r["prompt"], "chosen": r["answer"], "rejected": wrong[0],
-                              "answer": r["answer"]})
+            right = [t for t in sampled if reward_fn(t, r["answer"])] if chosen == "sample" else [r["answer"]]
+            if wrong and right:
+                pairs.append({"prompt": r["prompt"], "chosen": right[0], "rejected": wrong[0], "answer": r["answer"]})
     return pairs
 
 
@@ -410,8 +424,9 @@ def load_preferences(args, tokenizer, device, policy=None):
     """
     if args.dataset is None:
         policy = policy or load_model(args.model_name_or_path, args, device)
-        train, held_out = addition_task(args.num_eval)  # held-out prompts never appear in training
-        return [addition_pairs(policy, tokenizer, records, args.pair_samples, args.max_new_tokens, device)
+        train, held_out = addition_task(args.num_eval, args.task)  # held-out prompts never appear in training
+        return [addition_pairs(policy, tokenizer, records, args.pair_samples, args.max_new_tokens, device,
+                               args.pair_temperature, args.chosen)
                 for records in (train[: args.num_train_prompts], held_out)]
     if args.dataset.endswith(".jsonl"):
         records = read_jsonl(args.dataset, ("prompt", "chosen", "rejected"))
@@ -487,7 +502,8 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
 if __name__ == "__main__":
     args = tyro.cli(Args)
     for flag in ("num_steps", "batch_size", "max_new_tokens", "micro_batch_size", "num_eval", "eval_every",
-                 "log_every", "learning_rate", "beta", "num_train_prompts", "pair_samples"):
+                 "log_every", "learning_rate", "beta", "num_train_prompts", "pair_samples",
+                 "pair_temperature"):
         if getattr(args, flag) <= 0:
             fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     if not 0 <= args.label_smoothing < 0.5:
@@ -504,7 +520,7 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     # the pairs, made once at the start (the built-in task: sampled from the starting policy)
     train_pairs, eval_pairs = load_preferences(args, tokenizer, device, policy)  # policy: not trained yet
-    eval_records = addition_task(args.num_eval)[1] if args.dataset is None else None
+    eval_records = addition_task(args.num_eval, args.task)[1] if args.dataset is None else None
     if not train_pairs or not eval_pairs:
         fail(f"no preference pairs to {'train' if not train_pairs else 'evaluate'} on; check --dataset")
     output_dir = make_output_dir(args)

@@ -58,6 +58,9 @@ class Args:
     dataset: str | None = None
     """None: the built-in addition task; a .jsonl file of prompt/answer (or GSM8K's question/answer)
     records; or a hub dataset name (needs `pip install datasets`)"""
+    task: Literal["addition", "addition-question"] = "addition"
+    """the built-in task when there is no --dataset: `addition` prompts `47+8=` (for the bundled model);
+    `addition-question` asks `What is 47 + 8? Reply with the number only.` (for a chat model)"""
     dataset_config: str | None = None  # the hub dataset's configuration (GSM8K: `main`)
     train_split: str = "train"  # the hub dataset's training split
     eval_split: str = "test"  # the hub dataset's held-out split (a .jsonl file: its last --num-eval records)
@@ -103,15 +106,19 @@ def exact_div(a, b, what):
 
 
 # ---- The task and its reward --------------------------------------------------------------------
-def addition_task(num_eval, max_operand=99):
-    """The default task, built in: 'a+b=' -> 'a+b' for 0 <= a, b <= max_operand.
+TASKS = {"addition": "{a}+{b}=",  # for the bundled character-level model
+         "addition-question": "What is {a} + {b}? Reply with the number only."}  # for a chat model
+
+
+def addition_task(num_eval, task="addition", max_operand=99):
+    """The built-in task: a + b -> 'a+b' for 0 <= a, b <= max_operand, the prompt written as TASKS[task].
 
     All pairs are shuffled with a fixed seed and the first `num_eval` are held out, so the
-    held-out set is the same for every run and never overlaps the training prompts.
+    held-out set is the same for every run (and both tasks) and never overlaps the training prompts.
     """
     pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
     random.Random(0).shuffle(pairs)
-    records = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs]
+    records = [{"prompt": TASKS[task].format(a=a, b=b), "answer": str(a + b)} for a, b in pairs]
     return records[num_eval:], records[:num_eval]
 
 
@@ -178,7 +185,7 @@ def prompt_answer(record):
 def load_task(args):
     """(train, eval) lists of {'prompt', 'answer'} records."""
     if args.dataset is None:
-        return addition_task(args.num_eval)
+        return addition_task(args.num_eval, args.task)
     if args.dataset.endswith(".jsonl"):
         records = read_jsonl(args.dataset, ("prompt", "answer"), ("question", "answer"))
         if len(records) <= args.num_eval:

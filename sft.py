@@ -51,6 +51,9 @@ class Args:
     # Model and data
     model_name_or_path: str | None = None  # a local folder or a hub id; None builds the tiny model from a config
     dataset: str | None = None  # None: the built-in addition task; else a .jsonl file of prompt/completion records
+    task: Literal["addition", "addition-question"] = "addition"
+    """the built-in task when there is no --dataset: `addition` prompts `47+8=` (for the bundled model);
+    `addition-question` asks `What is 47 + 8? Reply with the number only.` (for a chat model)"""
     num_eval: int = 500  # held-out records (the last ones of a .jsonl file)
     eval_every: int = 100  # evaluate every this many steps (and at step 0)
     max_new_tokens: int = 8  # the longest completion generated when evaluating greedy accuracy
@@ -84,15 +87,19 @@ def exact_div(a, b, what):
 
 
 # ---- The task and its reward --------------------------------------------------------------------
-def addition_task(num_eval, max_operand=99):
-    """The default task, built in: 'a+b=' -> 'a+b' for 0 <= a, b <= max_operand.
+TASKS = {"addition": "{a}+{b}=",  # for the bundled character-level model
+         "addition-question": "What is {a} + {b}? Reply with the number only."}  # for a chat model
+
+
+def addition_task(num_eval, task="addition", max_operand=99):
+    """The built-in task: a + b -> 'a+b' for 0 <= a, b <= max_operand, the prompt written as TASKS[task].
 
     All pairs are shuffled with a fixed seed and the first `num_eval` are held out, so the
-    held-out set is the same for every run and never overlaps the training prompts.
+    held-out set is the same for every run (and both tasks) and never overlaps the training prompts.
     """
     pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
     random.Random(0).shuffle(pairs)
-    records = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs]
+    records = [{"prompt": TASKS[task].format(a=a, b=b), "answer": str(a + b)} for a, b in pairs]
     return records[num_eval:], records[:num_eval]
 
 
@@ -425,7 +432,7 @@ if __name__ == "__main__":
 
     # the data: the addition task's answers as completions, or prompt/completion records
     if args.dataset is None:
-        train_records, eval_records = addition_task(args.num_eval)
+        train_records, eval_records = addition_task(args.num_eval, args.task)
         train_records = [{"prompt": r["prompt"], "completion": r["answer"]} for r in train_records]
     else:
         records = read_jsonl(args.dataset, ("prompt", "completion"))

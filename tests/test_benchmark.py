@@ -3,15 +3,22 @@
 import json
 import os
 import re
+import shlex
 import shutil
 import struct
+import sys
 
 import pytest
-from conftest import read_metrics, run_script
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from conftest import ROOT, read_metrics, run_script
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-ALGORITHMS = ["sft", "grpo", "rloo", "gspo", "cispo", "ppo", "dpo", "reward_model", "ppo-learned-rm"]
-ONLINE = ["grpo", "rloo", "gspo", "cispo", "ppo", "ppo-learned-rm"]
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from benchmark import REAL_COMMON, REAL_FLAGS  # noqa: E402
+
+BUNDLED = ["sft", "grpo", "rloo", "gspo", "cispo", "ppo", "dpo", "reward_model", "ppo-learned-rm"]
+REAL = ["grpo-smollm2", "rloo-smollm2", "dpo-smollm2"]  # SmolLM2-135M-Instruct, --task addition-question
+ALGORITHMS = BUNDLED + REAL
+ONLINE = ["grpo", "rloo", "gspo", "cispo", "ppo", "ppo-learned-rm", "grpo-smollm2", "rloo-smollm2"]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +43,10 @@ def table_rows(text, heading):
 def test_every_algorithm_has_a_row_that_matches_its_metrics(quick):
     out, text, _ = quick
     rows = {row[0]: row for row in table_rows(text, "## Every algorithm on the bundled task")}
-    assert list(rows) == ALGORITHMS
+    assert list(rows) == BUNDLED
+    real_rows = {row[0]: row for row in table_rows(text, "## A real pretrained chat model: SmolLM2-135M-Instruct")}
+    assert list(real_rows) == REAL
+    rows.update(real_rows)
     for name in ALGORITHMS:
         with open(out / "runs" / f"{name}__1" / "metrics.jsonl") as f:
             metrics = [json.loads(line) for line in f]
@@ -48,7 +58,7 @@ def test_every_algorithm_has_a_row_that_matches_its_metrics(quick):
         else:
             assert name == "reward_model" and acc_cell == "—"
         pairs = [m["eval/pair_accuracy"] for m in metrics if "eval/pair_accuracy" in m]
-        assert (pair_cell != "—") == (name in ("dpo", "reward_model"))
+        assert (pair_cell != "—") == (name in ("dpo", "reward_model", "dpo-smollm2"))
         if pairs:
             assert pair_cell == f"{100 * pairs[0]:.1f} → {100 * pairs[-1]:.1f}"
         with open(out / "runs" / f"{name}__1.json") as f:
@@ -68,6 +78,10 @@ def test_every_run_saved_a_model_that_loads(quick):
         args = json.loads((run / "args.json").read_text())
         assert args["seed"] == 1 and args["num_steps"] == 4
         assert read_metrics(str(run))[-1]["step"] == 4
+        if name in REAL:  # SmolLM2-135M-Instruct: its tokenizer comes back with the chat template
+            assert args["task"] == "addition-question" and args["model_name_or_path"] == "SmolLM2-135M-Instruct"
+            tokenizer = AutoTokenizer.from_pretrained(run)
+            assert tokenizer.eos_token == "<|im_end|>" and "<|im_start|>" in tokenizer.chat_template
 
 
 def test_the_time_breakdown_adds_up(quick):
@@ -107,7 +121,8 @@ def test_the_page_says_which_machine_and_date(quick):
     _, text, _ = quick
     assert re.search(r"- Date: \d{4}-\d\d-\d\d \(UTC\)", text)
     assert re.search(r"- Machine: .*\d+ cores, \d+ GiB of memory", text)
-    assert "- Start model: the bundled `tiny-adder/`, 527,232 parameters." in text
+    assert "- Start model: the bundled `tiny-adder/`, 527,232 parameters; and a real one" in text
+    assert "(134,515,008 parameters)" in text
     assert "--quick" in text and "they measure nothing" in text
 
 
@@ -136,6 +151,7 @@ def test_a_finished_run_is_read_again_only_for_the_same_command(quick, tmp_path)
     (["--algorithms", "trpo"], "--algorithms: unknown trpo"),
     (["--algorithms", "ppo-learned-rm", "--quick"], "needs the reward_model run of that seed"),
     (["--seeds", "1", "1"], "--seeds: give one or more different seeds"),
+    (["--real-seeds", "2", "2"], "--real-seeds: give one or more different seeds"),
 ])
 def test_bad_input_stops_with_one_line(flags, message, tmp_path):
     proc = run_script("benchmarks/benchmark.py", *flags, "--runs-dir", str(tmp_path / "runs"),
@@ -151,3 +167,12 @@ def test_the_readme_defaults_are_among_the_benchmark_runs():
 
     bare = {c.split()[1] for c in readme_commands() if re.fullmatch(r"python \w+\.py", c)}
     assert "grpo.py" in bare and bare <= {f"{name}.py" for name in ALGORITHMS}
+
+
+def test_the_readme_real_model_commands_are_the_benchmark_runs():
+    """The README's real-model commands are the ones whose numbers results.md gives, flag for flag."""
+    from test_scripts import readme_commands
+
+    readme = [shlex.split(c)[1:] for c in readme_commands() if "--task addition-question" in c]
+    expected = [[f"{name.split('-')[0]}.py"] + REAL_COMMON + flags for name, flags in REAL_FLAGS.items()]
+    assert readme == expected

