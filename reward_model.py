@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
+import torch.utils.checkpoint
 import transformers
 import tyro
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
@@ -247,6 +248,34 @@ def decode_completions(tokenizer, completion_ids, mask):
     return [tokenizer.decode(ids[m], skip_special_tokens=True) for ids, m in zip(completion_ids, mask)]
 
 
+def linear_output_layer(model):
+    """The model's output layer when its logits are that linear layer of the decoder's last hidden state.
+
+    None when the head is not one nn.Linear, or when the model changes the logits after it (Gemma 2's
+    soft-capping, Cohere's and Granite's scaling: their configs say so); sequence_logprobs then reads
+    the model's own logits.
+    """
+    head = model.get_output_embeddings()
+    config = model.config.get_text_config()
+    changed = getattr(config, "final_logit_softcapping", None) is not None or any(
+        getattr(config, name, None) not in (None, 1) for name in ("logit_scale", "logits_scaling", "output_multiplier"))
+    return head if isinstance(head, torch.nn.Linear) and not changed else None
+
+
+def token_logprobs(hidden, weight, bias, targets, temperature, with_entropy):
+    """Log-probs (n,) of the targets (n,) at n positions, float32, and their entropies (n,) if asked.
+
+    hidden (n, d) is the decoder's last hidden state, weight (vocab, d) and bias the output layer's;
+    with weight None, hidden holds the logits (n, vocab) themselves.
+    """
+    logits = hidden if weight is None else torch.nn.functional.linear(hidden, weight, bias)
+    logits = logits.float() / temperature  # (n, vocab)
+    logsumexp = torch.logsumexp(logits, dim=-1)  # (n,)
+    logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - logsumexp
+    entropy = logsumexp - (logits.softmax(dim=-1) * logits).sum(dim=-1) if with_entropy else None
+    return logprobs, entropy
+
+
 def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=1.0, with_entropy=False,
                       chunk_values=2**26):
     """Log-probs (B, T) of the completion tokens input_ids[:, prompt_len:], float32.
@@ -254,29 +283,41 @@ def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=
     input_ids = [PAD, PAD, 4, 7, 13 | 5, 5, EOS]   left-padded prompt | completion (T = 3)
     attention = [0,   0,   1, 1, 1  | 1, 1, 1  ]
     positions = [0,   0,   0, 1, 2  | 3, 4, 5  ]   from the mask, as generate() computes them
-    The logits at position prompt_len - 1 + t predict completion token t. Divided by the
-    sampling temperature, they give the distribution the token was sampled from. The float32
-    log-softmax is taken a few rows at a time, at most chunk_values floats (256 MB) or one row:
-    logsumexp over the vocabulary, minus the logit of the chosen token. Without gradient, no float32
-    (B, T, vocab) tensor is built at once; with gradient, autograd keeps every chunk for the
-    backward pass, so there the saving is small (docs/results.md measures both).
+    The hidden state at position prompt_len - 1 + t predicts completion token t. Only those B x T
+    states go through the output layer, a chunk of positions at a time (at most chunk_values logits,
+    256 MB in float32); divided by the sampling temperature, the logits give the distribution the
+    token was sampled from: logsumexp over the vocabulary minus the chosen token's logit. No
+    (B, T, vocab) tensor is built. With gradient, each chunk runs under torch.utils.checkpoint: its
+    logits are freed once its log-probs are computed and recomputed in the backward pass, one chunk at
+    a time, so neither pass ever holds more than one chunk's logits and their gradient.
     with_entropy: also return each position's entropy (B, T), logsumexp(z) - sum_v p_v z_v.
     """
     position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, P + T)
     completion_len = input_ids.shape[1] - prompt_len
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=completion_len + 1).logits[:, :-1]  # (B, T, vocab)
-    targets = input_ids[:, prompt_len:]  # (B, T)
-    chunk_rows = max(1, chunk_values // (logits.shape[1] * logits.shape[2]))
-    rows, entropies = [], []
-    for i in range(0, logits.shape[0], chunk_rows):
-        chunk = logits[i : i + chunk_rows].float() / temperature  # (chunk, T, vocab)
-        chosen = chunk.gather(-1, targets[i : i + chunk_rows, :, None]).squeeze(-1)  # (chunk, T)
-        logsumexp = torch.logsumexp(chunk, dim=-1)
-        rows.append(chosen - logsumexp)
-        if with_entropy:
-            entropies.append(logsumexp - (chunk.softmax(dim=-1) * chunk).sum(dim=-1))
-    return (torch.cat(rows), torch.cat(entropies)) if with_entropy else torch.cat(rows)  # (B, T)
+    head = linear_output_layer(model)
+    if head is not None:
+        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                     position_ids=position_ids).last_hidden_state[:, prompt_len - 1 : -1]  # (B, T, d)
+        weight, bias = head.weight, head.bias
+    else:  # the logits are more than a linear layer: the model computes them, all of them at once
+        hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       logits_to_keep=completion_len + 1).logits[:, :-1]  # (B, T, vocab)
+        weight = bias = None
+    targets = input_ids[:, prompt_len:].reshape(-1)  # (B T,)
+    hidden = hidden.reshape(len(targets), hidden.shape[-1])  # (B T, d)
+    vocab_size = hidden.shape[-1] if weight is None else weight.shape[0]
+    rows = max(1, chunk_values // vocab_size)
+    chunks = []
+    for i in range(0, len(targets), rows):
+        inputs = (hidden[i : i + rows], weight, bias, targets[i : i + rows], temperature, with_entropy)
+        if torch.is_grad_enabled() and len(targets) > rows:  # with one chunk, recomputing would save nothing
+            chunks.append(torch.utils.checkpoint.checkpoint(token_logprobs, *inputs, use_reentrant=False))
+        else:
+            chunks.append(token_logprobs(*inputs))
+    logprobs = torch.cat([c[0] for c in chunks]).view(-1, completion_len)  # (B, T)
+    if not with_entropy:
+        return logprobs
+    return logprobs, torch.cat([c[1] for c in chunks]).view(-1, completion_len)  # (B, T), (B, T)
 
 
 @torch.no_grad()

@@ -67,7 +67,8 @@ QUICK_FLAGS.update({name: ["--num-steps", "4", "--micro-batch-size", "4", "--max
                     + (["--batch-size", "4", "--num-train-prompts", "8"] if name.startswith("dpo") else
                        ["--prompts-per-step", "2", "--group-size", "2"]) for name in REAL_FLAGS})
 QUICK_COMMON = ["--eval-every", "2", "--log-every", "1", "--num-eval", "20"]
-MEMORY_CASES = [("plain", False), ("chunked", False), ("plain", True), ("chunked", True)]
+MEMORY_CASES = [("plain", False, "float32"), ("chunked", False, "float32"), ("plain", True, "float32"),
+                ("chunked", True, "float32"), ("plain", True, "bfloat16"), ("chunked", True, "bfloat16")]
 
 
 @dataclass
@@ -159,9 +160,10 @@ def measure_logprob_memory(args):
     seq_len, batch = (128, 2) if args.quick else (args.memory_seq_len, args.memory_batch_size)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # where the algorithm files would run
     results = []
-    for method, grad in MEMORY_CASES:
+    for method, grad, dtype in MEMORY_CASES:
         command = [sys.executable, "benchmarks/logprob_memory.py", "--method", method, "--batch-size", str(batch),
-                   "--seq-len", str(seq_len), "--prompt-len", "64", "--device", device] + (["--grad"] if grad else [])
+                   "--seq-len", str(seq_len), "--prompt-len", "64", "--device", device, "--dtype", dtype]
+        command += ["--grad"] if grad else []
         print(f"log-prob memory: {' '.join(command[1:])}", flush=True)
         proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
                               env=dict(os.environ, HF_HUB_OFFLINE="1"))
@@ -397,22 +399,31 @@ def write_results(runs, memory, args, path):
         lines += ["## Memory of the log-prob computation", "",
                   f"A random one-layer Qwen2 model (hidden size 64) with Qwen's {first['vocab_size']:,}-token"
                   f" vocabulary, {first['batch_size']} sequences of {first['seq_len']:,} tokens"
-                  f" ({first['prompt_len']} of prompt), float32 on the {first['device'].upper()}: the logits of the"
-                  f" completion positions alone are {first['logits_gb']:.2f} GiB. Each case runs in a fresh process"
+                  f" ({first['prompt_len']} of prompt), on the {first['device'].upper()}: the float32 logits of the"
+                  f" completion positions alone would be {first['logits_gb']:.2f} GiB. Each case runs in a fresh process"
                   " (`benchmarks/logprob_memory.py`); the memory is the rise of the process's peak resident set (on a"
                   " GPU: of `torch.cuda.max_memory_allocated`) over the computation (forward pass included, and the"
-                  " backward pass with gradient). `chunked` is the"
-                  " files' `sequence_logprobs`; `plain` is one float32 `log_softmax` over the whole logits tensor"
-                  " after the same forward pass. Without gradient the files keep at most one chunk's float32 copy"
-                  " at a time. With gradient, autograd keeps every chunk's copy for the backward pass, and the"
-                  " backward pass builds a full-size gradient of the logits whichever way they were reduced, so"
-                  " there chunking can save little.", "",
-                  "| method | gradient | peak memory added (GiB) | × the logits | seconds | sum of log-probs |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+                  " backward pass with gradient). `chunked` is the files' `sequence_logprobs`: the output layer, the"
+                  " log-softmax and the gather run over the completion positions a chunk at a time, and with gradient"
+                  " each chunk is recomputed in the backward pass (`torch.utils.checkpoint`), so no pass holds more"
+                  " than one chunk's logits or their gradient. `plain` is the model's own logits of the completion"
+                  " positions and one float32 `log_softmax` over them; with gradient autograd keeps the whole tensor"
+                  " and builds a gradient of the same size. Weights: the model's parameters (the log-softmax is"
+                  " float32 either way).", "",
+                  "| method | gradient | weights | peak memory added (GiB) | × the float32 logits | seconds |"
+                  " sum of log-probs |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for m in memory:
             lines.append(f"| {m['method']} | {'forward + backward' if m['grad'] else 'no (old/reference passes)'} | "
-                         f"{m['added_gb']:.2f} | {m['added_gb'] / m['logits_gb']:.1f} | {m['seconds']:.1f} | "
-                         f"{m['logprob_sum']:.1f} |")
+                         f"{m['dtype']} | {m['added_gb']:.2f} | {m['added_gb'] / m['logits_gb']:.2f} | "
+                         f"{m['seconds']:.1f} | {m['logprob_sum']:.1f} |")
+        pairs = {(m["grad"], m["dtype"]): {} for m in memory}
+        for m in memory:
+            pairs[(m["grad"], m["dtype"])][m["method"]] = m
+        lines += ["", "Chunked against plain, same gradient and weights: "
+                  + "; ".join(f"{'with' if grad else 'without'} gradient, {dtype}:"
+                              f" {c['chunked']['added_gb'] / c['plain']['added_gb']:.2f}× the memory,"
+                              f" {c['chunked']['seconds'] / c['plain']['seconds']:.2f}× the time"
+                              for (grad, dtype), c in pairs.items() if len(c) == 2) + "."]
         lines.append("")
     with open(path, "w") as f:
         f.write("\n".join(lines))

@@ -2,13 +2,15 @@
 
 A random one-layer Qwen2 model with Qwen's vocabulary (151,936 tokens) reads a batch of sequences;
 the log-probs of the last (seq_len - prompt_len) tokens are computed either the way the algorithm
-files do (`sequence_logprobs`, float32 log-softmax a few rows at a time) or with one plain
-`log_softmax` over the whole float32 logits tensor. Both use the same forward pass (logits of the
-completion positions only). On the CPU the peak resident memory of the process (ru_maxrss) is read
-before and after; the difference is what the computation added. With --device cuda (float32 too) it
-is the rise of torch.cuda.max_memory_allocated instead. Prints one JSON line.
+files do (`sequence_logprobs`: the output layer and a float32 log-softmax a chunk of positions at a
+time, each chunk recomputed in the backward pass) or with one plain `log_softmax` over the model's
+whole float32 logits of those positions. On the CPU the peak resident memory of the process
+(ru_maxrss) is read before and after; the difference is what the computation added. With --device
+cuda it is the rise of torch.cuda.max_memory_allocated instead. --dtype bfloat16 gives the model
+bfloat16 weights. Prints one JSON line.
 
     python benchmarks/logprob_memory.py --method chunked --grad
+    python benchmarks/logprob_memory.py --method plain --grad --dtype bfloat16
 """
 
 import argparse
@@ -48,6 +50,7 @@ if __name__ == "__main__":
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--vocab-size", type=int, default=151936)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda to measure GPU memory")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the model's weights")
     args = parser.parse_args()
     if not 0 < args.prompt_len < args.seq_len:
         sys.exit(f"--prompt-len must be between 0 and --seq-len ({args.seq_len}), got {args.prompt_len}")
@@ -57,7 +60,7 @@ if __name__ == "__main__":
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=args.seq_len,
                          tie_word_embeddings=True)
     device = torch.device(args.device)
-    model = AutoModelForCausalLM.from_config(config).to(device)  # float32
+    model = AutoModelForCausalLM.from_config(config).to(device, getattr(torch, args.dtype))
     input_ids = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len)).to(device)
     attention_mask = torch.ones_like(input_ids)
     compute = sequence_logprobs if args.method == "chunked" else plain_logprobs
@@ -73,7 +76,8 @@ if __name__ == "__main__":
     seconds = time.perf_counter() - start
     completion_len = args.seq_len - args.prompt_len
     peak = peak_gb(device)
-    print(json.dumps({"method": args.method, "grad": args.grad, "device": args.device, "batch_size": args.batch_size,
+    print(json.dumps({"method": args.method, "grad": args.grad, "device": args.device, "dtype": args.dtype,
+                      "batch_size": args.batch_size,
                       "seq_len": args.seq_len, "prompt_len": args.prompt_len, "vocab_size": args.vocab_size,
                       "logits_gb": args.batch_size * completion_len * args.vocab_size * 4 / 2**30,
                       "before_gb": before, "peak_gb": peak, "added_gb": peak - before,

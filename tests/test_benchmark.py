@@ -98,13 +98,16 @@ def test_the_time_breakdown_adds_up(quick):
 def test_the_memory_cases_compute_the_same_log_probs(quick):
     _, text, _ = quick
     rows = table_rows(text, "## Memory of the log-prob computation")
-    assert [(r[0], r[1].startswith("forward")) for r in rows] == [("plain", False), ("chunked", False),
-                                                                  ("plain", True), ("chunked", True)]
-    # the same sum of log-probs, whichever way it was computed: equal up to float rounding (the two ways sum in
-    # another order) and the page's one decimal
-    sums = [float(r[5]) for r in rows]
-    assert max(sums) - min(sums) <= 0.1 + 1e-5 * max(abs(x) for x in sums), sums
-    assert all(float(r[2]) > 0 for r in rows)
+    cases = [(r[0], r[1].startswith("forward"), r[2]) for r in rows]
+    assert cases == [("plain", False, "float32"), ("chunked", False, "float32"), ("plain", True, "float32"),
+                     ("chunked", True, "float32"), ("plain", True, "bfloat16"), ("chunked", True, "bfloat16")]
+    # the same sum of log-probs for the same weights, whichever way it was computed: equal up to float rounding
+    # (the two ways sum in another order) and the page's one decimal
+    for dtype in ("float32", "bfloat16"):
+        sums = [float(r[6]) for r in rows if r[2] == dtype]
+        assert max(sums) - min(sums) <= 0.1 + 1e-5 * max(abs(x) for x in sums), (dtype, sums)
+    assert all(float(r[3]) > 0 for r in rows)
+    assert "Chunked against plain, same gradient and weights: without gradient, float32:" in text
 
 
 def test_the_figure_is_a_png(quick):

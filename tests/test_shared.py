@@ -135,3 +135,105 @@ def test_shared_helpers_are_identical_in_every_file():
         for other in files:
             for helper in sorted(set(functions) & set(parsed[other][0])):
                 assert functions[helper] == parsed[other][0][helper], f"{helper} differs between {name} and {other}"
+
+
+def plain_logprobs(model, input_ids, attention_mask, prompt_len, temperature):
+    """The straightforward computation: the model's own full logits, one float32 log_softmax."""
+    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logprobs = (logits[:, prompt_len - 1 : -1].float() / temperature).log_softmax(dim=-1)  # (B, T, vocab)
+    entropy = -(logprobs.exp() * logprobs).sum(dim=-1)
+    return logprobs.gather(-1, input_ids[:, prompt_len:, None]).squeeze(-1), entropy
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("chunk_positions", [3, 10])
+def test_chunked_logprobs_and_gradients_equal_the_plain_computation(tied, chunk_positions):
+    """From the hidden states, 3 positions a chunk (10 positions: 3 + 3 + 3 + 1) or all 10 in one,
+    temperature 0.7, left padding: the same log-probs and entropies, and the same gradient for every
+    parameter, the output layer's (tied to the input embedding or not) and the decoder's (through the
+    hidden states)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=64, tie_word_embeddings=tied)
+    model = AutoModelForCausalLM.from_config(config)
+    model.lm_head.bias = None
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    input_ids = torch.randint(3, 300, (2, 9))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :2] = 0  # the first prompt is left-padded
+    prompt_len, temperature = 4, 0.7  # 2 sequences x 5 completion positions
+    weights = torch.randn(2, 5)  # a loss that weighs every position differently
+
+    def gradients(compute):
+        model.zero_grad()
+        logprobs, entropy = compute()
+        ((logprobs * weights).sum() + entropy.sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}  # a tied weight is named once
+        return logprobs.detach(), entropy.detach(), {**grads, "output layer": model.lm_head.weight.grad.clone()}
+
+    chunked = gradients(lambda: sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature,
+                                                  with_entropy=True, chunk_values=chunk_positions * 300))
+    plain = gradients(lambda: plain_logprobs(model, input_ids, attention_mask, prompt_len, temperature))
+    torch.testing.assert_close(chunked[0], plain[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked[1], plain[1], atol=1e-5, rtol=1e-5)
+    assert chunked[2].keys() == plain[2].keys()
+    for name in plain[2]:
+        torch.testing.assert_close(chunked[2][name], plain[2][name], atol=1e-5, rtol=1e-4, msg=name)
+    assert plain[2]["output layer"].abs().sum() > 0 and plain[2]["model.norm.weight"].abs().sum() > 0
+
+
+def test_with_gradient_no_logits_beyond_one_chunk_are_kept_for_the_backward_pass():
+    """What autograd saves for the backward pass: with 3 positions a chunk, no tensor over the vocabulary
+    larger than one chunk's logits (they are recomputed in the backward pass); the plain computation
+    keeps all 10 positions' logits."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, max_position_embeddings=64)
+    model = AutoModelForCausalLM.from_config(config)
+    input_ids = torch.randint(3, 300, (2, 9))
+    attention_mask = torch.ones_like(input_ids)
+
+    def largest_saved_vocabulary_tensor(compute):
+        sizes = [0]
+
+        def pack(tensor):
+            if tensor.shape and tensor.shape[-1] == 300 and tensor.dtype.is_floating_point:
+                sizes.append(tensor.numel())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            logprobs = compute()
+        logprobs[0].sum().backward()
+        return max(sizes)
+
+    chunked = largest_saved_vocabulary_tensor(lambda: sequence_logprobs(
+        model, input_ids, attention_mask, 4, 0.7, with_entropy=True, chunk_values=3 * 300))
+    plain = largest_saved_vocabulary_tensor(lambda: plain_logprobs(model, input_ids, attention_mask, 4, 0.7))
+    assert plain >= 10 * 300  # the check sees the logits when they are kept
+    assert chunked <= 3 * 300
+
+
+def test_a_model_whose_logits_are_more_than_a_linear_layer_keeps_the_models_logits():
+    """Gemma 2 soft-caps its logits after the output layer: the helper must not skip that."""
+    from transformers import Gemma2Config
+
+    from grpo import linear_output_layer
+
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                          final_logit_softcapping=1.0)  # a cap this low changes every logit visibly
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50)  # logits of a few units, which a cap of 1 squeezes
+    assert linear_output_layer(model) is None and linear_output_layer(tiny_model("llama")) is not None
+    input_ids = torch.randint(3, 300, (2, 8))
+    attention_mask = torch.ones_like(input_ids)
+    with torch.no_grad():
+        got = sequence_logprobs(model, input_ids, attention_mask, 5, 1.3, chunk_values=300)
+        expected, _ = plain_logprobs(model, input_ids, attention_mask, 5, 1.3)
+        hidden = model.model(input_ids=input_ids).last_hidden_state[:, 4:-1]
+        uncapped = (model.lm_head(hidden) / 1.3).log_softmax(-1).gather(-1, input_ids[:, 5:, None]).squeeze(-1)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert (uncapped - expected).abs().max() > 0.1  # what skipping the cap would have given
