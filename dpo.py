@@ -21,14 +21,18 @@ import json
 import os
 import random
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
+import torch.distributed
 import torch.utils.checkpoint
 import transformers
 import tyro
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 
@@ -40,6 +44,7 @@ class Args:
     cuda: bool = True  # use CUDA when it is available (`--no-cuda` stays on the CPU)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
+    fsdp: bool = False  # under torchrun: shard the models across the processes (FSDP2) instead of copying them (DDP)
     track: bool = False  # log metrics to Weights & Biases (`WANDB_MODE=offline` keeps them on disk)
     wandb_project_name: str = "onefile-rl"  # the wandb project
     wandb_entity: str | None = None  # the wandb entity (team or user)
@@ -231,7 +236,8 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
         config.do_sample = False
     else:
         config.do_sample, config.temperature, config.top_k, config.top_p = True, temperature, 0, 1.0
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+    out = unwrap(model).generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
+                                 synced_gpus=torch.distributed.is_initialized())  # FSDP: every process to the end
     return out[:, prompt_ids.shape[1] :]
 
 
@@ -278,6 +284,24 @@ def token_logprobs(hidden, weight, bias, targets, temperature, with_entropy):
     return logprobs, entropy
 
 
+def decoder_states(model, input_ids, attention_mask, position_ids):
+    """The decoder's last hidden state (B, L, d), caught on its way through the model's own forward pass.
+
+    The model's forward pass is where a DDP or FSDP wrapper does its work (FSDP gathers the weights there),
+    so the hidden states are taken from it rather than from a call to the decoder alone. The model's own
+    output is not used: a causal LM computes its logits at one position only.
+    """
+    states = []
+    hook = unwrap(model).get_decoder().register_forward_hook(lambda module, inputs, out: states.append(out[0]))
+    causal_lm = unwrap(model).get_output_embeddings() is not None
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+              **({"logits_to_keep": 1} if causal_lm else {}))
+    finally:
+        hook.remove()
+    return states[0]
+
+
 def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=1.0, with_entropy=False,
                       chunk_values=2**26):
     """Log-probs (B, T) of the completion tokens input_ids[:, prompt_len:], float32.
@@ -296,10 +320,9 @@ def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=
     """
     position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, P + T)
     completion_len = input_ids.shape[1] - prompt_len
-    head = linear_output_layer(model)
+    head = linear_output_layer(unwrap(model))
     if head is not None:
-        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                     position_ids=position_ids).last_hidden_state[:, prompt_len - 1 : -1]  # (B, T, d)
+        hidden = decoder_states(model, input_ids, attention_mask, position_ids)[:, prompt_len - 1 : -1]  # (B, T, d)
         weight, bias = head.weight, head.bias
     else:  # the logits are more than a linear layer: the model computes them, all of them at once
         hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -340,8 +363,13 @@ def masked_mean(x, mask, dim=None):
 
 @torch.no_grad()
 def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, batch_size=128):
-    """Greedy accuracy on held-out records: the mean reward of greedy completions."""
+    """Greedy accuracy on held-out records: the mean reward of greedy completions.
+
+    Under torchrun each process takes every N-th record and the totals are added up (a remainder of fewer
+    than N records is left out, so that every process runs as many batches).
+    """
     model.eval()
+    records = share_of(records)
     total = 0.0
     for i in range(0, len(records), batch_size):
         chunk = records[i : i + batch_size]
@@ -349,7 +377,8 @@ def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, batch_
         completion_ids = generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, None, stop_ids)
         texts = decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
         total += sum(reward_fn(t, r["answer"]) for t, r in zip(texts, chunk))
-    return total / len(records)
+    right, count = all_sum(torch.tensor([total, len(records)], dtype=torch.float64)).tolist()  # of all processes
+    return right / count
 
 
 # ---- Logging and saving -------------------------------------------------------------------------
@@ -366,12 +395,15 @@ TIMING_KEYS = ("charts/step_time", "charts/elapsed_time", "charts/tokens_per_sec
 
 
 class Logger:
-    """Writes every logged step to metrics.jsonl, to wandb with --track, and a console line."""
+    """Writes every logged step to metrics.jsonl, to wandb with --track, and a console line.
+
+    Under torchrun every process calls log() with its own metrics; rank 0 writes their mean.
+    """
 
     def __init__(self, args, output_dir):
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.wandb = None
-        if args.track:
+        if args.track and rank_and_world()[0] == 0:
             import wandb
 
             self.wandb = wandb
@@ -379,7 +411,11 @@ class Logger:
                        config=vars(args), dir=output_dir)
 
     def log(self, step, metrics):
-        metrics = {k: float(v) for k, v in metrics.items()}
+        rank, world = rank_and_world()
+        values = all_sum(torch.tensor([float(v) for v in metrics.values()], dtype=torch.float64)) / world
+        metrics = dict(zip(metrics, values.tolist()))
+        if rank != 0:
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.wandb is not None:
@@ -396,20 +432,118 @@ def make_output_dir(args):
     path = args.output_dir or os.path.join("runs", args.run_name)
     if os.path.exists(path):
         fail(f"--output-dir {path} already exists; a run never overwrites another, choose a new folder")
-    os.makedirs(path)
-    with open(os.path.join(path, "args.json"), "w") as f:
-        json.dump(asdict(args), f, indent=2)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every process has looked before rank 0 makes it
+    if rank_and_world()[0] == 0:
+        os.makedirs(path)
+        with open(os.path.join(path, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)
     return path
 
 
+def save(model, tokenizer, output_dir):
+    """The whole model and the tokenizer, loadable with from_pretrained, written by rank 0.
+
+    Under FSDP each process holds a shard: every process hands its shards in, and rank 0 gets the full weights.
+    """
+    state_dict = None
+    if isinstance(model, FSDPModule):
+        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # a tied weight (input and output embedding) under its first name only, as save_pretrained writes it
+        names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+        state_dict = {name: tensor for name, tensor in state_dict.items() if name in names}
+    if rank_and_world()[0] == 0:
+        unwrap(model).save_pretrained(output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(output_dir)
+
+
 def setup(args):
-    """Seed everything, quiet the library's progress bars, and pick the device."""
+    """Seed everything, quiet the library's progress bars, join the other processes under torchrun, and pick the
+    device. Each process gets seed + rank (its own samples); one process without torchrun is rank 0."""
     transformers.utils.logging.disable_progress_bar()
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    cuda = torch.cuda.is_available() and args.cuda
+    if "LOCAL_RANK" in os.environ:  # started by torchrun
+        torch.distributed.init_process_group("nccl" if cuda else "gloo")
+        if torch.distributed.get_rank() != 0:
+            sys.stdout = open(os.devnull, "w")  # rank 0 alone prints; errors still reach stderr
+    elif args.fsdp:
+        fail("--fsdp shards the models across processes: start them with torchrun --nproc-per-node N")
+    rank = rank_and_world()[0]
+    random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, set before CUDA starts
     torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)  # warn where CUDA has no such kernel
-    return torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)  # one GPU per process on each machine
+    return device
+
+
+# ---- Many processes: torchrun (DDP or FSDP2) ----------------------------------------------------
+# `python file.py` is one process, and every helper here then does nothing. `torchrun --nproc-per-node N
+# file.py` starts N processes: each takes its share of every batch, the gradients are averaged over them,
+# and rank 0 alone prints, logs and saves. The batch flags always mean the whole batch of all processes.
+def rank_and_world():
+    """(this process's rank, the number of processes): (0, 1) without torchrun."""
+    if not torch.distributed.is_initialized():
+        return 0, 1
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def per_process(n, flag):
+    """Each process's share of n, the value of a batch flag, or a one-line error when it does not divide."""
+    world = rank_and_world()[1]
+    if n % world != 0:
+        fail(f"{flag} {n} does not divide among {world} processes: use a multiple of {world}")
+    return n // world
+
+
+def share_of(items):
+    """This process's items: every N-th one, from its rank on (a remainder of fewer than N is left out)."""
+    rank, world = rank_and_world()
+    return items[: len(items) - len(items) % world][rank::world]
+
+
+def all_sum(x):
+    """The sum of tensor x over the processes (x itself in one process)."""
+    if not torch.distributed.is_initialized():
+        return x
+    nccl = torch.distributed.get_backend() == "nccl"
+    y = x.detach().to(torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu", copy=True)
+    torch.distributed.all_reduce(y)
+    return y.to(x.device)
+
+
+def distribute(model, args):
+    """The model spread over the processes; unchanged in one process.
+
+    Default (DDP): each process keeps a whole copy, and the backward pass averages the gradients over the
+    processes. --fsdp (FSDP2): the parameters of each decoder layer, then the rest, are split across the
+    processes and gathered for the forward and backward passes one layer at a time; the gradients are
+    averaged (in float32 when the weights are bfloat16) and split the same way. Either way every
+    process starts from rank 0's weights. A frozen model under DDP is a plain copy in each process.
+    """
+    if not torch.distributed.is_initialized():
+        return model
+    for tensor in model.state_dict().values():
+        torch.distributed.broadcast(tensor, src=0)
+    if args.fsdp:
+        precision = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        for module in model.modules():
+            if type(module).__name__ in (model._no_split_modules or []):  # transformers' name for a decoder layer
+                fully_shard(module, mp_policy=precision)
+        fully_shard(model, mp_policy=precision)
+        if model.can_generate():
+            register_fsdp_forward_method(model, "generate")  # generate() gathers the layers as forward() does
+        return model
+    if not any(p.requires_grad for p in model.parameters()):
+        return model
+    return torch.nn.parallel.DistributedDataParallel(model)
+
+
+def unwrap(model):
+    """The transformers model inside a DDP wrapper (an FSDP2 model is its own wrapper)."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 # ---- Prompt + completion batches ---------------------------------------------------------------
@@ -441,8 +575,8 @@ def addition_pairs(policy, tokenizer, records, samples, max_new_tokens, device, 
     policy got it right every time, or (with "sample") never.
     """
     policy.eval()
-    stop_ids = stop_token_ids(tokenizer, policy)
-    pairs = []
+    stop_ids = stop_token_ids(tokenizer, unwrap(policy))
+    records, pairs = share_of(records), []  # under torchrun: this process's share, put together below
     for i in range(0, len(records), chunk):
         part = records[i : i + chunk]
         prompts = [r["prompt"] for r in part for _ in range(samples)]
@@ -455,6 +589,10 @@ def addition_pairs(policy, tokenizer, records, samples, max_new_tokens, device, 
             right = [t for t in sampled if reward_fn(t, r["answer"])] if chosen == "sample" else [r["answer"]]
             if wrong and right:
                 pairs.append({"prompt": r["prompt"], "chosen": right[0], "rejected": wrong[0], "answer": r["answer"]})
+    if torch.distributed.is_initialized():  # every process gets every process's pairs, in rank order
+        shares = [None] * rank_and_world()[1]
+        torch.distributed.all_gather_object(shares, pairs)
+        pairs = [pair for share in shares for pair in share]
     return pairs
 
 
@@ -549,15 +687,18 @@ if __name__ == "__main__":
             fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     if not 0 <= args.label_smoothing < 0.5:
         fail(f"--label-smoothing {args.label_smoothing}: use a value in [0, 0.5)")
-    exact_div(args.batch_size, args.micro_batch_size, "--batch-size, by --micro-batch-size,")
     args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     device = setup(args)
+    rank, world = rank_and_world()
+    batch_size = per_process(args.batch_size, "--batch-size")  # this process's pairs of each batch
+    exact_div(batch_size, args.micro_batch_size, "--batch-size (per process), by --micro-batch-size,")
 
     # the policy and its frozen copy, the reference
     tokenizer = load_tokenizer(args.model_name_or_path, args)
     policy = load_model(args.model_name_or_path, args, device)
-    ref_policy = load_model(args.model_name_or_path, args, device).eval().requires_grad_(False)
     stop_ids = stop_token_ids(tokenizer, policy)
+    policy = distribute(policy, args)  # under torchrun: DDP, or FSDP2 with --fsdp
+    ref_policy = distribute(load_model(args.model_name_or_path, args, device).eval().requires_grad_(False), args)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     # the pairs, made once at the start (the built-in task: sampled from the starting policy)
     train_pairs, eval_pairs = load_preferences(args, tokenizer, device, policy)  # policy: not trained yet
@@ -580,14 +721,14 @@ if __name__ == "__main__":
     def eval_metrics():
         """Held-out preference accuracy of the implicit reward, and the task's greedy accuracy."""
         policy.eval()
-        margins = []
-        for i in range(0, len(eval_pairs), args.micro_batch_size):
-            tokens = pair_batch(tokenizer, eval_pairs[i : i + args.micro_batch_size], device)
+        margins, pairs = [], share_of(eval_pairs)  # this process's share of the held-out pairs
+        for i in range(0, len(pairs), args.micro_batch_size):
+            tokens = pair_batch(tokenizer, pairs[i : i + args.micro_batch_size], device)
             (pc, pr), (rc, rr) = (forward(tokens, m) for m in (policy, ref_policy))
             h = (pc - rc) - (pr - rr)  # (b,)
-            tie = h.abs() <= rounding_tolerance(tokens[-1], policy.dtype)  # at step 0, every pair
+            tie = h.abs() <= rounding_tolerance(tokens[-1], unwrap(policy).dtype)  # at step 0, every pair
             margins.append(torch.where(tie, 0.0, args.beta * h))
-        metrics = {"eval/pair_accuracy": pair_accuracy(torch.cat(margins)).item()}
+        metrics = {"eval/pair_accuracy": all_sum(pair_accuracy(torch.cat(margins))).item() / world}  # equal shares
         if eval_records is not None:
             metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids, device)
         return metrics
@@ -596,11 +737,11 @@ if __name__ == "__main__":
     logger.log(0, eval_metrics())
     for step in range(1, args.num_steps + 1):
         step_start = clock(device)
-        batch = data_rng.choices(train_pairs, k=args.batch_size)
+        batch = data_rng.choices(train_pairs, k=args.batch_size)[rank * batch_size : (rank + 1) * batch_size]
         policy.train()
         optimizer.zero_grad()
         step_stats, num_tokens = [], 0
-        for i in range(0, args.batch_size, args.micro_batch_size):
+        for i in range(0, batch_size, args.micro_batch_size):
             pairs = batch[i : i + args.micro_batch_size]
             tokens = pair_batch(tokenizer, pairs, device)  # tokenised once, for both models
             with torch.no_grad():
@@ -608,10 +749,10 @@ if __name__ == "__main__":
             chosen, rejected = forward(tokens, policy)  # chosen and rejected through one forward pass
             num_tokens += tokens[-1].sum().item()  # completion tokens of the 2b sequences
             loss, stats = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
-                                   args.label_smoothing, rounding_tolerance(tokens[-1], policy.dtype))
+                                   args.label_smoothing, rounding_tolerance(tokens[-1], unwrap(policy).dtype))
             if not torch.isfinite(loss):
                 fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the data")
-            (loss * len(pairs) / args.batch_size).backward()  # the micro-batches add up to the batch's mean
+            (loss * len(pairs) / batch_size).backward()  # the micro-batches add up to the batch's mean
             step_stats.append({"loss": loss.detach(), **stats})
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
         optimizer.step()
@@ -628,7 +769,9 @@ if __name__ == "__main__":
                 metrics.update(eval_metrics())
             logger.log(step, metrics)
 
-    policy.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
+    save(policy, tokenizer, output_dir)
     logger.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every process is done before the group goes
+        torch.distributed.destroy_process_group()
     print(f"saved to {output_dir} in {time.time() - start:.0f} s")

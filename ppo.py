@@ -27,14 +27,18 @@ import json
 import os
 import random
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
+import torch.distributed
 import torch.utils.checkpoint
 import transformers
 import tyro
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 
 
@@ -46,6 +50,7 @@ class Args:
     cuda: bool = True  # use CUDA when it is available (`--no-cuda` stays on the CPU)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
+    fsdp: bool = False  # under torchrun: shard the models across the processes (FSDP2) instead of copying them (DDP)
     track: bool = False  # log metrics to Weights & Biases (`WANDB_MODE=offline` keeps them on disk)
     wandb_project_name: str = "onefile-rl"  # the wandb project
     wandb_entity: str | None = None  # the wandb entity (team or user)
@@ -263,7 +268,8 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
         config.do_sample = False
     else:
         config.do_sample, config.temperature, config.top_k, config.top_p = True, temperature, 0, 1.0
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+    out = unwrap(model).generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
+                                 synced_gpus=torch.distributed.is_initialized())  # FSDP: every process to the end
     return out[:, prompt_ids.shape[1] :]
 
 
@@ -310,6 +316,24 @@ def token_logprobs(hidden, weight, bias, targets, temperature, with_entropy):
     return logprobs, entropy
 
 
+def decoder_states(model, input_ids, attention_mask, position_ids):
+    """The decoder's last hidden state (B, L, d), caught on its way through the model's own forward pass.
+
+    The model's forward pass is where a DDP or FSDP wrapper does its work (FSDP gathers the weights there),
+    so the hidden states are taken from it rather than from a call to the decoder alone. The model's own
+    output is not used: a causal LM computes its logits at one position only.
+    """
+    states = []
+    hook = unwrap(model).get_decoder().register_forward_hook(lambda module, inputs, out: states.append(out[0]))
+    causal_lm = unwrap(model).get_output_embeddings() is not None
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+              **({"logits_to_keep": 1} if causal_lm else {}))
+    finally:
+        hook.remove()
+    return states[0]
+
+
 def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=1.0, with_entropy=False,
                       chunk_values=2**26):
     """Log-probs (B, T) of the completion tokens input_ids[:, prompt_len:], float32.
@@ -328,10 +352,9 @@ def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=
     """
     position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, P + T)
     completion_len = input_ids.shape[1] - prompt_len
-    head = linear_output_layer(model)
+    head = linear_output_layer(unwrap(model))
     if head is not None:
-        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                     position_ids=position_ids).last_hidden_state[:, prompt_len - 1 : -1]  # (B, T, d)
+        hidden = decoder_states(model, input_ids, attention_mask, position_ids)[:, prompt_len - 1 : -1]  # (B, T, d)
         weight, bias = head.weight, head.bias
     else:  # the logits are more than a linear layer: the model computes them, all of them at once
         hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -372,8 +395,13 @@ def masked_mean(x, mask, dim=None):
 
 @torch.no_grad()
 def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, batch_size=128):
-    """Greedy accuracy on held-out records: the mean reward of greedy completions."""
+    """Greedy accuracy on held-out records: the mean reward of greedy completions.
+
+    Under torchrun each process takes every N-th record and the totals are added up (a remainder of fewer
+    than N records is left out, so that every process runs as many batches).
+    """
     model.eval()
+    records = share_of(records)
     total = 0.0
     for i in range(0, len(records), batch_size):
         chunk = records[i : i + batch_size]
@@ -381,7 +409,8 @@ def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, batch_
         completion_ids = generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, None, stop_ids)
         texts = decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
         total += sum(reward_fn(t, r["answer"]) for t, r in zip(texts, chunk))
-    return total / len(records)
+    right, count = all_sum(torch.tensor([total, len(records)], dtype=torch.float64)).tolist()  # of all processes
+    return right / count
 
 
 # ---- Logging and saving -------------------------------------------------------------------------
@@ -398,12 +427,15 @@ TIMING_KEYS = ("charts/step_time", "charts/elapsed_time", "charts/tokens_per_sec
 
 
 class Logger:
-    """Writes every logged step to metrics.jsonl, to wandb with --track, and a console line."""
+    """Writes every logged step to metrics.jsonl, to wandb with --track, and a console line.
+
+    Under torchrun every process calls log() with its own metrics; rank 0 writes their mean.
+    """
 
     def __init__(self, args, output_dir):
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.wandb = None
-        if args.track:
+        if args.track and rank_and_world()[0] == 0:
             import wandb
 
             self.wandb = wandb
@@ -411,7 +443,11 @@ class Logger:
                        config=vars(args), dir=output_dir)
 
     def log(self, step, metrics):
-        metrics = {k: float(v) for k, v in metrics.items()}
+        rank, world = rank_and_world()
+        values = all_sum(torch.tensor([float(v) for v in metrics.values()], dtype=torch.float64)) / world
+        metrics = dict(zip(metrics, values.tolist()))
+        if rank != 0:
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.wandb is not None:
@@ -428,20 +464,118 @@ def make_output_dir(args):
     path = args.output_dir or os.path.join("runs", args.run_name)
     if os.path.exists(path):
         fail(f"--output-dir {path} already exists; a run never overwrites another, choose a new folder")
-    os.makedirs(path)
-    with open(os.path.join(path, "args.json"), "w") as f:
-        json.dump(asdict(args), f, indent=2)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every process has looked before rank 0 makes it
+    if rank_and_world()[0] == 0:
+        os.makedirs(path)
+        with open(os.path.join(path, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)
     return path
 
 
+def save(model, tokenizer, output_dir):
+    """The whole model and the tokenizer, loadable with from_pretrained, written by rank 0.
+
+    Under FSDP each process holds a shard: every process hands its shards in, and rank 0 gets the full weights.
+    """
+    state_dict = None
+    if isinstance(model, FSDPModule):
+        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # a tied weight (input and output embedding) under its first name only, as save_pretrained writes it
+        names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+        state_dict = {name: tensor for name, tensor in state_dict.items() if name in names}
+    if rank_and_world()[0] == 0:
+        unwrap(model).save_pretrained(output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(output_dir)
+
+
 def setup(args):
-    """Seed everything, quiet the library's progress bars, and pick the device."""
+    """Seed everything, quiet the library's progress bars, join the other processes under torchrun, and pick the
+    device. Each process gets seed + rank (its own samples); one process without torchrun is rank 0."""
     transformers.utils.logging.disable_progress_bar()
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
+    cuda = torch.cuda.is_available() and args.cuda
+    if "LOCAL_RANK" in os.environ:  # started by torchrun
+        torch.distributed.init_process_group("nccl" if cuda else "gloo")
+        if torch.distributed.get_rank() != 0:
+            sys.stdout = open(os.devnull, "w")  # rank 0 alone prints; errors still reach stderr
+    elif args.fsdp:
+        fail("--fsdp shards the models across processes: start them with torchrun --nproc-per-node N")
+    rank = rank_and_world()[0]
+    random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, set before CUDA starts
     torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)  # warn where CUDA has no such kernel
-    return torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)  # one GPU per process on each machine
+    return device
+
+
+# ---- Many processes: torchrun (DDP or FSDP2) ----------------------------------------------------
+# `python file.py` is one process, and every helper here then does nothing. `torchrun --nproc-per-node N
+# file.py` starts N processes: each takes its share of every batch, the gradients are averaged over them,
+# and rank 0 alone prints, logs and saves. The batch flags always mean the whole batch of all processes.
+def rank_and_world():
+    """(this process's rank, the number of processes): (0, 1) without torchrun."""
+    if not torch.distributed.is_initialized():
+        return 0, 1
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def per_process(n, flag):
+    """Each process's share of n, the value of a batch flag, or a one-line error when it does not divide."""
+    world = rank_and_world()[1]
+    if n % world != 0:
+        fail(f"{flag} {n} does not divide among {world} processes: use a multiple of {world}")
+    return n // world
+
+
+def share_of(items):
+    """This process's items: every N-th one, from its rank on (a remainder of fewer than N is left out)."""
+    rank, world = rank_and_world()
+    return items[: len(items) - len(items) % world][rank::world]
+
+
+def all_sum(x):
+    """The sum of tensor x over the processes (x itself in one process)."""
+    if not torch.distributed.is_initialized():
+        return x
+    nccl = torch.distributed.get_backend() == "nccl"
+    y = x.detach().to(torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu", copy=True)
+    torch.distributed.all_reduce(y)
+    return y.to(x.device)
+
+
+def distribute(model, args):
+    """The model spread over the processes; unchanged in one process.
+
+    Default (DDP): each process keeps a whole copy, and the backward pass averages the gradients over the
+    processes. --fsdp (FSDP2): the parameters of each decoder layer, then the rest, are split across the
+    processes and gathered for the forward and backward passes one layer at a time; the gradients are
+    averaged (in float32 when the weights are bfloat16) and split the same way. Either way every
+    process starts from rank 0's weights. A frozen model under DDP is a plain copy in each process.
+    """
+    if not torch.distributed.is_initialized():
+        return model
+    for tensor in model.state_dict().values():
+        torch.distributed.broadcast(tensor, src=0)
+    if args.fsdp:
+        precision = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        for module in model.modules():
+            if type(module).__name__ in (model._no_split_modules or []):  # transformers' name for a decoder layer
+                fully_shard(module, mp_policy=precision)
+        fully_shard(model, mp_policy=precision)
+        if model.can_generate():
+            register_fsdp_forward_method(model, "generate")  # generate() gathers the layers as forward() does
+        return model
+    if not any(p.requires_grad for p in model.parameters()):
+        return model
+    return torch.nn.parallel.DistributedDataParallel(model)
+
+
+def unwrap(model):
+    """The transformers model inside a DDP wrapper (an FSDP2 model is its own wrapper)."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 # ---- ALGO LOGIC: values, rewards, GAE and PPO's two losses ---------------------------------------
@@ -453,19 +587,17 @@ def last_token_scores(model, input_ids, attention_mask):
     The mask, not the pad id, finds the token, so a pad id equal to the EOS id cannot move it.
     """
     position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, T), as for the policy
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=position_ids).last_hidden_state  # (B, T, hidden)
+    hidden = decoder_states(model, input_ids, attention_mask, position_ids)  # (B, T, hidden)
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     last = (attention_mask * positions).argmax(dim=1)  # (B,) the index of the last real token
-    return model.score(hidden[torch.arange(len(last), device=last.device), last]).squeeze(-1).float()  # (B,)
+    return unwrap(model).score(hidden[torch.arange(len(last), device=last.device), last]).squeeze(-1).float()  # (B,)
 
 
 def token_values(value_model, input_ids, attention_mask, prompt_len):
     """V(s_t) (B, T) for each completion token t: the value head on the hidden state that predicts token t."""
     position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, P + T), as for the policy
-    hidden = value_model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                    position_ids=position_ids).last_hidden_state  # (B, P + T, hidden)
-    return value_model.score(hidden[:, prompt_len - 1 : -1]).squeeze(-1).float()  # (B, T)
+    hidden = decoder_states(value_model, input_ids, attention_mask, position_ids)  # (B, P + T, hidden)
+    return unwrap(value_model).score(hidden[:, prompt_len - 1 : -1]).squeeze(-1).float()  # (B, T)
 
 
 def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, beta):
@@ -500,11 +632,14 @@ def gae(rewards, values, mask, gamma, lam):
 
 
 def whiten(x, mask, eps=1e-8):
-    """(x - mean) / std over the positions where mask is 1 (unbiased std); 0 elsewhere."""
+    """(x - mean) / std over the positions where mask is 1 (unbiased std); 0 elsewhere.
+
+    Under torchrun the mean and the std are those of every process's positions (all_sum adds them up).
+    """
     m = mask.bool()
-    mean = masked_mean(x, m)
-    n = m.sum()
-    var = masked_mean((x - mean) ** 2, m) * n / (n - 1).clamp(min=1)
+    n, total = all_sum(torch.stack([m.sum().to(x.dtype), torch.where(m, x, 0.0).sum()]))
+    mean = total / n.clamp(min=1)
+    var = all_sum(torch.where(m, (x - mean) ** 2, 0.0).sum()) / (n - 1).clamp(min=1)
     return torch.where(m, (x - mean) * torch.rsqrt(var + eps), 0.0)
 
 
@@ -537,11 +672,13 @@ if __name__ == "__main__":
                  "num_minibatches", "num_eval", "eval_every", "log_every", "learning_rate", "temperature"):
         if getattr(args, flag) <= 0:
             fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
-    args.batch_size = args.prompts_per_step
-    args.minibatch_size = exact_div(args.batch_size, args.num_minibatches, "--prompts-per-step")
-    exact_div(args.minibatch_size, args.micro_batch_size, "a minibatch, by --micro-batch-size,")
     args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     device = setup(args)
+    rank, world = rank_and_world()
+    batch_size = per_process(args.prompts_per_step, "--prompts-per-step")  # this process's prompts of each batch
+    minibatch_size = exact_div(batch_size, args.num_minibatches, "--prompts-per-step (per process)")
+    exact_div(minibatch_size, args.micro_batch_size, "a minibatch, by --micro-batch-size,")
+    args.batch_size, args.minibatch_size = batch_size * world, minibatch_size * world  # of all processes
 
     # four models: the policy, its frozen reference, the critic, and the reward (a model, or the verifier)
     tokenizer = load_tokenizer(args.model_name_or_path, args)
@@ -555,6 +692,9 @@ if __name__ == "__main__":
     if args.reward_model_path is None:
         torch.nn.init.zeros_(value_model.score.weight)  # a new head, zero: V = 0 everywhere at the start
     stop_ids = stop_token_ids(tokenizer, policy)
+    # under torchrun: DDP, or FSDP2 with --fsdp (frozen models: a copy in each process, or sharded)
+    policy, ref_policy, value_model = (distribute(m, args) for m in (policy, ref_policy, value_model))
+    reward_model = None if reward_model is None else distribute(reward_model, args)
     optimizer = torch.optim.AdamW([*policy.parameters(), *value_model.parameters()], lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
     train_records, eval_records = load_task(args)
@@ -568,7 +708,7 @@ if __name__ == "__main__":
     for step in range(1, args.num_steps + 1):
         step_start = clock(device)
         # 1. rollouts: one completion per prompt from pi_old
-        batch = data_rng.choices(train_records, k=args.prompts_per_step)
+        batch = data_rng.choices(train_records, k=args.prompts_per_step)[rank * batch_size : (rank + 1) * batch_size]
         policy.eval()
         prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in batch], device)  # (B, P)
         completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature,
@@ -600,7 +740,7 @@ if __name__ == "__main__":
             value_model.eval()
             old_values = torch.cat([token_values(value_model, input_ids[i : i + args.micro_batch_size],
                                                  attention_mask[i : i + args.micro_batch_size], prompt_len)
-                                    for i in range(0, args.batch_size, args.micro_batch_size)])  # (B, T)
+                                    for i in range(0, batch_size, args.micro_batch_size)])  # (B, T)
         logprob_time = clock(device) - logprob_start
 
         # 4. per-token rewards, GAE, returns (before whitening), whitened advantages
@@ -613,7 +753,7 @@ if __name__ == "__main__":
         value_model.train()
         step_stats, forward_backward_time = [], 0.0
         for _ in range(args.ppo_epochs):
-            for mb in torch.randperm(args.batch_size, generator=shuffle_gen).to(device).split(args.minibatch_size):
+            for mb in torch.randperm(batch_size, generator=shuffle_gen).to(device).split(minibatch_size):
                 optimizer.zero_grad()
                 for idx in mb.split(args.micro_batch_size):
                     forward_start = clock(device)
@@ -628,7 +768,8 @@ if __name__ == "__main__":
                     if not torch.isfinite(loss):
                         fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the rewards")
                     # both losses are token means: weigh each micro-batch by its share of the minibatch's tokens
-                    (loss * mask[idx].sum() / mask[mb].sum()).backward()
+                    # (of all processes: they average their gradients, so divide by their mean token count)
+                    (loss * mask[idx].sum() / (all_sum(mask[mb].sum()) / world)).backward()
                     forward_backward_time += clock(device) - forward_start
                     step_stats.append({"loss": loss.detach(), "policy_loss": pg_loss.detach(),
                                        "value_loss": vf_loss.detach(), **pg_stats, **vf_stats,
@@ -660,7 +801,9 @@ if __name__ == "__main__":
                                                     device)
             logger.log(step, metrics)
 
-    policy.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
+    save(policy, tokenizer, output_dir)
     logger.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every process is done before the group goes
+        torch.distributed.destroy_process_group()
     print(f"saved to {output_dir} in {time.time() - start:.0f} s")

@@ -184,9 +184,10 @@ def test_chunked_logprobs_and_gradients_equal_the_plain_computation(tied, chunk_
 
 
 def test_with_gradient_no_logits_beyond_one_chunk_are_kept_for_the_backward_pass():
-    """What autograd saves for the backward pass: with 3 positions a chunk, no tensor over the vocabulary
-    larger than one chunk's logits (they are recomputed in the backward pass); the plain computation
-    keeps all 10 positions' logits."""
+    """What autograd keeps for the backward pass: with 3 positions a chunk, the tensors over the vocabulary
+    (other than the weights) add up to at most one chunk's logits, since each chunk is recomputed in the
+    backward pass; the plain computation keeps all 10 positions' logits, and so would the chunks without
+    recomputation."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=4, max_position_embeddings=64)
@@ -194,22 +195,25 @@ def test_with_gradient_no_logits_beyond_one_chunk_are_kept_for_the_backward_pass
     input_ids = torch.randint(3, 300, (2, 9))
     attention_mask = torch.ones_like(input_ids)
 
-    def largest_saved_vocabulary_tensor(compute):
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def saved_vocabulary_values(compute):
         sizes = [0]
 
-        def pack(tensor):
-            if tensor.shape and tensor.shape[-1] == 300 and tensor.dtype.is_floating_point:
+        def pack(tensor):  # logits, or anything else over the vocabulary that is not the weights themselves
+            is_weight = tensor.untyped_storage().data_ptr() in weights
+            if tensor.shape and tensor.shape[-1] == 300 and tensor.dtype.is_floating_point and not is_weight:
                 sizes.append(tensor.numel())
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             logprobs = compute()
         logprobs[0].sum().backward()
-        return max(sizes)
+        return sum(sizes)
 
-    chunked = largest_saved_vocabulary_tensor(lambda: sequence_logprobs(
+    chunked = saved_vocabulary_values(lambda: sequence_logprobs(
         model, input_ids, attention_mask, 4, 0.7, with_entropy=True, chunk_values=3 * 300))
-    plain = largest_saved_vocabulary_tensor(lambda: plain_logprobs(model, input_ids, attention_mask, 4, 0.7))
+    plain = saved_vocabulary_values(lambda: plain_logprobs(model, input_ids, attention_mask, 4, 0.7))
     assert plain >= 10 * 300  # the check sees the logits when they are kept
     assert chunked <= 3 * 300
 
