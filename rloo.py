@@ -479,9 +479,13 @@ def setup(args):
     """Seed everything, quiet the library's progress bars, join the other processes under torchrun, and pick the
     device. Each process gets seed + rank (its own samples); one process without torchrun is rank 0."""
     transformers.utils.logging.disable_progress_bar()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, set before CUDA starts
     cuda = torch.cuda.is_available() and args.cuda
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)  # one GPU per process on each machine
     if "LOCAL_RANK" in os.environ:  # started by torchrun
-        torch.distributed.init_process_group("nccl" if cuda else "gloo")
+        torch.distributed.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
         if torch.distributed.get_rank() != 0:
             sys.stdout = open(os.devnull, "w")  # rank 0 alone prints; errors still reach stderr
     elif args.fsdp:
@@ -489,11 +493,7 @@ def setup(args):
     rank = rank_and_world()[0]
     random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, set before CUDA starts
     torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)  # warn where CUDA has no such kernel
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)  # one GPU per process on each machine
     return device
 
 
@@ -600,6 +600,7 @@ if __name__ == "__main__":
     rank, world = rank_and_world()
     num_prompts = per_process(args.prompts_per_step, "--prompts-per-step")  # this process's prompts of each batch
     batch_size = num_prompts * args.group_size  # and its completions
+    args.micro_batch_size = min(args.micro_batch_size, batch_size)  # a micro-batch is at most all this process has
     exact_div(batch_size, args.micro_batch_size,
               "--prompts-per-step x --group-size (per process), by --micro-batch-size,")
     args.batch_size = batch_size * world  # of all processes

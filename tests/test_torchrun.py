@@ -179,11 +179,8 @@ if torch.distributed.get_rank() == 0:
 def test_two_processes_learn(script, tmp_path):
     """A short 2-process run from the bundled model raises held-out accuracy clearly, as one process does."""
     out = tmp_path / "run"
-    # the default minibatches, split among 2 processes, are smaller than some files' default micro-batch
-    flags = {"ppo.py": ["--num-steps", "20", "--micro-batch-size", "16"],
-             "gspo.py": ["--num-steps", "30", "--micro-batch-size", "32"],
-             "cispo.py": ["--num-steps", "30", "--micro-batch-size", "32"]}.get(script, ["--num-steps", "30"])
-    torchrun(script, *flags, "--eval-every", flags[1], "--output-dir", str(out))
+    steps = "20" if script == "ppo.py" else "30"  # the default flags otherwise, as in test_scripts' test_learns
+    torchrun(script, "--num-steps", steps, "--eval-every", steps, "--output-dir", str(out))
     metrics = read_metrics(out)
     before, after = metrics[0]["eval/accuracy"], metrics[-1]["eval/accuracy"]
     assert after >= before + 0.10, f"held-out accuracy {before:.3f} -> {after:.3f}"
