@@ -67,11 +67,14 @@ class Args:
     eval_every: int = 25  # evaluate every this many steps, and at 0
     max_new_tokens: int = 8  # the longest completion sampled for the pairs and generated when evaluating
     num_train_prompts: int = 9500  # addition prompts turned into training pairs (9500: all of them)
-    pair_samples: int = 4  # completions sampled per addition prompt to find a wrong answer
+    pair_samples: int = 4  # completions sampled per addition prompt, to be judged right or wrong
     pair_temperature: float = 1.0  # the temperature those completions are sampled at
-    chosen: Literal["answer", "sample"] = "answer"
-    """the built-in pairs' chosen completion: the answer itself, or a right completion the policy sampled (in its
-    own words; prompts where it sampled none give no pair)"""
+    chosen: Literal["answer", "sample", "sample-or-answer"] = "answer"
+    """the built-in pairs' chosen completion: the answer itself; or a right completion the policy sampled (in its
+    own words; prompts where it sampled none give no pair); or such a completion, else the answer"""
+    pairs: Literal["first", "all"] = "first"
+    """the built-in pairs of a prompt: the first right against the first wrong completion; or every right one
+    against every wrong one (InstructGPT's comparisons)"""
 
     # Optimisation
     num_steps: int = 100  # optimizer steps
@@ -566,17 +569,21 @@ def completion_batch(tokenizer, prompts, completions, device):
 # ---- Preference pairs ---------------------------------------------------------------------------
 @torch.no_grad()
 def addition_pairs(policy, tokenizer, records, samples, max_new_tokens, device, temperature=1.0, chosen="answer",
-                   chunk=64):
-    """Hard negatives: per prompt, `samples` completions from the policy; the first wrong one is rejected.
+                   pairs="first", chunk=64):
+    """Hard negatives: per prompt, `samples` completions from the policy, judged by the task's verifier.
 
     {"prompt": "47+8=", "chosen": "55", "rejected": "54", "answer": "55"}: rejected is a wrong completion
-    the policy really produced; chosen is the answer ("answer"), or the policy's first right completion
-    ("sample": "47 + 8 = 55" from a chat model that writes its sums out). A prompt gives no pair when the
-    policy got it right every time, or (with "sample") never.
+    the policy really produced. chosen is the answer ("answer"); or a right completion the policy sampled
+    ("sample": "47 + 8 = 55" from a chat model that writes its sums out; a prompt it never got right gives
+    no pair); or such a completion where there is one and the answer where there is none ("sample-or-answer").
+    pairs="first": one pair per prompt, the first chosen against the first wrong completion. pairs="all":
+    every distinct chosen against every distinct wrong completion (InstructGPT's comparisons: right above
+    wrong; two right or two wrong completions are a tie and give none), one prompt's pairs next to each other.
+    A prompt gives no pair when the policy got it right every time.
     """
     policy.eval()
     stop_ids = stop_token_ids(tokenizer, unwrap(policy))
-    records, pairs = share_of(records), []  # under torchrun: this process's share, put together below
+    records, out = share_of(records), []  # under torchrun: this process's share, put together below
     for i in range(0, len(records), chunk):
         part = records[i : i + chunk]
         prompts = [r["prompt"] for r in part for _ in range(samples)]
@@ -584,16 +591,19 @@ def addition_pairs(policy, tokenizer, records, samples, max_new_tokens, device, 
         completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids)
         texts = decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
         for j, r in enumerate(part):
-            sampled = [t.strip() for t in texts[j * samples : (j + 1) * samples]]
+            sampled = list(dict.fromkeys(t.strip() for t in texts[j * samples : (j + 1) * samples]))  # distinct
             wrong = [t for t in sampled if t and not reward_fn(t, r["answer"])]
-            right = [t for t in sampled if reward_fn(t, r["answer"])] if chosen == "sample" else [r["answer"]]
-            if wrong and right:
-                pairs.append({"prompt": r["prompt"], "chosen": right[0], "rejected": wrong[0], "answer": r["answer"]})
+            right = [t for t in sampled if reward_fn(t, r["answer"])] if chosen != "answer" else []
+            right = right or ([r["answer"]] if chosen != "sample" else [])
+            if pairs == "first":
+                right, wrong = right[:1], wrong[:1]
+            out += [{"prompt": r["prompt"], "chosen": c, "rejected": w, "answer": r["answer"]}
+                    for c in right for w in wrong]
     if torch.distributed.is_initialized():  # every process gets every process's pairs, in rank order
         shares = [None] * rank_and_world()[1]
-        torch.distributed.all_gather_object(shares, pairs)
-        pairs = [pair for share in shares for pair in share]
-    return pairs
+        torch.distributed.all_gather_object(shares, out)
+        out = [pair for share in shares for pair in share]
+    return out
 
 
 def load_preferences(args, tokenizer, device, policy=None):
@@ -605,7 +615,7 @@ def load_preferences(args, tokenizer, device, policy=None):
         policy = policy or load_model(args.model_name_or_path, args, device)
         train, held_out = addition_task(args.num_eval, args.task)  # held-out prompts never appear in training
         return [addition_pairs(policy, tokenizer, records, args.pair_samples, args.max_new_tokens, device,
-                               args.pair_temperature, args.chosen)
+                               args.pair_temperature, args.chosen, args.pairs)
                 for records in (train[: args.num_train_prompts], held_out)]
     if args.dataset.endswith(".jsonl"):
         records = read_jsonl(args.dataset, ("prompt", "chosen", "rejected"))

@@ -14,8 +14,11 @@ https://arxiv.org/abs/1707.06347) for several epochs of minibatches per batch of
     L_value = 0.5 mean_t max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2),   R = A + V_old
     loss = L_policy + vf_coef L_value
 
-Where this file departs from the papers: no entropy bonus and no adaptive KL coefficient; the
-advantages are whitened over the batch's real tokens (as in Stiennon et al.'s code). See docs/ppo.md.
+With a reward model, two more pieces of the papers: its score is shifted so that the starting
+policy's samples score 0 on average (InstructGPT), and beta follows Ziegler et al.'s adaptive
+controller towards a target KL (a fixed beta with the verifier). Where this file departs from the
+papers: no entropy bonus; the advantages are whitened over the batch's real tokens (as in Stiennon
+et al.'s code). See docs/ppo.md.
 
     python ppo.py                                    # bundled tiny model, addition task, CPU
     python reward_model.py --output-dir runs/rm && python ppo.py --reward-model-path runs/rm  # learned reward
@@ -76,7 +79,7 @@ class Args:
 
     # Optimisation
     num_steps: int = 300  # training steps (each: one batch of rollouts, then its updates)
-    learning_rate: float = 1e-4  # AdamW's learning rate
+    learning_rate: float | None = None  # AdamW's learning rate (default: 1e-4; 3e-5 with a reward model)
     weight_decay: float = 0.0  # AdamW's weight decay
     max_grad_norm: float = 1.0  # clip the gradient's global norm to this
     micro_batch_size: int = 32  # sequences per forward/backward pass (gradient accumulation fills a minibatch)
@@ -86,7 +89,13 @@ class Args:
     temperature: float = 1.0  # sampling temperature; log-probs are computed at the same temperature
     ppo_epochs: int = 2  # passes over each batch of rollouts
     num_minibatches: int = 4  # optimizer steps per pass
-    beta: float = 0.05  # weight of the per-token KL penalty in the reward
+    beta: float = 0.05  # weight of the per-token KL penalty in the reward (with --kl-target: its starting value)
+    kl_target: float | None = None
+    """adaptive KL (Ziegler et al. 2019): steer beta so that the KL per completion stays near this; 0: a fixed
+    beta (default: 0 with the verifier, 0.5 with a reward model)"""
+    kl_horizon: int = 1000  # the adaptive controller's horizon, in completions: the larger, the slower beta moves
+    normalize_reward: bool = True
+    """with a reward model: subtract the mean score of the starting policy's samples (its first batch): InstructGPT"""
     clip_eps: float = 0.2  # the policy ratio is clipped to [1 - clip_eps, 1 + clip_eps]
     clip_value: float = 0.2  # the value is clipped to [V_old - clip_value, V_old + clip_value]
     vf_coef: float = 0.1  # weight of the value loss
@@ -643,6 +652,16 @@ def whiten(x, mask, eps=1e-8):
     return torch.where(m, (x - mean) * torch.rsqrt(var + eps), 0.0)
 
 
+def adaptive_kl_coef(beta, kl, target, num_completions, horizon):
+    """Ziegler et al. 2019's proportional controller: the next beta after a batch whose mean KL was `kl`.
+
+    e = clip(kl / target - 1, -0.2, 0.2),   beta <- beta (1 + e n / horizon),   n = completions in the batch
+    beta = 0.1, kl = 12, target = 6, n = 100, horizon = 1000 -> e = 0.2 (clipped) -> 0.1 * 1.02 = 0.102
+    """
+    error = min(max(kl / target - 1, -0.2), 0.2)
+    return beta * (1 + error * num_completions / horizon)
+
+
 def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps):
     """PPO's clipped policy loss, the mean over real tokens; logprobs carries the gradient; all (B, T).
 
@@ -668,8 +687,16 @@ def ppo_value_loss(values, old_values, returns, mask, clip_value):
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
+    learned = args.reward_model_path is not None  # a learned reward is exploitable: smaller steps, the KL held
+    if args.learning_rate is None:
+        args.learning_rate = 3e-5 if learned else 1e-4
+    if args.kl_target is None:
+        args.kl_target = 0.5 if learned else 0.0
+    if args.kl_target < 0:
+        fail(f"--kl-target must be 0 (a fixed beta) or positive, got {args.kl_target}")
     for flag in ("num_steps", "prompts_per_step", "max_new_tokens", "micro_batch_size", "ppo_epochs",
-                 "num_minibatches", "num_eval", "eval_every", "log_every", "learning_rate", "temperature"):
+                 "num_minibatches", "num_eval", "eval_every", "log_every", "learning_rate", "temperature",
+                 "kl_horizon"):
         if getattr(args, flag) <= 0:
             fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -704,6 +731,7 @@ if __name__ == "__main__":
     data_rng, shuffle_gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
     print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
 
+    beta, reward_bias = args.beta, None  # beta moves when --kl-target > 0; the first batch sets the bias
     start = time.time()
     logger.log(0, {"eval/accuracy": evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids, device)})
     for step in range(1, args.num_steps + 1):
@@ -728,6 +756,9 @@ if __name__ == "__main__":
         else:
             with torch.no_grad():
                 scores = last_token_scores(reward_model, input_ids, attention_mask)  # (B,)
+            if reward_bias is None:  # the starting policy's mean score (of every process) is 0 from now on
+                reward_bias = all_sum(scores.sum()).item() / args.batch_size if args.normalize_reward else 0.0
+            scores = scores - reward_bias
             has_eos = torch.isin(completion_ids, torch.tensor(stop_ids, device=device)).any(dim=1)
             scores = torch.where(has_eos, scores, scores - args.missing_eos_penalty)
 
@@ -745,7 +776,7 @@ if __name__ == "__main__":
         logprob_time = clock(device) - logprob_start
 
         # 4. per-token rewards, GAE, returns (before whitening), whitened advantages
-        rewards = kl_penalized_rewards(scores, old_logprobs, ref_logprobs, mask, args.beta)  # (B, T)
+        rewards = kl_penalized_rewards(scores, old_logprobs, ref_logprobs, mask, beta)  # (B, T)
         advantages, returns = gae(rewards, old_values, mask, args.gamma, args.lam)  # (B, T), (B, T)
         advantages = whiten(advantages, mask)
 
@@ -779,16 +810,22 @@ if __name__ == "__main__":
                                                            args.max_grad_norm)
                 optimizer.step()
 
-        # 6. log, and evaluate on the held-out prompts
+        # 6. the adaptive KL coefficient for the next batch, from this batch's KL per completion
+        kl = torch.where(mask, old_logprobs - ref_logprobs, 0.0).sum(dim=1)  # (B,)
+        kl_coef, mean_kl = beta, all_sum(kl.sum()).item() / args.batch_size  # (of every process)
+        if args.kl_target > 0:
+            beta = adaptive_kl_coef(beta, mean_kl, args.kl_target, args.batch_size, args.kl_horizon)
+
+        # 7. log, and evaluate on the held-out prompts
         step_time = clock(device) - step_start
         evaluate_now = step % args.eval_every == 0 or step == args.num_steps
         if step % args.log_every == 0 or evaluate_now:
-            kl = torch.where(mask, old_logprobs - ref_logprobs, 0.0).sum(dim=1)  # (B,) per completion
             residual = torch.where(mask, returns - old_values, 0.0)
             metrics = {f"losses/{k}": torch.stack([s[k] for s in step_stats]).mean().item() for k in step_stats[0]}
             metrics.update({
                 "charts/score": scores.mean().item(), "charts/reward": correct.mean().item(),
-                "losses/kl": kl.mean().item(), "charts/non_score_reward": (-args.beta * kl).mean().item(),
+                "losses/kl": kl.mean().item(), "charts/non_score_reward": (-kl_coef * kl).mean().item(),
+                "charts/kl_coef": kl_coef,
                 "losses/explained_variance": (1 - masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
                                               / masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)).item(),
                 "charts/completion_length": mask.sum(dim=1).float().mean().item(),

@@ -9,15 +9,17 @@ https://arxiv.org/abs/2203.02155, eq. 1; Bradley and Terry 1952):
     loss = -log sigmoid(r(x, y_c) - r(x, y_r) - m)        (mean over pairs; m = 0 unless a pair has a margin)
 
 The model starts from the policy checkpoint with a new one-output head, so at step 0 the scores
-are near-equal and the loss is near log 2. With no dataset the pairs come from the addition task,
-the rejected answer sampled from the starting policy. InstructGPT compares K responses per prompt
-in one batch; this file takes one pair per prompt. See docs/reward_model.md.
+are near-equal and the loss is near log 2. With no dataset the pairs come from the addition task as
+InstructGPT collects its comparisons: K completions sampled from the starting policy per prompt,
+every right one above every wrong one, and all pairs of a prompt in one element of a batch. See
+docs/reward_model.md.
 
     python reward_model.py                           # bundled tiny model, addition pairs, CPU
     python reward_model.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset my_pairs.jsonl \
         --micro-batch-size 4 --learning-rate 1e-5 --gradient-checkpointing  # a real model on a GPU
 """
 
+import itertools
 import json
 import os
 import random
@@ -68,21 +70,24 @@ class Args:
     eval_every: int = 250  # evaluate every this many steps, and at 0
     max_new_tokens: int = 8  # the longest completion sampled for the pairs
     num_train_prompts: int = 9500  # addition prompts turned into training pairs (9500: all of them)
-    pair_samples: int = 4  # completions sampled per addition prompt to find a wrong answer
+    pair_samples: int = 4  # completions sampled per addition prompt, to be judged right or wrong
     pair_temperature: float = 1.0  # the temperature those completions are sampled at
-    chosen: Literal["answer", "sample"] = "answer"
-    """the built-in pairs' chosen completion: the answer itself, or a right completion the policy sampled (in its
-    own words; prompts where it sampled none give no pair)"""
+    chosen: Literal["answer", "sample", "sample-or-answer"] = "sample-or-answer"
+    """the built-in pairs' chosen completion: the answer itself; or a right completion the policy sampled (in its
+    own words; prompts where it sampled none give no pair); or such a completion, else the answer"""
+    pairs: Literal["first", "all"] = "all"
+    """the built-in pairs of a prompt: the first right against the first wrong completion; or every right one
+    against every wrong one (InstructGPT's comparisons)"""
 
     # Optimisation
     num_steps: int = 3000  # optimizer steps
     learning_rate: float = 3e-4  # AdamW's learning rate
     weight_decay: float = 0.0  # AdamW's weight decay
     max_grad_norm: float = 1.0  # clip the gradient's global norm to this
-    micro_batch_size: int = 32  # pairs per forward/backward pass (gradient accumulation fills a batch)
+    micro_batch_size: int = 32  # prompts (with all their pairs) per forward/backward pass; accumulation fills a batch
 
     # Algorithm specific arguments
-    batch_size: int = 32  # preference pairs per optimizer step
+    batch_size: int = 32  # prompts per optimizer step, each with all its pairs (a dataset's record: one pair)
 
     # to be filled in at runtime
     run_name: str = ""  # exp_name__seed__time
@@ -564,17 +569,21 @@ def completion_batch(tokenizer, prompts, completions, device):
 # ---- Preference pairs ---------------------------------------------------------------------------
 @torch.no_grad()
 def addition_pairs(policy, tokenizer, records, samples, max_new_tokens, device, temperature=1.0, chosen="answer",
-                   chunk=64):
-    """Hard negatives: per prompt, `samples` completions from the policy; the first wrong one is rejected.
+                   pairs="first", chunk=64):
+    """Hard negatives: per prompt, `samples` completions from the policy, judged by the task's verifier.
 
     {"prompt": "47+8=", "chosen": "55", "rejected": "54", "answer": "55"}: rejected is a wrong completion
-    the policy really produced; chosen is the answer ("answer"), or the policy's first right completion
-    ("sample": "47 + 8 = 55" from a chat model that writes its sums out). A prompt gives no pair when the
-    policy got it right every time, or (with "sample") never.
+    the policy really produced. chosen is the answer ("answer"); or a right completion the policy sampled
+    ("sample": "47 + 8 = 55" from a chat model that writes its sums out; a prompt it never got right gives
+    no pair); or such a completion where there is one and the answer where there is none ("sample-or-answer").
+    pairs="first": one pair per prompt, the first chosen against the first wrong completion. pairs="all":
+    every distinct chosen against every distinct wrong completion (InstructGPT's comparisons: right above
+    wrong; two right or two wrong completions are a tie and give none), one prompt's pairs next to each other.
+    A prompt gives no pair when the policy got it right every time.
     """
     policy.eval()
     stop_ids = stop_token_ids(tokenizer, unwrap(policy))
-    records, pairs = share_of(records), []  # under torchrun: this process's share, put together below
+    records, out = share_of(records), []  # under torchrun: this process's share, put together below
     for i in range(0, len(records), chunk):
         part = records[i : i + chunk]
         prompts = [r["prompt"] for r in part for _ in range(samples)]
@@ -582,16 +591,19 @@ def addition_pairs(policy, tokenizer, records, samples, max_new_tokens, device, 
         completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids)
         texts = decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
         for j, r in enumerate(part):
-            sampled = [t.strip() for t in texts[j * samples : (j + 1) * samples]]
+            sampled = list(dict.fromkeys(t.strip() for t in texts[j * samples : (j + 1) * samples]))  # distinct
             wrong = [t for t in sampled if t and not reward_fn(t, r["answer"])]
-            right = [t for t in sampled if reward_fn(t, r["answer"])] if chosen == "sample" else [r["answer"]]
-            if wrong and right:
-                pairs.append({"prompt": r["prompt"], "chosen": right[0], "rejected": wrong[0], "answer": r["answer"]})
+            right = [t for t in sampled if reward_fn(t, r["answer"])] if chosen != "answer" else []
+            right = right or ([r["answer"]] if chosen != "sample" else [])
+            if pairs == "first":
+                right, wrong = right[:1], wrong[:1]
+            out += [{"prompt": r["prompt"], "chosen": c, "rejected": w, "answer": r["answer"]}
+                    for c in right for w in wrong]
     if torch.distributed.is_initialized():  # every process gets every process's pairs, in rank order
         shares = [None] * rank_and_world()[1]
-        torch.distributed.all_gather_object(shares, pairs)
-        pairs = [pair for share in shares for pair in share]
-    return pairs
+        torch.distributed.all_gather_object(shares, out)
+        out = [pair for share in shares for pair in share]
+    return out
 
 
 def load_preferences(args, tokenizer, device, policy=None):
@@ -603,7 +615,7 @@ def load_preferences(args, tokenizer, device, policy=None):
         policy = policy or load_model(args.model_name_or_path, args, device)
         train, held_out = addition_task(args.num_eval, args.task)  # held-out prompts never appear in training
         return [addition_pairs(policy, tokenizer, records, args.pair_samples, args.max_new_tokens, device,
-                               args.pair_temperature, args.chosen)
+                               args.pair_temperature, args.chosen, args.pairs)
                 for records in (train[: args.num_train_prompts], held_out)]
     if args.dataset.endswith(".jsonl"):
         records = read_jsonl(args.dataset, ("prompt", "chosen", "rejected"))
@@ -661,7 +673,7 @@ if __name__ == "__main__":
     args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     device = setup(args)
     rank, world = rank_and_world()
-    batch_size = per_process(args.batch_size, "--batch-size")  # this process's pairs of each batch
+    batch_size = per_process(args.batch_size, "--batch-size")  # this process's prompts of each batch
     args.micro_batch_size = min(args.micro_batch_size, batch_size)  # a micro-batch is at most all this process has
     exact_div(batch_size, args.micro_batch_size, "--batch-size (per process), by --micro-batch-size,")
 
@@ -696,16 +708,20 @@ if __name__ == "__main__":
                  for i in range(0, len(pairs), args.micro_batch_size)]
         return {"eval/pair_accuracy": all_sum(pair_accuracy(torch.cat(diffs))).item() / world}  # equal shares
 
+    # a prompt's pairs stay together, one element of a batch (InstructGPT: this keeps the reward model from
+    # over-fitting to the many comparisons that share a completion); consecutive pairs of one prompt are a group
+    groups = [list(group) for _, group in itertools.groupby(train_pairs, key=lambda pair: pair["prompt"])]
     start = time.time()
     logger.log(0, eval_metrics())
     for step in range(1, args.num_steps + 1):
         step_start = clock(device)
-        batch = data_rng.choices(train_pairs, k=args.batch_size)[rank * batch_size : (rank + 1) * batch_size]
+        batch = data_rng.choices(groups, k=args.batch_size)[rank * batch_size : (rank + 1) * batch_size]
+        num_pairs = all_sum(torch.tensor(float(sum(map(len, batch))), device=device)) / world  # the processes' mean
         model.train()
         optimizer.zero_grad()
         step_stats, num_tokens = [], 0
-        for i in range(0, batch_size, args.micro_batch_size):
-            pairs = batch[i : i + args.micro_batch_size]
+        for i in range(0, batch_size, args.micro_batch_size):  # the same number of passes in every process
+            pairs = [pair for group in batch[i : i + args.micro_batch_size] for pair in group]
             tokens = pair_batch(tokenizer, pairs, device)
             chosen, rejected = scores(tokens)  # chosen and rejected through one forward pass
             num_tokens += tokens[-1].sum().item()  # completion tokens of the 2b sequences
@@ -713,7 +729,7 @@ if __name__ == "__main__":
             loss, stats = bradley_terry_loss(chosen, rejected, margin)
             if not torch.isfinite(loss):
                 fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the data")
-            (loss * len(pairs) / batch_size).backward()  # the micro-batches add up to the batch's mean
+            (loss * len(pairs) / num_pairs).backward()  # the micro-batches add up to the mean over the batch's pairs
             step_stats.append({"loss": loss.detach(), **stats})
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()

@@ -8,15 +8,18 @@ reads every run's metrics.jsonl and writes, from nothing:
                                over seeds; wall time; peak memory; tokens per second), where a
                                training step's time goes, and the memory of the log-prob computation
     docs/learning_curves.png   held-out accuracy against step and against wall-clock seconds
+    docs/overoptimisation.png  PPO against a learned reward model: its score, the verifier's accuracy and the
+                               KL over training, the old setting against today's default
 
     pip install -r requirements.txt -r benchmarks/requirements.txt
-    python benchmarks/benchmark.py                      # 3 seeds of every default: 27 runs, about 40 min on 2 CPU cores
+    python benchmarks/benchmark.py                      # 3 seeds of every row: 36 runs, about 75 min on 2 CPU cores
     python benchmarks/benchmark.py --seeds 1 2 3 4 5    # more seeds
     python benchmarks/benchmark.py --quick --runs-dir /tmp/quick --out-dir /tmp/quick   # a check, under 2 min
 
 Runs go to --runs-dir; a run that already finished there with the same command is read, not run
 again (delete its folder to run it again). `ppo-learned-rm` is the RLHF pipeline: PPO against the reward model that the
-`reward_model` run of the same seed trained.
+`reward_model` run of the same seed trained; the `-one-pair` rows are the same pipeline with the settings it had before
+(ONE_PAIR_FLAGS), for the over-optimisation figure.
 """
 
 import datetime
@@ -35,7 +38,13 @@ import transformers
 import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BUNDLED = ("sft", "grpo", "rloo", "gspo", "cispo", "ppo", "dpo", "reward_model", "ppo-learned-rm")
+BUNDLED = ("sft", "grpo", "rloo", "gspo", "cispo", "ppo", "dpo", "reward_model", "ppo-learned-rm",
+           "reward_model-one-pair", "ppo-learned-rm-one-pair")
+# the learned-reward pipeline as it was before its defaults changed (one pair per prompt, raw score, fixed beta):
+# the over-optimisation figure compares it with today's defaults
+ONE_PAIR_FLAGS = {"reward_model-one-pair": ["--pairs", "first", "--chosen", "answer"],
+                  "ppo-learned-rm-one-pair": ["--no-normalize-reward", "--kl-target", "0", "--learning-rate", "1e-4"]}
+REWARD_MODEL_OF = {"ppo-learned-rm": "reward_model", "ppo-learned-rm-one-pair": "reward_model-one-pair"}
 # a real pretrained chat model (benchmarks/smollm2.py makes the folder) on the same sums asked as a question,
 # with the flags the README gives for it
 REAL_MODEL = os.path.join(ROOT, "SmolLM2-135M-Instruct")
@@ -50,7 +59,8 @@ REAL_FLAGS = {
                     "--chosen", "sample", "--pair-temperature", "0.5", "--learning-rate", "5e-6", "--beta", "0.1"],
 }
 ALGORITHMS = BUNDLED + tuple(REAL_FLAGS)
-ONLINE = ("grpo", "rloo", "gspo", "cispo", "ppo", "ppo-learned-rm", "grpo-smollm2", "rloo-smollm2")  # they sample
+ONLINE = ("grpo", "rloo", "gspo", "cispo", "ppo", "ppo-learned-rm", "ppo-learned-rm-one-pair", "grpo-smollm2",
+          "rloo-smollm2")  # they sample
 # --quick: a few steps of each, on few prompts: checks the whole pipeline, measures nothing worth reading
 QUICK_FLAGS = {
     "sft": ["--num-steps", "4", "--batch-size", "8", "--micro-batch-size", "8"],
@@ -63,6 +73,8 @@ QUICK_FLAGS = {
     "reward_model": ["--num-steps", "4", "--batch-size", "8", "--micro-batch-size", "8", "--num-train-prompts", "32"],
     "ppo-learned-rm": ["--num-steps", "4", "--prompts-per-step", "8", "--micro-batch-size", "2"],
 }
+QUICK_FLAGS["reward_model-one-pair"] = QUICK_FLAGS["reward_model"]
+QUICK_FLAGS["ppo-learned-rm-one-pair"] = QUICK_FLAGS["ppo-learned-rm"]
 QUICK_FLAGS.update({name: ["--num-steps", "4", "--micro-batch-size", "4", "--max-new-tokens", "8"]
                     + (["--batch-size", "4", "--num-train-prompts", "8"] if name.startswith("dpo") else
                        ["--prompts-per-step", "2", "--group-size", "2"]) for name in REAL_FLAGS})
@@ -108,11 +120,12 @@ def run_algorithm(name, seed, args):
     script = name.split("-")[0]  # ppo-learned-rm runs ppo.py, grpo-smollm2 grpo.py
     command = [sys.executable, f"{script}.py", "--seed", str(seed), "--output-dir", os.path.abspath(out)]
     command += REAL_COMMON + REAL_FLAGS[name] if name in REAL_FLAGS else []
-    if name == "ppo-learned-rm":
-        rm_dir = os.path.abspath(os.path.join(args.runs_dir, f"reward_model__{seed}"))
+    command += ONE_PAIR_FLAGS.get(name, [])
+    if name in REWARD_MODEL_OF:
+        rm_name = REWARD_MODEL_OF[name]
+        rm_dir = os.path.abspath(os.path.join(args.runs_dir, f"{rm_name}__{seed}"))
         if not os.path.exists(os.path.join(rm_dir, "config.json")):
-            fail(f"ppo-learned-rm seed {seed} needs the reward_model run of that seed: add reward_model "
-                 "to --algorithms")
+            fail(f"{name} seed {seed} needs the {rm_name} run of that seed: add {rm_name} to --algorithms")
         command += ["--reward-model-path", rm_dir]
     if args.quick:
         command += QUICK_FLAGS[name] + QUICK_COMMON  # later flags win
@@ -273,6 +286,40 @@ def plot_curves(runs, path):
     plt.close(fig)
 
 
+def plot_overoptimisation(runs, path):
+    """Over PPO's training against a learned reward: the proxy (the reward model's score), the gold reward (the
+    verifier's share of right samples, never used in training) and the KL to the reference, old against new."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in ("ppo-learned-rm-one-pair", "ppo-learned-rm") if n in runs]
+    panels = [("charts/score", 1, "proxy: the reward model's score\n(charts/score: less its bias and EOS penalty)"),
+              ("charts/reward", 100, "gold: the verifier's share of right samples, %\n(charts/reward, not trained on)"),
+              ("losses/kl", 1, "KL to the reference per completion, nats\n(losses/kl)"),
+              ("eval/accuracy", 100, "held-out greedy accuracy, %\n(eval/accuracy)")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4))
+    for ax, (key, scale, title) in zip(axes, panels):
+        for color, name in zip(("tab:red", "tab:blue"), names):
+            curves = [series(r["metrics"], key) for r in runs[name]]
+            n = min(len(c) for c in curves)
+            steps = [c[0] for c in curves[0][:n]]
+            values = [[scale * c[j][2] for c in curves] for j in range(n)]
+            ax.plot(steps, [statistics.mean(v) for v in values], color=color, label=name)
+            if len(curves) > 1:
+                ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=color, alpha=0.15)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("PPO step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("PPO against a learned reward model on the addition task: the mean over seeds"
+                 + (" (band: min to max)" if max(len(runs[n]) for n in names) > 1 else ""), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def table(rows):
     """The results table of some rows: accuracy, pair accuracy, wall time, memory, throughput."""
     pct = lambda values: mean_std(values, 100)  # noqa: E731
@@ -315,7 +362,11 @@ def write_results(runs, memory, args, path):
         "- Each run on the bundled model is the file's default command (`python <file>.py --seed S`)"
         + (", shortened by --quick to a few steps: **these numbers check the script, they measure nothing**"
            if args.quick else "") + "; `ppo-learned-rm` is `python ppo.py --reward-model-path <the reward_model run"
-        " of the same seed>`.",
+        " of the same seed>`. The `-one-pair` rows are that pipeline as it was before its defaults changed:"
+        " `reward_model-one-pair` is `python reward_model.py " + " ".join(ONE_PAIR_FLAGS["reward_model-one-pair"])
+        + "` (one pair per prompt, the answer as chosen) and `ppo-learned-rm-one-pair` is `python ppo.py"
+        " --reward-model-path <that run> " + " ".join(ONE_PAIR_FLAGS["ppo-learned-rm-one-pair"]) + "` (the raw"
+        " score, a fixed beta of 0.05, the verifier's learning rate).",
         "",
         "## Every algorithm on the bundled task",
         "",
@@ -344,6 +395,15 @@ def write_results(runs, memory, args, path):
         lines += [f"- {name}: `" + " ".join(REAL_FLAGS[name]) + "`" for name in REAL_FLAGS if name in runs]
         lines += [""] + table([row for row in rows if row["name"] in REAL_FLAGS])
     lines += ["", "![held-out accuracy against step and wall-clock time](learning_curves.png)", ""]
+    if all(name in runs for name in REWARD_MODEL_OF):
+        lines += ["## Over-optimisation: PPO against a learned reward model", "",
+                  "Over PPO's steps, the mean over seeds of the reward model's score of the sampled completions (the"
+                  " proxy that PPO maximises: `charts/score`), the share of them that the verifier finds right (the"
+                  " gold reward, logged and never used in training: `charts/reward`), the KL to the reference per"
+                  " completion (`losses/kl`) and held-out greedy accuracy, for the old setting"
+                  " (`ppo-learned-rm-one-pair`) and today's default (`ppo-learned-rm`); the proxy of the default is"
+                  " shifted so that the starting policy scores 0. docs/ppo.md reads it.", "",
+                  "![proxy score, gold reward and KL over PPO's training](overoptimisation.png)", ""]
 
     lines += ["## Held-out accuracy at every evaluation", "",
               "Mean over seeds, in %, at the steps each file evaluates by default.", ""]
@@ -464,6 +524,8 @@ if __name__ == "__main__":
     memory = measure_logprob_memory(args) if args.measure_memory else []
 
     plot_curves(runs, os.path.join(args.out_dir, "learning_curves.png"))
+    if any(name in runs for name in REWARD_MODEL_OF):
+        plot_overoptimisation(runs, os.path.join(args.out_dir, "overoptimisation.png"))
     write_results(runs, memory, args, os.path.join(args.out_dir, "results.md"))
     print(f"wrote {os.path.join(args.out_dir, 'results.md')} and learning_curves.png in "
           f"{(time.perf_counter() - start) / 60:.1f} min")

@@ -15,10 +15,13 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from benchmark import REAL_COMMON, REAL_FLAGS  # noqa: E402
 
-BUNDLED = ["sft", "grpo", "rloo", "gspo", "cispo", "ppo", "dpo", "reward_model", "ppo-learned-rm"]
+BUNDLED = ["sft", "grpo", "rloo", "gspo", "cispo", "ppo", "dpo", "reward_model", "ppo-learned-rm",
+           "reward_model-one-pair", "ppo-learned-rm-one-pair"]
+REWARD_MODELS = ("reward_model", "reward_model-one-pair")
 REAL = ["grpo-smollm2", "rloo-smollm2", "dpo-smollm2"]  # SmolLM2-135M-Instruct, --task addition-question
 ALGORITHMS = BUNDLED + REAL
-ONLINE = ["grpo", "rloo", "gspo", "cispo", "ppo", "ppo-learned-rm", "grpo-smollm2", "rloo-smollm2"]
+ONLINE = ["grpo", "rloo", "gspo", "cispo", "ppo", "ppo-learned-rm", "ppo-learned-rm-one-pair", "grpo-smollm2",
+          "rloo-smollm2"]
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +59,9 @@ def test_every_algorithm_has_a_row_that_matches_its_metrics(quick):
             assert acc_cell == f"{100 * accuracy[0]:.1f} → {100 * accuracy[-1]:.1f}"
             assert best_cell == f"{100 * max(accuracy):.1f}"
         else:
-            assert name == "reward_model" and acc_cell == "—"
+            assert name in REWARD_MODELS and acc_cell == "—"
         pairs = [m["eval/pair_accuracy"] for m in metrics if "eval/pair_accuracy" in m]
-        assert (pair_cell != "—") == (name in ("dpo", "reward_model", "dpo-smollm2"))
+        assert (pair_cell != "—") == (name in ("dpo", "dpo-smollm2", *REWARD_MODELS))
         if pairs:
             assert pair_cell == f"{100 * pairs[0]:.1f} → {100 * pairs[-1]:.1f}"
         with open(out / "runs" / f"{name}__1.json") as f:
@@ -73,7 +76,7 @@ def test_every_run_saved_a_model_that_loads(quick):
     out, _, _ = quick
     for name in ALGORITHMS:
         run = out / "runs" / f"{name}__1"
-        model_class = AutoModelForSequenceClassification if name == "reward_model" else AutoModelForCausalLM
+        model_class = AutoModelForSequenceClassification if name in REWARD_MODELS else AutoModelForCausalLM
         assert model_class.from_pretrained(run).num_parameters() > 0
         args = json.loads((run / "args.json").read_text())
         assert args["seed"] == 1 and args["num_steps"] == 4
@@ -110,14 +113,30 @@ def test_the_memory_cases_compute_the_same_log_probs(quick):
     assert "Chunked against plain, same gradient and weights: without gradient, float32:" in text
 
 
-def test_the_figure_is_a_png(quick):
+@pytest.mark.parametrize("figure", ["learning_curves.png", "overoptimisation.png"])
+def test_the_figures_are_pngs(quick, figure):
     out, text, _ = quick
-    assert "](learning_curves.png)" in text
-    with open(out / "learning_curves.png", "rb") as f:
+    assert f"]({figure})" in text
+    with open(out / figure, "rb") as f:
         head = f.read(24)
     assert head[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", head[16:24])
-    assert width > 800 and height > 600
+    assert width > 800 and height > 300
+
+
+def test_the_one_pair_rows_run_the_old_setting(quick):
+    """The over-optimisation figure's old setting is the pipeline's flags before: one pair, raw score, fixed beta."""
+    out, _, _ = quick
+    args = {name: json.loads((out / "runs" / f"{name}__1" / "args.json").read_text())
+            for name in ("reward_model", "reward_model-one-pair", "ppo-learned-rm", "ppo-learned-rm-one-pair")}
+    assert (args["reward_model"]["pairs"], args["reward_model"]["chosen"]) == ("all", "sample-or-answer")
+    assert (args["reward_model-one-pair"]["pairs"], args["reward_model-one-pair"]["chosen"]) == ("first", "answer")
+    new, old = args["ppo-learned-rm"], args["ppo-learned-rm-one-pair"]
+    assert new["reward_model_path"].endswith("reward_model__1") and new["kl_target"] == 0.5 and new["normalize_reward"]
+    assert old["reward_model_path"].endswith("reward_model-one-pair__1")
+    assert old["kl_target"] == 0 and not old["normalize_reward"] and old["learning_rate"] == 1e-4
+    metrics = read_metrics(str(out / "runs" / "ppo-learned-rm__1"))
+    assert all("charts/kl_coef" in m for m in metrics[1:])
 
 
 def test_the_page_says_which_machine_and_date(quick):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from ppo import gae, kl_penalized_rewards, ppo_policy_loss, ppo_value_loss, whiten
+from ppo import adaptive_kl_coef, gae, kl_penalized_rewards, ppo_policy_loss, ppo_value_loss, whiten
 
 SENTINEL = 1e6  # a padded position holds this; it must not reach any result
 
@@ -84,3 +84,16 @@ def test_ppo_value_loss_by_hand():
     loss.backward()
     # where the clipped error wins, the value gets no gradient; else 0.5 * 2 (V - R) / 4
     torch.testing.assert_close(values.grad, torch.tensor([[0.0, 0.5 / 4, 0.0, -0.2 / 4, 0.0]]))
+
+
+def test_adaptive_kl_coef_by_hand():
+    # e = clip(kl / target - 1, -0.2, 0.2); beta <- beta (1 + e n / horizon); n = 100, horizon = 1000: n / h = 0.1
+    def coef(kl, horizon=1000):
+        return adaptive_kl_coef(0.1, kl=kl, target=6.0, num_completions=100, horizon=horizon)
+
+    assert coef(6.6) == pytest.approx(0.101)  # e = 0.1
+    assert coef(12.0) == pytest.approx(0.102)  # e = 1, clipped to 0.2
+    assert coef(0.0) == pytest.approx(0.098)  # e = -1, clipped to -0.2
+    assert coef(6.0) == pytest.approx(0.1)  # on target
+    # a longer horizon moves beta more slowly: e = 0.2, n / h = 0.01
+    assert coef(12.0, horizon=10000) == pytest.approx(0.1002)

@@ -76,3 +76,26 @@ def test_score_in_the_prompt_then_completion_layout(reward_model):
         got = last_token_scores(reward_model, input_ids, attention_mask)
     expected = torch.tensor([alone(reward_model, [11, 12, 31, EOS]), alone(reward_model, [21, 22, 23, 24, 41, 42, EOS])])
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("pairs, chosen, expected", [
+    # prompt 1+1= (answer 2) sampled 2, 3, 2, 4; prompt 5+5= (answer 10) sampled 9, 9, 11, 12 (never right)
+    ("first", "answer", [("2", "3"), ("10", "9")]),
+    ("all", "answer", [("2", "3"), ("2", "4"), ("10", "9"), ("10", "11"), ("10", "12")]),  # distinct wrong ones
+    ("all", "sample", [("2", "3"), ("2", "4")]),  # no right sample: no pair for 5+5=
+    ("all", "sample-or-answer", [("2", "3"), ("2", "4"), ("10", "9"), ("10", "11"), ("10", "12")]),
+    ("first", "sample", [("2", "3")]),
+])
+def test_addition_pairs_by_hand(monkeypatch, pairs, chosen, expected):
+    import reward_model
+
+    samples = ["2", "3", "2", "4", "9", "9", "11", "12"]  # what the policy "sampled", 4 per prompt
+    monkeypatch.setattr(reward_model, "generate", lambda *args: torch.zeros(len(samples), 1, dtype=torch.long))
+    monkeypatch.setattr(reward_model, "decode_completions", lambda *args: samples)
+    tokenizer = reward_model.AutoTokenizer.from_pretrained("tiny-adder")
+    policy = reward_model.AutoModelForCausalLM.from_pretrained("tiny-adder")
+    records = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "5+5=", "answer": "10"}]
+    out = reward_model.addition_pairs(policy, tokenizer, records, 4, 4, torch.device("cpu"), chosen=chosen,
+                                      pairs=pairs)
+    assert [(p["chosen"], p["rejected"]) for p in out] == expected
+    assert all(p["prompt"] == ("1+1=" if p["answer"] == "2" else "5+5=") for p in out)

@@ -221,6 +221,8 @@ def test_hub_dataset_without_the_datasets_library_says_how_to_get_it(tmp_path):
     ("rloo.py", ["--micro-batch-size", "7"], "does not divide"),
     ("gspo.py", ["--prompts-per-step", "3", "--group-size", "2"], "does not divide"),  # 6 into 4 minibatches
     ("cispo.py", ["--temperature", "0"], "--temperature must be positive"),
+    ("ppo.py", ["--kl-target", "-1"], "--kl-target must be 0 (a fixed beta) or positive"),
+    ("ppo.py", ["--kl-horizon", "0"], "--kl-horizon must be positive"),
 ])
 def test_sibling_bad_input(script, flags, message, tmp_path):
     proc = run_script(script, *flags, "--output-dir", str(tmp_path / "o"), expect_ok=False)
@@ -266,3 +268,30 @@ def test_readme_rlhf_pipeline_sft_reward_model_ppo(tmp_path):
     assert "charts/score" in metrics[-1] and "losses/value_loss" in metrics[-1]
     with open(os.path.join(ppo_out, "args.json")) as f:
         assert json.load(f)["reward_model_path"] == str(tmp_path) + "/rm"
+
+
+def test_ppo_with_a_reward_model_normalises_the_score_and_adapts_beta(tmp_path):
+    """--reward-model-path: the first batch's mean score is the bias (so it scores 0), and beta follows
+    adaptive_kl_coef from the logged KL; the verifier keeps a fixed beta. The defaults differ by reward."""
+    from ppo import adaptive_kl_coef
+    from transformers import AutoTokenizer
+
+    rm = str(tmp_path / "rm")  # a reward model with a random head: any scorer will do here
+    start = os.path.join(ROOT, "tiny-adder")
+    AutoModelForSequenceClassification.from_pretrained(start, num_labels=1).save_pretrained(rm)
+    AutoTokenizer.from_pretrained(start).save_pretrained(rm)
+    small = ["--num-steps", "3", "--log-every", "1", "--eval-every", "3", "--num-eval", "10",
+             "--prompts-per-step", "16", "--micro-batch-size", "16", "--missing-eos-penalty", "0"]
+    run_script("ppo.py", *small, "--reward-model-path", rm, "--output-dir", str(tmp_path / "learned"))
+    run_script("ppo.py", *small, "--output-dir", str(tmp_path / "verifier"))
+    learned, verifier = read_metrics(str(tmp_path / "learned"))[1:], read_metrics(str(tmp_path / "verifier"))[1:]
+    assert abs(learned[0]["charts/score"]) < 1e-5  # the starting policy's samples: mean 0 after the bias
+    assert abs(learned[1]["charts/score"]) > 1e-4  # later batches keep that bias, not their own mean
+    assert learned[0]["charts/kl_coef"] == 0.05
+    for before, after in zip(learned, learned[1:]):
+        expected = adaptive_kl_coef(before["charts/kl_coef"], before["losses/kl"], 0.5, 16, 1000)
+        assert after["charts/kl_coef"] == pytest.approx(expected, rel=1e-6) and after["charts/kl_coef"] != 0.05
+    assert [m["charts/kl_coef"] for m in verifier] == [0.05] * 3
+    args = {name: json.loads((tmp_path / name / "args.json").read_text()) for name in ("learned", "verifier")}
+    assert (args["learned"]["learning_rate"], args["learned"]["kl_target"]) == (3e-5, 0.5)
+    assert (args["verifier"]["learning_rate"], args["verifier"]["kl_target"]) == (1e-4, 0.0)

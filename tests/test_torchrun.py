@@ -87,8 +87,9 @@ OFFLINE = {
     "sft.py": ["--num-steps", "3", "--batch-size", "8", "--micro-batch-size", "2", "--num-eval", "20"],
     "dpo.py": ["--num-steps", "3", "--batch-size", "4", "--micro-batch-size", "1", "--num-eval", "2",
                "--dataset", os.path.join(FIXTURES, "pairs_tiny.jsonl")],
+    # a prompt's pairs are one element of a batch: 1 to 3 pairs, so the processes hold different numbers of pairs
     "reward_model.py": ["--num-steps", "3", "--batch-size", "4", "--micro-batch-size", "1", "--num-eval", "2",
-                        "--dataset", os.path.join(FIXTURES, "pairs_tiny.jsonl")],
+                        "--dataset", os.path.join(FIXTURES, "pairs_grouped.jsonl")],
 }
 SGD = ["--learning-rate", "0.1", "--max-grad-norm", "1e9"]  # SGD's step, no clipping (HARNESS)
 
