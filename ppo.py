@@ -27,6 +27,8 @@ et al.'s code). See docs/ppo.md.
 """
 
 import json
+import logging
+import math
 import os
 import random
 import re
@@ -115,9 +117,33 @@ def fail(message):
 
 
 def exact_div(a, b, what):
+    """a // b, or a one-line error that names the flags to change when b does not divide a."""
     if b <= 0 or a % b != 0:
-        fail(f"{what}: {a} does not divide into parts of {b}")
+        fail(f"{what}: {a} does not divide by {b}; change one of these flags")
     return a // b
+
+
+# the valid range of the numeric flags that every file has; each file adds its own (check_ranges)
+COMMON_RANGES = {"seed": "in [0, 4294967295]", "log_every": "> 0", "num_eval": "> 0", "eval_every": "> 0",
+                 "max_new_tokens": "> 0", "num_steps": "> 0", "learning_rate": "> 0", "weight_decay": ">= 0",
+                 "max_grad_norm": "> 0", "micro_batch_size": "> 0"}
+
+
+def check_ranges(args, ranges):
+    """Stops at the first flag outside its range, before anything is loaded or written; NaN and infinity
+    are in no range. A range reads '> 0', '>= 2' or 'in [0, 0.5)', and may go on with a reason in words."""
+    for name, spec in ranges.items():
+        value = getattr(args, name)
+        op, bounds = re.match(r"(>=|>|in) ([\[(][^\])]*[\])]|\S+)", spec).groups()
+        if op == "in":
+            low, high = (float(b) for b in bounds[1:-1].split(","))
+            ok = ((low <= value if bounds[0] == "[" else low < value)
+                  and (value <= high if bounds[-1] == "]" else value < high))
+        else:
+            ok = value >= float(bounds) if op == ">=" else value > float(bounds)
+        if not (math.isfinite(value) and ok):
+            finite = "" if math.isfinite(value) else "a finite number "
+            fail(f"--{name.replace('_', '-')} {value}: must be {finite}{spec}")
 
 
 # ---- The task and its reward --------------------------------------------------------------------
@@ -157,7 +183,8 @@ def reward_fn(completion, answer):
 
 # ---- Data ---------------------------------------------------------------------------------------
 def read_jsonl(path, *schemas):
-    """The records of a JSONL file, each holding every field of one of `schemas`; a bad file stops the run."""
+    """The records of a JSONL file, each holding every field of one of `schemas` as text (an answer may also be a
+    number); a bad file stops the run with its line."""
     if not os.path.isfile(path):
         fail(f"--dataset {path}: no such file")
     records = []
@@ -173,6 +200,13 @@ def read_jsonl(path, *schemas):
                 missing = next(k for k in schemas[0] if not isinstance(record, dict) or k not in record)
                 needs = " or ".join(" and ".join(schema) for schema in schemas)
                 fail(f"--dataset {path}: line {number} has no field {missing!r} (each record needs {needs})")
+            schema = next(schema for schema in schemas if all(k in record for k in schema))
+            for k in schema:
+                value = record[k]
+                number_ok = k == "answer" and type(value) in (int, float) and math.isfinite(value)
+                if not (isinstance(value, str) or number_ok):
+                    fail(f"--dataset {path}: line {number}: field {k!r} holds {json.dumps(value)[:40]}, "
+                         f"where it needs {'text or a finite number' if k == 'answer' else 'text'}")
             records.append(record)
     if not records:
         fail(f"--dataset {path}: the file holds no records")
@@ -235,6 +269,30 @@ def load_model(path, args, device, model_class=AutoModelForCausalLM, flag="--mod
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()  # only in train mode: generation keeps its KV cache
     return model.to(device)
+
+def load_scorer(path, args, device, what, flag="--model-name-or-path"):
+    """A sequence classifier with one output (a reward or value model) from `path`.
+
+    On a language model's checkpoint the score head is new, as it should be: one line says so instead of
+    transformers' load report. A report that lists any other weight, missing or unexpected, still shows.
+    """
+    held = []
+    hold = held.append  # a logging filter that returns None keeps the record from the handlers
+    report_logger = logging.getLogger("transformers.modeling_utils")
+    report_logger.addFilter(hold)
+    try:
+        model = load_model(path, args, device, AutoModelForSequenceClassification, flag, num_labels=1)
+    finally:
+        report_logger.removeFilter(hold)
+    head = {f"score.{name}" for name, _ in model.score.named_parameters()}
+    for record in held:
+        text = re.sub(r"\x1b\[[0-9;]*m", "", record.getMessage())  # without the terminal's colours
+        keys = re.findall(r"^(\S+)\s*\|", text, flags=re.M)[1:]  # the report's table: the first column, past "Key"
+        if "LOAD REPORT" in text and keys and set(keys) <= head:
+            print(f"{what}: a new score head on {path}, which has none (as expected for a language model)")
+        else:
+            report_logger.handle(record)
+    return model
 
 
 def load_tokenizer(path, args):
@@ -457,8 +515,11 @@ class Logger:
         metrics = dict(zip(metrics, values.tolist()))
         if rank != 0:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+        except OSError as e:
+            fail(f"--output-dir {os.path.dirname(self.path)}: cannot write metrics.jsonl ({e.strerror or e})")
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
         shown = ["charts/reward", "losses/loss", "eval/loss", "eval/accuracy", "eval/pair_accuracy", "charts/step_time"]
@@ -470,15 +531,19 @@ class Logger:
 
 
 def make_output_dir(args):
+    """The run's new folder with its args.json, made before any model is loaded; a one-line error if it cannot be."""
     path = args.output_dir or os.path.join("runs", args.run_name)
     if os.path.exists(path):
         fail(f"--output-dir {path} already exists; a run never overwrites another, choose a new folder")
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # every process has looked before rank 0 makes it
     if rank_and_world()[0] == 0:
-        os.makedirs(path)
-        with open(os.path.join(path, "args.json"), "w") as f:
-            json.dump(asdict(args), f, indent=2)
+        try:
+            os.makedirs(path)
+            with open(os.path.join(path, "args.json"), "w") as f:
+                json.dump(asdict(args), f, indent=2)
+        except OSError as e:
+            fail(f"--output-dir {path}: cannot create it ({e.strerror or e}); choose a folder you can write to")
     return path
 
 
@@ -494,8 +559,11 @@ def save(model, tokenizer, output_dir):
         names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
         state_dict = {name: tensor for name, tensor in state_dict.items() if name in names}
     if rank_and_world()[0] == 0:
-        unwrap(model).save_pretrained(output_dir, state_dict=state_dict)
-        tokenizer.save_pretrained(output_dir)
+        try:
+            unwrap(model).save_pretrained(output_dir, state_dict=state_dict)
+            tokenizer.save_pretrained(output_dir)
+        except OSError as e:
+            fail(f"--output-dir {output_dir}: cannot save the model there ({e.strerror or e})")
 
 
 def setup(args):
@@ -692,31 +760,30 @@ if __name__ == "__main__":
         args.learning_rate = 3e-5 if learned else 1e-4
     if args.kl_target is None:
         args.kl_target = 0.5 if learned else 0.0
-    if args.kl_target < 0:
-        fail(f"--kl-target must be 0 (a fixed beta) or positive, got {args.kl_target}")
-    for flag in ("num_steps", "prompts_per_step", "max_new_tokens", "micro_batch_size", "ppo_epochs",
-                 "num_minibatches", "num_eval", "eval_every", "log_every", "learning_rate", "temperature",
-                 "kl_horizon"):
-        if getattr(args, flag) <= 0:
-            fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    check_ranges(args, {**COMMON_RANGES, "prompts_per_step": "> 0", "temperature": "> 0", "ppo_epochs": "> 0",
+                        "num_minibatches": "> 0", "beta": ">= 0", "kl_target": ">= 0 (0: a fixed beta)",
+                        "kl_horizon": "> 0", "clip_eps": "in (0, 1] (the ratio's lower clip is 1 - clip_eps)",
+                        "clip_value": ">= 0", "vf_coef": ">= 0", "gamma": "in [0, 1]", "lam": "in [0, 1]",
+                        "missing_eos_penalty": ">= 0"})
     args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     device = setup(args)
     rank, world = rank_and_world()
     batch_size = per_process(args.prompts_per_step, "--prompts-per-step")  # this process's prompts of each batch
-    minibatch_size = exact_div(batch_size, args.num_minibatches, "--prompts-per-step (per process)")
+    minibatch_size = exact_div(batch_size, args.num_minibatches,
+                               "--prompts-per-step (per process) by --num-minibatches")
     args.micro_batch_size = min(args.micro_batch_size, minibatch_size)  # a micro-batch is at most all this process has
-    exact_div(minibatch_size, args.micro_batch_size, "a minibatch, by --micro-batch-size,")
+    exact_div(minibatch_size, args.micro_batch_size,
+              "a minibatch (--prompts-per-step / --num-minibatches, per process) by --micro-batch-size")
     args.batch_size, args.minibatch_size = batch_size * world, minibatch_size * world  # of all processes
+    output_dir = make_output_dir(args)  # before any model is loaded: a folder that cannot be made stops the run now
 
     # four models: the policy, its frozen reference, the critic, and the reward (a model, or the verifier)
     tokenizer = load_tokenizer(args.model_name_or_path, args)
     policy = load_model(args.model_name_or_path, args, device)
     ref_policy = load_model(args.model_name_or_path, args, device).requires_grad_(False)
-    reward_model = None if args.reward_model_path is None else load_model(
-        args.reward_model_path, args, device, AutoModelForSequenceClassification, "--reward-model-path",
-        num_labels=1).eval().requires_grad_(False)
-    value_model = load_model(args.reward_model_path or args.model_name_or_path, args, device,
-                             AutoModelForSequenceClassification, num_labels=1)
+    reward_model = None if args.reward_model_path is None else load_scorer(
+        args.reward_model_path, args, device, "the reward model", "--reward-model-path").eval().requires_grad_(False)
+    value_model = load_scorer(args.reward_model_path or args.model_name_or_path, args, device, "the value model")
     if args.reward_model_path is None:
         torch.nn.init.zeros_(value_model.score.weight)  # a new head, zero: V = 0 everywhere at the start
     stop_ids = stop_token_ids(tokenizer, policy)
@@ -726,7 +793,6 @@ if __name__ == "__main__":
     optimizer = torch.optim.AdamW([*policy.parameters(), *value_model.parameters()], lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
     train_records, eval_records = load_task(args)
-    output_dir = make_output_dir(args)
     logger = Logger(args, output_dir)
     data_rng, shuffle_gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
     print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")

@@ -19,6 +19,7 @@ sequence's KL to the reference, as in the paper's RLHF reward. See docs/rloo.md.
 """
 
 import json
+import math
 import os
 import random
 import re
@@ -92,9 +93,33 @@ def fail(message):
 
 
 def exact_div(a, b, what):
+    """a // b, or a one-line error that names the flags to change when b does not divide a."""
     if b <= 0 or a % b != 0:
-        fail(f"{what}: {a} does not divide into parts of {b}")
+        fail(f"{what}: {a} does not divide by {b}; change one of these flags")
     return a // b
+
+
+# the valid range of the numeric flags that every file has; each file adds its own (check_ranges)
+COMMON_RANGES = {"seed": "in [0, 4294967295]", "log_every": "> 0", "num_eval": "> 0", "eval_every": "> 0",
+                 "max_new_tokens": "> 0", "num_steps": "> 0", "learning_rate": "> 0", "weight_decay": ">= 0",
+                 "max_grad_norm": "> 0", "micro_batch_size": "> 0"}
+
+
+def check_ranges(args, ranges):
+    """Stops at the first flag outside its range, before anything is loaded or written; NaN and infinity
+    are in no range. A range reads '> 0', '>= 2' or 'in [0, 0.5)', and may go on with a reason in words."""
+    for name, spec in ranges.items():
+        value = getattr(args, name)
+        op, bounds = re.match(r"(>=|>|in) ([\[(][^\])]*[\])]|\S+)", spec).groups()
+        if op == "in":
+            low, high = (float(b) for b in bounds[1:-1].split(","))
+            ok = ((low <= value if bounds[0] == "[" else low < value)
+                  and (value <= high if bounds[-1] == "]" else value < high))
+        else:
+            ok = value >= float(bounds) if op == ">=" else value > float(bounds)
+        if not (math.isfinite(value) and ok):
+            finite = "" if math.isfinite(value) else "a finite number "
+            fail(f"--{name.replace('_', '-')} {value}: must be {finite}{spec}")
 
 
 # ---- The task and its reward --------------------------------------------------------------------
@@ -134,7 +159,8 @@ def reward_fn(completion, answer):
 
 # ---- Data ---------------------------------------------------------------------------------------
 def read_jsonl(path, *schemas):
-    """The records of a JSONL file, each holding every field of one of `schemas`; a bad file stops the run."""
+    """The records of a JSONL file, each holding every field of one of `schemas` as text (an answer may also be a
+    number); a bad file stops the run with its line."""
     if not os.path.isfile(path):
         fail(f"--dataset {path}: no such file")
     records = []
@@ -150,6 +176,13 @@ def read_jsonl(path, *schemas):
                 missing = next(k for k in schemas[0] if not isinstance(record, dict) or k not in record)
                 needs = " or ".join(" and ".join(schema) for schema in schemas)
                 fail(f"--dataset {path}: line {number} has no field {missing!r} (each record needs {needs})")
+            schema = next(schema for schema in schemas if all(k in record for k in schema))
+            for k in schema:
+                value = record[k]
+                number_ok = k == "answer" and type(value) in (int, float) and math.isfinite(value)
+                if not (isinstance(value, str) or number_ok):
+                    fail(f"--dataset {path}: line {number}: field {k!r} holds {json.dumps(value)[:40]}, "
+                         f"where it needs {'text or a finite number' if k == 'answer' else 'text'}")
             records.append(record)
     if not records:
         fail(f"--dataset {path}: the file holds no records")
@@ -434,8 +467,11 @@ class Logger:
         metrics = dict(zip(metrics, values.tolist()))
         if rank != 0:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+        except OSError as e:
+            fail(f"--output-dir {os.path.dirname(self.path)}: cannot write metrics.jsonl ({e.strerror or e})")
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
         shown = ["charts/reward", "losses/loss", "eval/loss", "eval/accuracy", "eval/pair_accuracy", "charts/step_time"]
@@ -447,15 +483,19 @@ class Logger:
 
 
 def make_output_dir(args):
+    """The run's new folder with its args.json, made before any model is loaded; a one-line error if it cannot be."""
     path = args.output_dir or os.path.join("runs", args.run_name)
     if os.path.exists(path):
         fail(f"--output-dir {path} already exists; a run never overwrites another, choose a new folder")
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # every process has looked before rank 0 makes it
     if rank_and_world()[0] == 0:
-        os.makedirs(path)
-        with open(os.path.join(path, "args.json"), "w") as f:
-            json.dump(asdict(args), f, indent=2)
+        try:
+            os.makedirs(path)
+            with open(os.path.join(path, "args.json"), "w") as f:
+                json.dump(asdict(args), f, indent=2)
+        except OSError as e:
+            fail(f"--output-dir {path}: cannot create it ({e.strerror or e}); choose a folder you can write to")
     return path
 
 
@@ -471,8 +511,11 @@ def save(model, tokenizer, output_dir):
         names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
         state_dict = {name: tensor for name, tensor in state_dict.items() if name in names}
     if rank_and_world()[0] == 0:
-        unwrap(model).save_pretrained(output_dir, state_dict=state_dict)
-        tokenizer.save_pretrained(output_dir)
+        try:
+            unwrap(model).save_pretrained(output_dir, state_dict=state_dict)
+            tokenizer.save_pretrained(output_dir)
+        except OSError as e:
+            fail(f"--output-dir {output_dir}: cannot save the model there ({e.strerror or e})")
 
 
 def setup(args):
@@ -589,12 +632,8 @@ def rloo_loss(logprobs, advantages, mask):
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    if args.group_size < 2:
-        fail(f"--group-size {args.group_size}: RLOO's baseline needs the other completions, use 2 or more")
-    for flag in ("num_steps", "prompts_per_step", "max_new_tokens", "micro_batch_size", "num_eval",
-                 "eval_every", "log_every", "learning_rate", "temperature"):
-        if getattr(args, flag) <= 0:
-            fail(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    check_ranges(args, {**COMMON_RANGES, "prompts_per_step": "> 0", "temperature": "> 0",
+                        "group_size": ">= 2 (RLOO's baseline is the mean of the other completions)", "beta": ">= 0"})
     args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     device = setup(args)
     rank, world = rank_and_world()
@@ -602,8 +641,9 @@ if __name__ == "__main__":
     batch_size = num_prompts * args.group_size  # and its completions
     args.micro_batch_size = min(args.micro_batch_size, batch_size)  # a micro-batch is at most all this process has
     exact_div(batch_size, args.micro_batch_size,
-              "--prompts-per-step x --group-size (per process), by --micro-batch-size,")
+              "--prompts-per-step x --group-size (per process) by --micro-batch-size")
     args.batch_size = batch_size * world  # of all processes
+    output_dir = make_output_dir(args)  # before any model is loaded: a folder that cannot be made stops the run now
 
     # the policy, and a frozen reference only when the KL penalty is on
     tokenizer = load_tokenizer(args.model_name_or_path, args)
@@ -614,7 +654,6 @@ if __name__ == "__main__":
         load_model(args.model_name_or_path, args, device).requires_grad_(False), args)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     train_records, eval_records = load_task(args)
-    output_dir = make_output_dir(args)
     logger = Logger(args, output_dir)
     data_rng = random.Random(args.seed)
     print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")

@@ -173,9 +173,11 @@ BAD_INPUTS = [
     (["--group-size", "1"], "--group-size 1"),
     (["--prompts-per-step", "3", "--group-size", "2", "--num-minibatches", "4"], "does not divide"),
     (["--micro-batch-size", "5"], "does not divide"),
-    (["--max-new-tokens", "0"], "--max-new-tokens must be positive"),
-    (["--learning-rate", "-1e-4"], "--learning-rate must be positive"),
-    (["--num-steps", "0"], "--num-steps must be positive"),
+    (["--max-new-tokens", "0"], "--max-new-tokens 0: must be > 0"),
+    (["--learning-rate", "-1e-4"], "--learning-rate -0.0001: must be > 0"),
+    (["--learning-rate", "nan"], "--learning-rate nan: must be a finite number > 0"),
+    (["--clip-eps-low", "1.5"], "--clip-eps-low 1.5: must be in [0, 1]"),
+    (["--num-steps", "0"], "--num-steps 0: must be > 0"),
     (["--output-dir", "{existing}"], "already exists"),
     (["--learning-rate", "1e30", "--num-steps", "5", "--num-eval", "10"], "the loss is nan"),
 ]
@@ -220,9 +222,10 @@ def test_hub_dataset_without_the_datasets_library_says_how_to_get_it(tmp_path):
     ("rloo.py", ["--group-size", "1"], "--group-size 1"),
     ("rloo.py", ["--micro-batch-size", "7"], "does not divide"),
     ("gspo.py", ["--prompts-per-step", "3", "--group-size", "2"], "does not divide"),  # 6 into 4 minibatches
-    ("cispo.py", ["--temperature", "0"], "--temperature must be positive"),
-    ("ppo.py", ["--kl-target", "-1"], "--kl-target must be 0 (a fixed beta) or positive"),
-    ("ppo.py", ["--kl-horizon", "0"], "--kl-horizon must be positive"),
+    ("cispo.py", ["--temperature", "0"], "--temperature 0.0: must be > 0"),
+    ("ppo.py", ["--kl-target", "-1"], "--kl-target -1.0: must be >= 0 (0: a fixed beta)"),
+    ("ppo.py", ["--kl-horizon", "0"], "--kl-horizon 0: must be > 0"),
+    ("ppo.py", ["--gamma", "1.01"], "--gamma 1.01: must be in [0, 1]"),
 ])
 def test_sibling_bad_input(script, flags, message, tmp_path):
     proc = run_script(script, *flags, "--output-dir", str(tmp_path / "o"), expect_ok=False)

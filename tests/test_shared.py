@@ -109,8 +109,12 @@ def top_level_functions(path):
     with open(path) as f:
         source = f.read()
     tree = ast.parse(source)
-    return {node.name: ast.get_source_segment(source, node) for node in tree.body
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name != "Args"}, tree, source
+    named = {node.name: ast.get_source_segment(source, node) for node in tree.body
+             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name != "Args"}
+    # and the module's constants (TASKS, COMMON_RANGES, ...)
+    named.update({node.targets[0].id: ast.get_source_segment(source, node) for node in tree.body
+                  if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)})
+    return named, tree, source
 
 
 def common_args_block(tree, source):

@@ -1,0 +1,240 @@
+"""Bad input is refused with one line before any work starts: every numeric flag of every file at the edges of
+its range, the types of a dataset's records, and the output folder.
+
+The ranges below are written out here, from what each flag means, not read from the scripts: a script whose
+check is missing or wrong for a flag fails, and so does a numeric flag that this table does not know.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import typing
+
+import pytest
+import torch
+from conftest import ROOT, run_script
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+import grpo
+import ppo
+
+SCRIPTS = ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "dpo.py", "reward_model.py", "sft.py"]
+
+# (low, low included, high, high included); None: no bound on that side
+POSITIVE, NON_NEGATIVE, UNIT = (0, False, None, False), (0, True, None, False), (0, True, 1, True)
+COMMON = {"seed": (0, True, 2**32 - 1, True), "log_every": POSITIVE, "num_eval": POSITIVE, "eval_every": POSITIVE,
+          "max_new_tokens": POSITIVE, "num_steps": POSITIVE, "learning_rate": POSITIVE, "weight_decay": NON_NEGATIVE,
+          "max_grad_norm": POSITIVE, "micro_batch_size": POSITIVE}
+GROUP = {"prompts_per_step": POSITIVE, "group_size": (2, True, None, False), "temperature": POSITIVE}
+CLIPPED = {"num_iterations": POSITIVE, "num_minibatches": POSITIVE, "clip_eps_low": UNIT,
+           "clip_eps_high": NON_NEGATIVE}
+PAIRS = {"num_train_prompts": POSITIVE, "pair_samples": POSITIVE, "pair_temperature": POSITIVE,
+         "batch_size": POSITIVE}
+RANGES = {
+    "grpo.py": {**COMMON, **GROUP, **CLIPPED, "beta": NON_NEGATIVE},
+    "rloo.py": {**COMMON, **GROUP, "beta": NON_NEGATIVE},
+    "gspo.py": {**COMMON, **GROUP, **CLIPPED},
+    "cispo.py": {**COMMON, **GROUP, **CLIPPED},
+    "ppo.py": {**COMMON, "prompts_per_step": POSITIVE, "temperature": POSITIVE, "ppo_epochs": POSITIVE,
+               "num_minibatches": POSITIVE, "beta": NON_NEGATIVE, "kl_target": NON_NEGATIVE, "kl_horizon": POSITIVE,
+               "clip_eps": (0, False, 1, True), "clip_value": NON_NEGATIVE, "vf_coef": NON_NEGATIVE, "gamma": UNIT,
+               "lam": UNIT, "missing_eos_penalty": NON_NEGATIVE},
+    "dpo.py": {**COMMON, **PAIRS, "beta": POSITIVE, "label_smoothing": (0, True, 0.5, False)},
+    "reward_model.py": {**COMMON, **PAIRS},
+    "sft.py": {**COMMON, "batch_size": POSITIVE, "hidden_size": POSITIVE, "num_layers": POSITIVE,
+               "num_heads": POSITIVE},
+}
+# a valid value at an edge can still make a batch that does not divide: these flags keep the rest valid
+VALID_WITH = {("ppo.py", "prompts_per_step"): ["--num-minibatches", "1"],
+              ("sft.py", "hidden_size"): ["--num-heads", "1"]}
+
+# runs a script once per case in one process, as `python script ...` does; building any model stops the case
+HARNESS = """
+import contextlib, io, json, runpy, sys, transformers
+
+def no_model(*args, **kwargs):
+    raise RuntimeError("a model was built")
+
+transformers.PreTrainedModel.__init__ = no_model
+script, cases = sys.argv[1], json.loads(sys.argv[2])
+results = []
+for argv in cases:
+    sys.argv = [script, *argv]
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+            runpy.run_path(script, run_name="__main__")
+        results.append(["finished", ""])
+    except SystemExit as e:
+        results.append(["exit", e.code if isinstance(e.code, str) else f"code {e.code}: {stderr.getvalue()}"])
+    except RuntimeError as e:
+        results.append(["model", str(e)])
+print(json.dumps(results))
+"""
+
+
+def numeric_flags(module):
+    """The numeric fields of a script's Args that a user sets (not those filled in at run time)."""
+    with open(module.__file__) as f:
+        runtime = f.read().split("# to be filled in at runtime", 1)[1].split("\n\n", 1)[0]
+    hints = typing.get_type_hints(module.Args)
+    numeric = (int, float, int | None, float | None)
+    return {name for name, kind in hints.items() if kind in numeric and f"    {name}:" not in runtime}
+
+
+def is_int(module, name):
+    return typing.get_type_hints(module.Args)[name] in (int, int | None)
+
+
+def edges(low, low_in, high, high_in, integer):
+    """(the first invalid values, the valid values at the edges) of a range."""
+    invalid, valid = [], []
+    for bound, included, down in ((low, low_in, True), (high, high_in, False)):
+        if bound is None:
+            continue
+        step = -1 if down else 1
+        if integer:
+            invalid.append(bound + step if included else bound)
+            valid.append(bound if included else bound - step)
+        else:
+            outward, inward = (-math.inf, math.inf) if down else (math.inf, -math.inf)
+            invalid.append(math.nextafter(bound, outward) if included else bound)
+            valid.append(bound if included else math.nextafter(bound, inward))
+    return invalid, valid
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_numeric_flag_is_checked_at_its_edges_before_anything_is_loaded(script, tmp_path):
+    """For each numeric flag: the first invalid value at each end of its range (and NaN and infinity for a float)
+    stops with one line that names the flag, the value and the range, before a model is built and before the
+    output folder is made; the valid value at each edge gets past every check (to the first model). An output
+    folder that cannot be made is refused before a model is built too."""
+    module = __import__(script[:-3])
+    assert numeric_flags(module) == set(RANGES[script]), "a numeric flag without a range here, or one gone"
+    cases, expected = [], []
+    for i, (name, (low, low_in, high, high_in)) in enumerate(sorted(RANGES[script].items())):
+        flag, integer = "--" + name.replace("_", "-"), is_int(module, name)
+        invalid, valid = edges(low, low_in, high, high_in, integer)
+        if not integer:
+            invalid += [math.nan, math.inf, -math.inf]
+        for j, value in enumerate(invalid + valid):
+            out = str(tmp_path / f"out_{i}_{j}")
+            is_valid = j >= len(invalid)
+            cases.append([f"{flag}={value!r}", "--output-dir", out,
+                          *(VALID_WITH.get((script, name), []) if is_valid else [])])
+            expected.append((flag, value, is_valid, out))
+    # and an output folder that cannot be made (its parent is a file), in the same process
+    (tmp_path / "a_file").write_text("")
+    cases.append(["--output-dir", str(tmp_path / "a_file" / "run")])
+    proc = subprocess.run([sys.executable, "-c", HARNESS, script, json.dumps(cases)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert results.pop() == ["exit", f"error: --output-dir {tmp_path / 'a_file' / 'run'}: cannot create it (Not a "
+                                     "directory); choose a folder you can write to"]
+    for (flag, value, valid, out), (outcome, message) in zip(expected, results):
+        if valid:
+            assert outcome == "model", f"{flag} {value} is in range, but: {outcome} {message}"
+            continue
+        assert outcome == "exit", f"{flag} {value} was not refused before a model was built: {outcome} {message}"
+        assert message.startswith(f"error: {flag} ") and ": must be " in message and "\n" not in message, message
+        assert not os.path.exists(out), f"{flag} {value}: the output folder was made"
+        if isinstance(value, float) and not math.isfinite(value):
+            assert "must be a finite number" in message
+
+
+def test_flags_that_cannot_work_together_name_what_to_change(tmp_path):
+    cases = [(["--prompts-per-step", "3", "--group-size", "2", "--num-minibatches", "4"],
+              "--prompts-per-step x --group-size (per process) by --num-minibatches: 6 does not divide by 4; "
+              "change one of these flags"),
+             (["--prompts-per-step", "2", "--group-size", "4", "--micro-batch-size", "3"],
+              "a minibatch (--prompts-per-step x --group-size / --num-minibatches, per process) by "
+              "--micro-batch-size: 8 does not divide by 3")]
+    argvs = [flags + ["--output-dir", str(tmp_path / f"out{i}")] for i, (flags, _) in enumerate(cases)]
+    proc = subprocess.run([sys.executable, "-c", HARNESS, "grpo.py", json.dumps(argvs)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    for i, ((outcome, text), (_, message)) in enumerate(zip(json.loads(proc.stdout.strip().splitlines()[-1]), cases)):
+        assert outcome == "exit" and text.startswith("error: ") and message in text, text
+        assert not os.path.exists(tmp_path / f"out{i}")
+
+
+@pytest.mark.parametrize("schema, record, field, needs", [
+    (("prompt", "answer"), {"prompt": None, "answer": "2"}, "prompt", "text"),
+    (("prompt", "answer"), {"prompt": "1+1=", "answer": None}, "answer", "text or a finite number"),
+    (("prompt", "answer"), {"prompt": "1+1=", "answer": True}, "answer", "text or a finite number"),
+    (("prompt", "answer"), {"prompt": ["1+1="], "answer": 2}, "prompt", "text"),
+    (("question", "answer"), {"question": 7, "answer": "7"}, "question", "text"),
+    (("prompt", "completion"), {"prompt": "a", "completion": 3}, "completion", "text"),
+    (("prompt", "chosen", "rejected"), {"prompt": "a", "chosen": "b", "rejected": {"x": 1}}, "rejected", "text"),
+])
+def test_a_record_of_the_wrong_type_names_the_file_the_line_and_the_field(schema, record, field, needs, tmp_path):
+    path = tmp_path / "data.jsonl"
+    good = {k: "1" for k in schema}
+    path.write_text(json.dumps(good) + "\n" + json.dumps(record) + "\n")
+    schemas = [schema] + ([("question", "answer")] if schema == ("prompt", "answer") else [])
+    with pytest.raises(SystemExit) as stop:
+        grpo.read_jsonl(str(path), *schemas)
+    message = str(stop.value)
+    assert message.startswith(f"error: --dataset {path}: line 2: field {field!r} holds ") and message.endswith(
+        f"where it needs {needs}"), message
+
+
+def test_answers_may_be_finite_numbers_and_nan_is_refused(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": "1.5+1=", "answer": 2.5}\n')
+    assert [r["answer"] for r in grpo.read_jsonl(str(path), ("prompt", "answer"))] == [2, 2.5]
+    path.write_text('{"prompt": "1+1=", "answer": NaN}\n')  # Python's json reads NaN; it is no answer
+    with pytest.raises(SystemExit, match="line 1: field 'answer' holds NaN"):
+        grpo.read_jsonl(str(path), ("prompt", "answer"))
+
+
+def test_a_script_stops_on_a_null_field_with_one_line(tmp_path):
+    """As a user runs it: the RL file's dataset holds a record whose prompt is null."""
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n' * 3 + '{"prompt": null, "answer": "2"}\n')
+    proc = run_script("grpo.py", "--dataset", str(path), "--num-eval", "1", "--output-dir", str(tmp_path / "o"),
+                      expect_ok=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (f"error: --dataset {path}: line 4: field 'prompt' holds null, "
+                                                    "where it needs text")
+
+
+def test_a_failure_to_write_metrics_or_the_model_names_the_folder(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    args = grpo.Args(track=False)
+    logger = grpo.Logger(args, str(out))
+    logger.log(0, {"eval/accuracy": 0.5})
+    os.remove(out / "metrics.jsonl")
+    os.mkdir(out / "metrics.jsonl")  # the file cannot be opened for writing now
+    with pytest.raises(SystemExit, match=rf"^error: --output-dir {out}: cannot write metrics.jsonl \(Is a directory\)"):
+        logger.log(1, {"eval/accuracy": 0.5})
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "tiny-adder"))
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "tiny-adder"))
+    (tmp_path / "a_file").write_text("")  # the run's folder is gone, and a file stands where it was made
+    with pytest.raises(SystemExit, match=r"^error: --output-dir .*a_file/run: cannot save the model there"):
+        grpo.save(model, tokenizer, str(tmp_path / "a_file" / "run"))
+
+
+def test_a_new_score_head_is_one_line_and_any_other_load_problem_still_shows(tmp_path, capsys, caplog):
+    """On a language model's checkpoint the score head is new: one line of ours, no load report. A checkpoint that
+    also lacks another weight gets transformers' report as before; a reward model's own checkpoint gets neither."""
+    args, cpu = ppo.Args(), torch.device("cpu")
+    model = ppo.load_scorer(os.path.join(ROOT, "tiny-adder"), args, cpu, "the value model")
+    assert "the value model: a new score head on" in capsys.readouterr().out and "LOAD REPORT" not in caplog.text
+    assert model.score.weight.shape[0] == 1
+    broken = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "tiny-adder"))
+    state = {k: v for k, v in broken.state_dict().items() if k != "model.norm.weight"}
+    broken.save_pretrained(tmp_path / "broken", state_dict=state)
+    ppo.load_scorer(str(tmp_path / "broken"), args, cpu, "the value model")
+    assert "a new score head" not in capsys.readouterr().out
+    assert "LOAD REPORT" in caplog.text and "model.norm.weight" in caplog.text and "score.weight" in caplog.text
+    caplog.clear()
+    scorer = AutoModelForSequenceClassification.from_pretrained(os.path.join(ROOT, "tiny-adder"), num_labels=1)
+    scorer.save_pretrained(tmp_path / "rm")
+    caplog.clear()
+    capsys.readouterr()
+    ppo.load_scorer(str(tmp_path / "rm"), args, cpu, "the reward model")
+    assert "score head" not in capsys.readouterr().out and "LOAD REPORT" not in caplog.text
