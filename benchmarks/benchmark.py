@@ -94,6 +94,9 @@ class Args:
     measure_memory: bool = True  # measure the log-prob memory cases (--no-measure-memory: the runs' tables only)
     memory_batch_size: int = 4  # sequences in the log-prob memory measurement
     memory_seq_len: int = 1024  # tokens per sequence in the log-prob memory measurement (64 of them prompt)
+    run_timeout: float | None = None
+    """seconds that any one process (a run, the real model's conversion, a memory case) may take before it is
+    stopped and the benchmark fails with its name; default: no limit, and 600 with --quick"""
 
 
 def fail(message):
@@ -101,13 +104,24 @@ def fail(message):
     sys.exit(1)
 
 
-def run_measured(command, log_path):
-    """Run a command from the repository root; return (exit code, wall seconds, peak resident GiB)."""
+def run_measured(command, log_path, timeout=None):
+    """Run a command from the repository root; return (exit code, wall seconds, peak resident GiB).
+
+    A command still running after `timeout` seconds is killed, and its exit code is None.
+    """
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     with open(log_path, "w") as log:
         start = time.perf_counter()
         proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage, not all children's
+        while True:  # this child's own rusage, not all children's
+            pid, status, usage = os.wait4(proc.pid, 0 if timeout is None else os.WNOHANG)
+            if pid:
+                break
+            if time.perf_counter() - start > timeout:
+                proc.kill()
+                os.wait4(proc.pid, 0)
+                return None, time.perf_counter() - start, 0.0
+            time.sleep(0.2)
         seconds = time.perf_counter() - start
     proc.returncode = os.waitstatus_to_exitcode(status)
     return proc.returncode, seconds, usage.ru_maxrss / 2**20  # Linux reports KiB
@@ -140,7 +154,10 @@ def run_algorithm(name, seed, args):
         if os.path.exists(record_path):
             os.remove(record_path)
         print(f"{name} seed {seed}: {' '.join(command[1:])}", flush=True)
-        code, seconds, peak_gb = run_measured(command, out + ".log")
+        code, seconds, peak_gb = run_measured(command, out + ".log", args.run_timeout)
+        if code is None:
+            fail(f"{name} seed {seed} took more than --run-timeout {args.run_timeout:g} s and was stopped "
+                 f"(its log: {out}.log)")
         if code != 0:
             with open(out + ".log") as f:
                 tail = f.read()[-2000:]
@@ -159,10 +176,18 @@ def run_algorithm(name, seed, args):
     return record
 
 
-def build_real_model():
+def run_with_budget(command, args):
+    """subprocess.run from the repository root, offline, stopped with a one-line error after --run-timeout."""
+    try:
+        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=args.run_timeout,
+                              env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    except subprocess.TimeoutExpired:
+        fail(f"{' '.join(command[1:])} took more than --run-timeout {args.run_timeout:g} s and was stopped")
+
+
+def build_real_model(args):
     """SmolLM2-135M-Instruct/, made once by benchmarks/smollm2.py (it returns at once when the folder is built)."""
-    proc = subprocess.run([sys.executable, "benchmarks/smollm2.py", "--out", REAL_MODEL], cwd=ROOT, capture_output=True,
-                          text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    proc = run_with_budget([sys.executable, "benchmarks/smollm2.py", "--out", REAL_MODEL], args)
     if proc.returncode != 0:
         fail(f"benchmarks/smollm2.py: {(proc.stderr.strip().splitlines() or ['exited ' + str(proc.returncode)])[-1]}")
     print(proc.stdout.strip().splitlines()[-1], flush=True)
@@ -178,8 +203,7 @@ def measure_logprob_memory(args):
                    "--seq-len", str(seq_len), "--prompt-len", "64", "--device", device, "--dtype", dtype]
         command += ["--grad"] if grad else []
         print(f"log-prob memory: {' '.join(command[1:])}", flush=True)
-        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
-                              env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        proc = run_with_budget(command, args)
         if proc.returncode != 0:
             fail(f"{' '.join(command[1:])} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -505,8 +529,11 @@ if __name__ == "__main__":
         fail("matplotlib is missing: pip install -r benchmarks/requirements.txt")
     if not args.real_seeds or len(set(args.real_seeds)) != len(args.real_seeds):
         fail(f"--real-seeds: give one or more different seeds, got {' '.join(map(str, args.real_seeds)) or 'none'}")
+    if args.run_timeout is not None and not 0 < args.run_timeout < float("inf"):
+        fail(f"--run-timeout {args.run_timeout}: give a number of seconds above 0")
     if args.quick:
         args.seeds, args.real_seeds = args.seeds[:1], args.real_seeds[:1]
+        args.run_timeout = 600 if args.run_timeout is None else args.run_timeout
     args.runs_dir, args.out_dir = os.path.abspath(args.runs_dir), os.path.abspath(args.out_dir)
     os.makedirs(args.runs_dir, exist_ok=True)
     os.makedirs(args.out_dir, exist_ok=True)
@@ -514,7 +541,7 @@ if __name__ == "__main__":
 
     order = [a for a in ALGORITHMS if a in args.algorithms]  # reward_model runs before ppo-learned-rm
     if any(name in REAL_FLAGS for name in order):
-        build_real_model()
+        build_real_model(args)
     runs = {name: [] for name in order}
     for seeds, rows in ((args.seeds, BUNDLED), (args.real_seeds, REAL_FLAGS)):
         for seed in seeds:

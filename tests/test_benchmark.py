@@ -24,10 +24,17 @@ ONLINE = ["grpo", "rloo", "gspo", "cispo", "ppo", "ppo-learned-rm", "ppo-learned
           "rloo-smollm2"]
 
 
+# each process of the quick benchmark (a run, the real model's conversion, a memory case) has this budget, which
+# benchmark.py enforces; the longest took well under it on a 2-core machine with its other core busy
+RUN_BUDGET = 600
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("benchmark")
-    proc = run_script("benchmarks/benchmark.py", "--quick", "--runs-dir", str(out / "runs"), "--out-dir", str(out))
+    # the budget is per process; the whole command's limit is only a backstop far beyond the sum of its runs
+    proc = run_script("benchmarks/benchmark.py", "--quick", "--run-timeout", str(RUN_BUDGET), "--runs-dir",
+                      str(out / "runs"), "--out-dir", str(out), timeout=4 * 3600)
     with open(out / "results.md") as f:
         return out, f.read(), proc.stdout
 
@@ -169,8 +176,19 @@ def test_a_finished_run_is_read_again_only_for_the_same_command(quick, tmp_path)
     assert "| sft |" in text and "## Memory" not in text and "log-prob memory" not in proc.stdout
 
 
+def test_a_run_over_its_budget_is_stopped_and_named(tmp_path):
+    proc = run_script("benchmarks/benchmark.py", "--quick", "--algorithms", "sft", "--no-measure-memory",
+                      "--run-timeout", "0.5", "--runs-dir", str(tmp_path / "runs"), "--out-dir", str(tmp_path),
+                      expect_ok=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (f"error: sft seed 1 took more than --run-timeout 0.5 s and was stopped "
+                                   f"(its log: {tmp_path / 'runs' / 'sft__1'}.log)")
+    assert not os.path.exists(tmp_path / "results.md") and not os.path.exists(tmp_path / "runs" / "sft__1.json")
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--algorithms", "trpo"], "--algorithms: unknown trpo"),
+    (["--run-timeout", "0"], "--run-timeout 0.0: give a number of seconds above 0"),
     (["--algorithms", "ppo-learned-rm", "--quick"], "needs the reward_model run of that seed"),
     (["--seeds", "1", "1"], "--seeds: give one or more different seeds"),
     (["--real-seeds", "2", "2"], "--real-seeds: give one or more different seeds"),

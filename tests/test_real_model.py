@@ -60,8 +60,6 @@ def test_every_file_runs_on_the_real_model(script, real_model_dir, tmp_path):
                "--num-eval", "2", "--output-dir", out)
     metrics = check_saved(out)
     assert "eval/accuracy" in metrics[0]
-    if script != "sft.py":
-        assert metrics[-1]["charts/completion_length"] > 0
 
 
 def test_reward_model_then_ppo_against_it_on_the_real_model(real_model_dir, tmp_path):

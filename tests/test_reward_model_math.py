@@ -1,9 +1,11 @@
 """reward_model.py's loss and the token its score is read at."""
 
 import math
+import os
 
 import pytest
 import torch
+from conftest import ROOT
 from transformers import AutoModelForSequenceClassification, LlamaConfig
 
 from reward_model import bradley_terry_loss, last_token_scores
@@ -92,8 +94,8 @@ def test_addition_pairs_by_hand(monkeypatch, pairs, chosen, expected):
     samples = ["2", "3", "2", "4", "9", "9", "11", "12"]  # what the policy "sampled", 4 per prompt
     monkeypatch.setattr(reward_model, "generate", lambda *args: torch.zeros(len(samples), 1, dtype=torch.long))
     monkeypatch.setattr(reward_model, "decode_completions", lambda *args: samples)
-    tokenizer = reward_model.AutoTokenizer.from_pretrained("tiny-adder")
-    policy = reward_model.AutoModelForCausalLM.from_pretrained("tiny-adder")
+    tokenizer = reward_model.AutoTokenizer.from_pretrained(os.path.join(ROOT, "tiny-adder"))
+    policy = reward_model.AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "tiny-adder"))
     records = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "5+5=", "answer": "10"}]
     out = reward_model.addition_pairs(policy, tokenizer, records, 4, 4, torch.device("cpu"), chosen=chosen,
                                       pairs=pairs)
