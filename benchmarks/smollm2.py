@@ -72,6 +72,68 @@ def sha256(path):
     return digest.hexdigest()
 
 
+# The saved folder must hold the GGUF model's weights bit for bit and its config field for field: those are
+# compared exactly, and they catch every wrong weight (a tensor scaled by 1%, two rows swapped) and every wrong
+# config field. The forward pass then only checks that the folder loads into the same model (tied lm_head, class,
+# dtype), and float rounding must never fail it. Measured on SmolLM2-135M (38-token chat prompt, logits up to
+# 38): float32 rounding moves the logits by up to 1.1e-4 (every weight jittered by one ulp: 1.1e-4; float32 vs
+# float64: 9.3e-5; sdpa vs eager attention: 5.7e-5), so the old atol=1e-4 sat on the noise floor, and one machine
+# once gave 4.4e-3 between these two models. Whereas gross load errors give >= 0.28 (every weight rounded to bf16:
+# 0.28, the model in bf16: 1.2, rope_theta off by 10%: 0.32, rms_norm_eps 1e-4 for 1e-5: 0.31, two embedding rows
+# swapped: 28, an untied random lm_head: far more). 5e-2 is 450x the measured rounding, 11x the worst seen, and
+# >= 5x below those; the subtler errors (a tensor x1.01: >= 3.5e-2, rows swapped in one q_proj: 2.1e-3, eps 1e-6:
+# 3.1e-2) fall under this tolerance, and no tolerance both clears rounding and catches them: hence the exact checks.
+LOGITS_ATOL = 5e-2
+
+
+def check_saved(quantized, reloaded, folder, tokenizer):
+    """Fails unless the saved folder's weights and config are the GGUF model's and it gives the same logits."""
+    import torch
+    from safetensors.torch import load_file
+
+    expected = quantized.state_dict()
+    saved = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        saved.update(load_file(path))
+    # a tied weight (lm_head.weight, the embedding's) is saved under one name only: the reloaded model must tie it
+    parameters = dict(reloaded.named_parameters(remove_duplicate=False))
+    for name in sorted(set(expected) - set(saved)):
+        twin = [other for other in saved if name in parameters and parameters.get(other) is parameters[name]]
+        if not twin:
+            fail(f"{name} is neither in the saved safetensors nor tied to a tensor that is")
+        saved[name] = saved[twin[0]]
+    for what, tensors in (("the saved safetensors", saved), ("the reloaded model", reloaded.state_dict())):
+        if set(tensors) != set(expected):
+            names = sorted(set(tensors) ^ set(expected))
+            fail(f"{what} and the GGUF model differ in their tensor names: {', '.join(names[:5])}")
+        for name, tensor in expected.items():
+            got = tensors[name]
+            if got.dtype != tensor.dtype or got.shape != tensor.shape or not torch.equal(got, tensor):
+                fail(f"{name} in {what} ({got.dtype}, {tuple(got.shape)}) is not the GGUF model's "
+                     f"({tensor.dtype}, {tuple(tensor.shape)}, max difference "
+                     f"{(got.float() - tensor.float()).abs().max() if got.shape == tensor.shape else 'n/a'})")
+    configs = []
+    for model in (quantized, reloaded):
+        config = {key: value for key, value in model.config.to_dict().items() if key != "_name_or_path"}
+        configs.append(dict(config, _attn_implementation=model.config._attn_implementation, dtype=str(model.dtype)))
+    if configs[0] != configs[1]:
+        keys = configs[0].keys() | configs[1].keys()
+        fields = sorted(key for key in keys if configs[0].get(key) != configs[1].get(key))
+        fail(f"the saved config differs from the GGUF model's in {', '.join(fields)}")
+    # both models' weights in fresh (64-byte aligned) allocations: the reloaded ones sit at the safetensors file's
+    # 8-byte aligned offsets, and BLAS kernels may round differently for differently aligned data (not seen here)
+    for model in (quantized, reloaded):
+        for parameter in model.parameters():  # a tied weight is one Parameter, listed once: it stays tied
+            parameter.data = parameter.data.clone()
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        difference = (quantized(input_ids=ids).logits - reloaded(input_ids=ids).logits).abs().max().item()
+    if not difference <= LOGITS_ATOL:
+        fail(f"the saved model's logits differ from the GGUF model's by {difference:.2e} (more than {LOGITS_ATOL:.0e})")
+
+
 def convert(gguf_path, out):
     """Reads the GGUF with transformers and saves an ordinary float32 folder at `out` (which must not exist)."""
     for module in ("gguf", "accelerate"):
@@ -98,15 +160,8 @@ def convert(gguf_path, out):
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
 
-    # the saved folder gives the GGUF model's logits on a chat prompt
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], tokenize=False,
-                                         add_generation_prompt=True)
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
     reloaded = AutoModelForCausalLM.from_pretrained(tmp)
-    with torch.no_grad():
-        expected, got = quantized(input_ids=ids).logits, reloaded(input_ids=ids).logits
-    if not torch.allclose(expected, got, atol=1e-4, rtol=0):
-        fail(f"the saved model's logits differ from the GGUF model's by {(expected - got).abs().max():.2e}")
+    check_saved(quantized, reloaded, tmp, tokenizer)
     with open(os.path.join(tmp, "source.json"), "w") as f:
         json.dump({"package": f"{PACKAGE}=={VERSION}", "gguf": GGUF_NAME, "gguf_sha256": sha256(gguf_path),
                    "parameters": model.num_parameters(), "dtype": "float32", "transformers": transformers.__version__},

@@ -5,11 +5,13 @@ saved output loads back as a model and a tokenizer with the chat template. bench
 measures the real model learning; these tests keep every file working on it.
 """
 
+import importlib.util
 import json
 import os
+import shutil
 
 import pytest
-from conftest import read_metrics, run_script
+from conftest import ROOT, read_metrics, run_script
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from test_scripts import SMALL
@@ -21,6 +23,32 @@ def test_the_readme_makes_the_folder_with_the_command_the_tests_use():
     from test_scripts import readme_commands
 
     assert "python benchmarks/smollm2.py" in readme_commands()
+
+
+def test_the_conversion_check_passes_the_folder_and_catches_a_wrong_weight_or_config(real_model_dir, tmp_path):
+    """benchmarks/smollm2.py compares the saved weights and config with the GGUF model's exactly: two swapped rows
+    of one q_proj (they move the logits by 2e-3, which no float tolerance can tell from rounding on every CPU) and
+    a wrong rms_norm_eps fail it, and the built folder passes. The built folder stands in for the GGUF model."""
+    from safetensors.torch import load_file, save_file
+
+    spec = importlib.util.spec_from_file_location("smollm2", os.path.join(ROOT, "benchmarks", "smollm2.py"))
+    smollm2 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smollm2)
+    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
+    expected = AutoModelForCausalLM.from_pretrained(real_model_dir)
+    smollm2.check_saved(expected, AutoModelForCausalLM.from_pretrained(real_model_dir), real_model_dir, tokenizer)
+    wrong = str(tmp_path / "wrong")
+    shutil.copytree(real_model_dir, wrong)
+    name, file = "model.layers.24.self_attn.q_proj.weight", os.path.join(wrong, "model.safetensors")
+    tensors = load_file(file)
+    tensors[name] = tensors[name][[1, 0, *range(2, len(tensors[name]))]].contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(SystemExit, match=f"^error: {name} in the saved safetensors .* is not the GGUF model's"):
+        smollm2.check_saved(expected, AutoModelForCausalLM.from_pretrained(wrong), wrong, tokenizer)
+    shutil.copytree(real_model_dir, wrong, dirs_exist_ok=True)  # the right weights back, one config field wrong
+    AutoModelForCausalLM.from_pretrained(wrong, rms_norm_eps=1e-6).config.save_pretrained(wrong)
+    with pytest.raises(SystemExit, match="^error: the saved config differs from the GGUF model's in rms_norm_eps$"):
+        smollm2.check_saved(expected, AutoModelForCausalLM.from_pretrained(wrong), wrong, tokenizer)
 
 
 def test_the_folder_is_a_standard_model_folder(real_model_dir):
