@@ -47,7 +47,9 @@ class Args:
     seed: int = 1  # seed of the experiment (data order, sampling, initialisation)
     torch_deterministic: bool = True  # if toggled, `torch.use_deterministic_algorithms(True)`
     cuda: bool = True  # use CUDA when it is available (`--no-cuda` stays on the CPU)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """the compute dtype of the forward passes (trained weights stay float32): auto is float32 on the CPU, bfloat16
+    on a GPU that has it; float16 is refused (it would need loss scaling)"""
     gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
     fsdp: bool = False  # under torchrun: shard the models across the processes (FSDP2) instead of copying them (DDP)
     track: bool = False  # log metrics to Weights & Biases (`WANDB_MODE=offline` keeps them on disk)
@@ -220,19 +222,53 @@ def from_pretrained(cls, path, args, flag="--model-name-or-path", **kwargs):
              "the bundled model loads when you run from the repository root")
 
 
-def load_model(path, args, device, model_class=AutoModelForCausalLM, flag="--model-name-or-path", **kwargs):
-    """A model in the run's dtype, with dropout off so that the policy that samples is the one trained."""
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
-             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    model = from_pretrained(model_class, path, args, flag, dtype=dtype, **kwargs)
+def compute_dtype(args, device):
+    """The dtype the forward passes run in (--dtype); a one-line error for one that cannot train here."""
+    if args.dtype == "float16":
+        fail("--dtype float16: float16 training needs loss scaling, which these files leave out; use bfloat16")
+    has_bfloat16 = device.type != "cuda" or torch.cuda.is_bf16_supported()
+    if args.dtype == "bfloat16" and not has_bfloat16:
+        fail("--dtype bfloat16: this GPU has no bfloat16; use --dtype float32")
+    bfloat16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda" and has_bfloat16)
+    return torch.bfloat16 if bfloat16 else torch.float32
+
+
+def load_model(path, args, device, model_class=AutoModelForCausalLM, flag="--model-name-or-path", frozen=False,
+               **kwargs):
+    """A model whose forward passes run in the compute dtype (--dtype), under torch.autocast.
+
+    A model that is trained keeps float32 weights, and so float32 gradients and optimizer state: bfloat16 keeps 8
+    bits of mantissa, and an AdamW step of 1e-6 on a weight of 0.02 would round back to the same weight. A frozen
+    model (never trained) is held in the compute dtype. Dropout is off, so that the policy that samples is the one
+    trained.
+    """
+    dtype = compute_dtype(args, device)
+    model = from_pretrained(model_class, path, args, flag, dtype=dtype if frozen else torch.float32, **kwargs)
+    model.requires_grad_(not frozen)
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()  # only in train mode: generation keeps its KV cache
-    return model.to(device)
+    return autocast_forward(model, device, dtype).to(device)
 
-def load_scorer(path, args, device, what, flag="--model-name-or-path"):
+
+def autocast_forward(model, device, dtype):
+    """The model, its forward pass (and so generate()'s) run under torch.autocast(dtype) unless dtype is float32."""
+    model.compute_dtype = dtype  # for the layers applied by hand (output layer, score head): see autocast()
+    if dtype != torch.float32:
+        model.forward = torch.autocast(device.type, dtype=dtype)(model.forward)
+    return model
+
+
+def autocast(model):
+    """torch.autocast in the model's compute dtype, for a layer of the model that a file applies by hand (none for
+    a model that load_model did not make)."""
+    dtype = getattr(unwrap(model), "compute_dtype", torch.float32)
+    return torch.autocast(next(model.parameters()).device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def load_scorer(path, args, device, what, flag="--model-name-or-path", frozen=False):
     """A sequence classifier with one output (a reward or value model) from `path`.
 
     On a language model's checkpoint the score head is new, as it should be: one line says so instead of
@@ -243,7 +279,7 @@ def load_scorer(path, args, device, what, flag="--model-name-or-path"):
     report_logger = logging.getLogger("transformers.modeling_utils")
     report_logger.addFilter(hold)
     try:
-        model = load_model(path, args, device, AutoModelForSequenceClassification, flag, num_labels=1)
+        model = load_model(path, args, device, AutoModelForSequenceClassification, flag, frozen, num_labels=1)
     finally:
         report_logger.removeFilter(hold)
     head = {f"score.{name}" for name, _ in model.score.named_parameters()}
@@ -297,8 +333,17 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
         config.do_sample = False
     else:
         config.do_sample, config.temperature, config.top_k, config.top_p = True, temperature, 0, 1.0
-    out = unwrap(model).generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
-                                 synced_gpus=torch.distributed.is_initialized())  # FSDP: every process to the end
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if sharded:  # FSDP: gather each layer once for the whole rollout, not again for every new token
+        model.set_reshard_after_forward(False)
+    try:
+        out = unwrap(model).generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
+                                     synced_gpus=torch.distributed.is_initialized())  # FSDP: every process to the end
+    finally:
+        for module in sharded:  # and free the gathered layers once it is done
+            module.reshard()
+        if sharded:
+            model.set_reshard_after_forward(True)
     return out[:, prompt_ids.shape[1] :]
 
 
@@ -396,10 +441,11 @@ def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=
     chunks = []
     for i in range(0, len(targets), rows):
         inputs = (hidden[i : i + rows], weight, bias, targets[i : i + rows], temperature, with_entropy)
-        if torch.is_grad_enabled() and len(targets) > rows:  # with one chunk, recomputing would save nothing
-            chunks.append(torch.utils.checkpoint.checkpoint(token_logprobs, *inputs, use_reentrant=False))
-        else:
-            chunks.append(token_logprobs(*inputs))
+        with autocast(model):  # the output layer in the compute dtype; the log-softmax in float32
+            if torch.is_grad_enabled() and len(targets) > rows:  # with one chunk, recomputing would save nothing
+                chunks.append(torch.utils.checkpoint.checkpoint(token_logprobs, *inputs, use_reentrant=False))
+            else:
+                chunks.append(token_logprobs(*inputs))
     logprobs = torch.cat([c[0] for c in chunks]).view(-1, completion_len)  # (B, T)
     if not with_entropy:
         return logprobs
@@ -547,6 +593,7 @@ def setup(args):
     random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
     torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)  # warn where CUDA has no such kernel
+    compute_dtype(args, device)  # a --dtype that cannot train here stops the run now
     return device
 
 
@@ -606,16 +653,16 @@ def distribute(model, args):
 
     Default (DDP): each process keeps a whole copy, and the backward pass averages the gradients over the
     processes. --fsdp (FSDP2): the parameters of each decoder layer, then the rest, are split across the
-    processes and gathered for the forward and backward passes one layer at a time; the gradients are
-    averaged (in float32 when the weights are bfloat16) and split the same way. Either way every
-    process starts from rank 0's weights. A frozen model under DDP is a plain copy in each process.
+    processes and gathered for the forward and backward passes one layer at a time, in the compute dtype; the
+    gradients are averaged in float32 and split the same way, onto float32 shards. Either way every process
+    starts from rank 0's weights. A frozen model under DDP is a plain copy in each process.
     """
     if not torch.distributed.is_initialized():
         return model
     for tensor in model.state_dict().values():
         torch.distributed.broadcast(tensor, src=0)
     if args.fsdp:
-        precision = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        precision = MixedPrecisionPolicy(param_dtype=model.compute_dtype, reduce_dtype=torch.float32)
         for module in model.modules():
             if type(module).__name__ in (model._no_split_modules or []):  # transformers' name for a decoder layer
                 fully_shard(module, mp_policy=precision)
@@ -696,7 +743,7 @@ def load_preferences(args, tokenizer, device, policy=None):
     The built-in pairs' negatives are sampled from `policy`, the starting policy (loaded here when not given).
     """
     if args.dataset is None:
-        policy = policy or load_model(args.model_name_or_path, args, device)
+        policy = policy or load_model(args.model_name_or_path, args, device, frozen=True)
         train, held_out = addition_task(args.num_eval, args.task)  # held-out prompts never appear in training
         return [addition_pairs(policy, tokenizer, records, args.pair_samples, args.max_new_tokens, device,
                                args.pair_temperature, args.chosen, args.pairs)
@@ -733,7 +780,9 @@ def last_token_scores(model, input_ids, attention_mask):
     hidden = decoder_states(model, input_ids, attention_mask, position_ids)  # (B, T, hidden)
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     last = (attention_mask * positions).argmax(dim=1)  # (B,) the index of the last real token
-    return unwrap(model).score(hidden[torch.arange(len(last), device=last.device), last]).squeeze(-1).float()  # (B,)
+    with autocast(model):  # the score head in the compute dtype, as the decoder ran
+        scores = unwrap(model).score(hidden[torch.arange(len(last), device=last.device), last])  # (B, 1)
+    return scores.squeeze(-1).float()  # (B,)
 
 
 def bradley_terry_loss(chosen_scores, rejected_scores, margin=None):

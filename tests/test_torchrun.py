@@ -246,3 +246,54 @@ def test_readme_torchrun_command(command, chat_model_dir, tmp_path):
     metrics = read_metrics(out)
     assert metrics[0]["step"] == 0 and metrics[-1]["step"] == 2
     assert AutoModelForCausalLM.from_pretrained(out).num_parameters() > 0
+
+
+# under torchrun with --fsdp: counts FSDP2's all-gathers during one generate() of 4 and of 16 new tokens, and compares
+# the sampled tokens with those of the same weights unsharded, on each process, for the same seed
+COUNT_GATHERS = """
+import json, os, sys, torch
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+sys.path.insert(0, REPOSITORY)
+import grpo
+
+gathers = [0]
+gather = _fsdp_param_group.foreach_all_gather
+
+def counted(*args, **kwargs):
+    gathers[0] += 1
+    return gather(*args, **kwargs)
+
+_fsdp_param_group.foreach_all_gather = counted
+model_dir, out = sys.argv[1], sys.argv[2]
+args = grpo.Args(fsdp=True, model_name_or_path=model_dir)
+device = grpo.setup(args)
+tokenizer = grpo.load_tokenizer(model_dir, args)
+whole = grpo.load_model(model_dir, args, device)
+sharded = grpo.distribute(grpo.load_model(model_dir, args, device), args)
+prompt_ids, prompt_mask = grpo.tokenize_prompts(tokenizer, ["What is 2 + 3?", "Name a colour."], device)
+never = [len(tokenizer) + 7]  # no id ends a completion: every rollout writes all its tokens
+result = {}
+for n in (4, 16):
+    gathers[0] = 0
+    torch.manual_seed(5)
+    tokens = grpo.generate(sharded, tokenizer, prompt_ids, prompt_mask, n, 1.0, never)
+    result[n] = {"gathers": gathers[0], "length": tokens.shape[1]}
+    torch.manual_seed(5)
+    result[n]["same_tokens"] = torch.equal(tokens, grpo.generate(whole, tokenizer, prompt_ids, prompt_mask, n, 1.0, never))
+rank = torch.distributed.get_rank()
+with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    json.dump(result, f)
+""".replace("REPOSITORY", repr(ROOT))
+
+
+def test_fsdp_generation_gathers_each_layer_once_per_rollout(chat_model_dir, tmp_path):
+    """With --fsdp, generate() keeps the gathered layers for the whole rollout: the same number of all-gathers for
+    4 new tokens as for 16 (one per decoder layer and one for the rest), and the tokens of the unsharded model."""
+    script = tmp_path / "count_gathers.py"
+    script.write_text(COUNT_GATHERS)
+    torchrun(str(script), chat_model_dir, str(tmp_path))
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["4"]["length"] == 4 and result["16"]["length"] == 16
+        assert result["4"]["gathers"] == result["16"]["gathers"] == 3, result  # 2 decoder layers and the root
+        assert result["4"]["same_tokens"] and result["16"]["same_tokens"], result
