@@ -334,10 +334,9 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
         out = unwrap(model).generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
                                      synced_gpus=torch.distributed.is_initialized())  # FSDP: every process to the end
     finally:
-        for module in sharded:  # and free the gathered layers once it is done
-            module.reshard()
-        if sharded:
-            model.set_reshard_after_forward(True)
+        for module in sharded:  # then free the gathered layers, and go back to FSDP's own setting: every layer
+            module.reshard()  # reshards after its forward, the root does not (its weights serve the loss next)
+            module.set_reshard_after_forward(module is not model, recurse=False)
     return out[:, prompt_ids.shape[1] :]
 
 
