@@ -14,7 +14,8 @@ reads every run's metrics.jsonl and writes, from nothing:
     pip install -r requirements.txt -r benchmarks/requirements.txt
     python benchmarks/benchmark.py                      # 3 seeds of every row: 36 runs, 64 min on 2 CPU cores
     python benchmarks/benchmark.py --seeds 1 2 3 4 5    # more seeds
-    python benchmarks/benchmark.py --quick --runs-dir /tmp/quick --out-dir /tmp/quick   # a check, under 2 min
+    python benchmarks/benchmark.py --quick --runs-dir /tmp/quick --out-dir /tmp/quick   # a check: 3.4 min on 2 idle
+                                                        # cores, with the real model's conversion; 6.7 min busy
 
 Runs go to --runs-dir; a run that already finished there with the same command is read, not run
 again (delete its folder to run it again). `ppo-learned-rm` is the RLHF pipeline: PPO against the reward model that the
