@@ -198,11 +198,11 @@ def read_jsonl(path, *schemas):
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 fail(f"--dataset {path}: line {number} is not valid JSON ({e.msg})")
-            if not any(isinstance(record, dict) and all(k in record for k in schema) for schema in schemas):
+            schema = next((s for s in schemas if isinstance(record, dict) and all(k in record for k in s)), None)
+            if schema is None:
                 missing = next(k for k in schemas[0] if not isinstance(record, dict) or k not in record)
                 needs = " or ".join(" and ".join(schema) for schema in schemas)
                 fail(f"--dataset {path}: line {number} has no field {missing!r} (each record needs {needs})")
-            schema = next(schema for schema in schemas if all(k in record for k in schema))
             for k in schema:
                 value = record[k]
                 number_ok = k == "answer" and type(value) in (int, float) and math.isfinite(value)
@@ -476,9 +476,9 @@ def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=
     vocab_size = hidden.shape[-1] if weight is None else weight.shape[0]
     rows = max(1, chunk_values // vocab_size)
     chunks = []
-    for i in range(0, len(targets), rows):
-        inputs = (hidden[i : i + rows], weight, bias, targets[i : i + rows], temperature, with_entropy)
-        with autocast(model):  # the output layer in the compute dtype; the log-softmax in float32
+    with autocast(model):  # the output layer in the compute dtype; the log-softmax in float32
+        for i in range(0, len(targets), rows):
+            inputs = (hidden[i : i + rows], weight, bias, targets[i : i + rows], temperature, with_entropy)
             if torch.is_grad_enabled() and len(targets) > rows:  # with one chunk, recomputing would save nothing
                 chunks.append(torch.utils.checkpoint.checkpoint(token_logprobs, *inputs, use_reentrant=False))
             else:
