@@ -59,9 +59,12 @@ REAL_FLAGS = {
     "dpo-smollm2": ["--num-steps", "30", "--batch-size", "8", "--micro-batch-size", "8", "--num-train-prompts", "400",
                     "--chosen", "sample", "--pair-temperature", "0.5", "--learning-rate", "5e-6", "--beta", "0.1"],
 }
+# the same GRPO run with its forward passes in bfloat16 (weights and optimizer state stay float32): what bfloat16
+# compute costs and saves on this CPU
+REAL_FLAGS["grpo-smollm2-bf16"] = REAL_FLAGS["grpo-smollm2"] + ["--dtype", "bfloat16"]
 ALGORITHMS = BUNDLED + tuple(REAL_FLAGS)
 ONLINE = ("grpo", "rloo", "gspo", "cispo", "ppo", "ppo-learned-rm", "ppo-learned-rm-one-pair", "grpo-smollm2",
-          "rloo-smollm2")  # they sample
+          "rloo-smollm2", "grpo-smollm2-bf16")  # they sample
 # --quick: a few steps of each, on few prompts: checks the whole pipeline, measures nothing worth reading
 QUICK_FLAGS = {
     "sft": ["--num-steps", "4", "--batch-size", "8", "--micro-batch-size", "8"],
@@ -132,7 +135,7 @@ def run_algorithm(name, seed, args):
     """One run of one algorithm's default; its metrics and measurements, read back from disk."""
     out = os.path.join(args.runs_dir, f"{name}__{seed}")
     record_path = out + ".json"
-    script = name.split("-")[0]  # ppo-learned-rm runs ppo.py, grpo-smollm2 grpo.py
+    script = name.split("-")[0]  # ppo-learned-rm runs ppo.py, grpo-smollm2 and grpo-smollm2-bf16 grpo.py
     command = [sys.executable, f"{script}.py", "--seed", str(seed), "--output-dir", os.path.abspath(out)]
     command += REAL_COMMON + REAL_FLAGS[name] if name in REAL_FLAGS else []
     command += ONE_PAIR_FLAGS.get(name, [])
@@ -264,6 +267,15 @@ def machine_line():
             f"{platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}")
 
 
+def cpu_bfloat16_flags():
+    """The CPU's bfloat16 instructions, as /proc/cpuinfo names them (avx512_bf16, amx_bf16), or 'none'."""
+    flags = set()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            flags = {w for line in f if line.startswith("flags") for w in line.split(":", 1)[1].split()}
+    return ", ".join(sorted(f for f in flags if "bf16" in f)) or "none"
+
+
 def bundled_parameters():
     transformers.utils.logging.disable_progress_bar()
     model = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "tiny-adder"))
@@ -282,7 +294,7 @@ def plot_curves(runs, path):
     panels = [p for p in panels if any(name in p[0] and all(series(r["metrics"], p[1]) for r in records)
                                        for name, records in runs.items())]
     fig, axes = plt.subplots(len(panels), 2, figsize=(13, 4.5 * len(panels)), squeeze=False)
-    colors = plt.get_cmap("tab10")
+    colors, markers = plt.get_cmap("tab20"), "os^vDP*Xhp<>d8H"  # every line its own colour and marker
     for row, (names, key, ylabel) in enumerate(panels):
         for i, (name, records) in enumerate(runs.items()):
             curves = [series(r["metrics"], key) for r in records]
@@ -295,9 +307,9 @@ def plot_curves(runs, path):
             low, high = [min(v) for v in values], [max(v) for v in values]
             seconds = [statistics.mean(c[j][1] for c in curves) for j in range(n)]
             for ax, x in ((axes[row][0], steps), (axes[row][1], seconds)):
-                ax.plot(x, mean, marker="o", markersize=3, color=colors(i % 10), label=name)
+                ax.plot(x, mean, marker=markers[i % len(markers)], markersize=4, color=colors(i % 20), label=name)
                 if len(records) > 1:
-                    ax.fill_between(x, low, high, color=colors(i % 10), alpha=0.15)
+                    ax.fill_between(x, low, high, color=colors(i % 20), alpha=0.15)
         for col, xlabel in enumerate(("training step", "wall-clock seconds of training (evaluations included)")):
             ax = axes[row][col]
             ax.set_xlabel(xlabel)
@@ -419,6 +431,28 @@ def write_results(runs, memory, args, path):
                   + " ".join(REAL_COMMON) + "` and:", ""]
         lines += [f"- {name}: `" + " ".join(REAL_FLAGS[name]) + "`" for name in REAL_FLAGS if name in runs]
         lines += [""] + table([row for row in rows if row["name"] in REAL_FLAGS])
+    pairs = [(name, name + "-bf16") for name in runs if name + "-bf16" in runs]
+    if pairs:
+        lines += ["", "## bfloat16 compute on this CPU", "",
+                  "The same GRPO command with `--dtype bfloat16`: the trained weights, their gradients and AdamW's state"
+                  " stay float32, and the forward passes (generation, log-prob passes, training) run under"
+                  " `torch.autocast` in bfloat16 (the reference model is held in bfloat16). This CPU's bfloat16"
+                  f" instructions: {cpu_bfloat16_flags()}. Seconds are the mean over the logged steps of every seed"
+                  " (`charts/step_time` and its phases), evaluations excluded; peak memory and wall time are the whole"
+                  " command's.", "",
+                  "| run | --dtype | s / step | generation | log-prob passes | forward+backward | peak memory (GiB) |"
+                  " wall time (s) | held-out accuracy, start → end (%) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        summary = {row["name"]: row for row in rows}
+        for name in (n for pair in pairs for n in pair):
+            mean, _ = time_breakdown(runs[name])
+            dtype = next((r["command"][r["command"].index("--dtype") + 1] for r in runs[name][:1]
+                          if "--dtype" in r["command"]), "float32")
+            acc = summary[name]["accuracy"]
+            lines.append(f"| {name} | {dtype} | " + " | ".join(f"{mean[k]:.2f}" for k in (
+                "step_time", "generation_time", "logprob_time", "forward_backward_time"))
+                + f" | {mean_std(summary[name]['peak'], digits=2)} | {mean_std(summary[name]['wall'], digits=0)} |"
+                f" {mean_std(acc[0], 100)} → {mean_std(acc[1], 100)} |")
     lines += ["", "![held-out accuracy against step and wall-clock time](learning_curves.png)", ""]
     if all(name in runs for name in REWARD_MODEL_OF):
         lines += ["## Over-optimisation: PPO against a learned reward model", "",

@@ -18,10 +18,11 @@ from benchmark import REAL_COMMON, REAL_FLAGS  # noqa: E402
 BUNDLED = ["sft", "grpo", "rloo", "gspo", "cispo", "ppo", "dpo", "reward_model", "ppo-learned-rm",
            "reward_model-one-pair", "ppo-learned-rm-one-pair"]
 REWARD_MODELS = ("reward_model", "reward_model-one-pair")
-REAL = ["grpo-smollm2", "rloo-smollm2", "dpo-smollm2"]  # SmolLM2-135M-Instruct, --task addition-question
+REAL = ["grpo-smollm2", "rloo-smollm2", "dpo-smollm2", "grpo-smollm2-bf16"]  # SmolLM2-135M-Instruct, --task
+# addition-question; the last is grpo-smollm2 with --dtype bfloat16
 ALGORITHMS = BUNDLED + REAL
 ONLINE = ["grpo", "rloo", "gspo", "cispo", "ppo", "ppo-learned-rm", "ppo-learned-rm-one-pair", "grpo-smollm2",
-          "rloo-smollm2"]
+          "rloo-smollm2", "grpo-smollm2-bf16"]
 
 
 # each process of the quick benchmark (a run, the real model's conversion, a memory case) has this budget, which
@@ -103,6 +104,22 @@ def test_the_time_breakdown_adds_up(quick):
         assert float(step_ms) > 0 and int(logged) == 4  # --quick: 4 steps, each logged
         assert all(p >= 0 for p in percents) and abs(sum(percents) - 100) <= 3  # rounding of four shares
         assert percents[0] > 0 and percents[2] > 0  # every online step samples and trains
+
+
+def test_the_bfloat16_rows_compare_the_same_command_in_two_dtypes(quick):
+    """grpo-smollm2-bf16 is grpo-smollm2 with --dtype bfloat16 and nothing else, and its row's numbers are its runs'."""
+    out, text, _ = quick
+    rows = {row[0]: row for row in table_rows(text, "## bfloat16 compute on this CPU")}
+    assert list(rows) == ["grpo-smollm2", "grpo-smollm2-bf16"]
+    assert [rows[name][1] for name in rows] == ["float32", "bfloat16"]
+    args = {name: json.loads((out / "runs" / f"{name}__1" / "args.json").read_text()) for name in rows}
+    differs = {k for k in args["grpo-smollm2"] if args["grpo-smollm2"][k] != args["grpo-smollm2-bf16"][k]}
+    assert differs == {"dtype", "output_dir", "run_name"} and args["grpo-smollm2-bf16"]["dtype"] == "bfloat16"
+    for name, row in rows.items():
+        steps = [m for m in read_metrics(str(out / "runs" / f"{name}__1")) if "charts/step_time" in m]
+        assert float(row[2]) == pytest.approx(sum(m["charts/step_time"] for m in steps) / len(steps), abs=0.006)
+        assert sum(float(x) for x in row[3:6]) <= float(row[2]) + 0.02  # the phases lie within the step
+    assert re.search(r"This CPU's bfloat16 instructions: ([a-z0-9_]+(, )?)+\.", text)
 
 
 def test_the_memory_cases_compute_the_same_log_probs(quick):
