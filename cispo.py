@@ -95,6 +95,172 @@ class Args:
     run_name: str = ""  # exp_name__seed__time
 
 
+# ---- ALGO LOGIC: CISPO's advantage and loss -----------------------------------------------------
+def group_advantages(rewards, group_size, scale=True, eps=1e-4):
+    """A_i = (R_i - mean(R_group)) / (std(R_group) + eps), or R_i - mean(R_group) if not scale.
+
+    rewards: (B,) group-contiguous, B = num_prompts * group_size; the std is the unbiased one.
+    rewards = [1, 0, 0, 0,  1, 1, 1, 1]  (G = 4) -> [1.5, -0.5, -0.5, -0.5,  0, 0, 0, 0]
+    """
+    grouped = rewards.view(-1, group_size)  # (num_prompts, G)
+    advantages = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale:
+        advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)
+    return advantages.view(-1)  # (B,)
+
+
+def cispo_loss(logprobs, old_logprobs, advantages, mask, clip_eps_low, clip_eps_high):
+    """CISPO's loss: the clipped, stop-gradient importance weight times A times log pi, token mean.
+
+    logprobs (B, T) carries the gradient; old_logprobs (B, T) and advantages (B,) are constants;
+    mask (B, T) marks completion tokens.
+        w_it = sg(clip(exp(logprobs_it - old_logprobs_it), 1 - eps_low, 1 + eps_high))
+        loss = -1/sum_i |o_i| sum_i sum_t w_it A_i logprobs_it
+    d loss / d logprobs_it = -w_it A_i / sum_i |o_i|, also where the ratio is clipped.
+    """
+    m = mask.bool()
+    ratio = torch.exp(torch.where(m, logprobs - old_logprobs, 0.0))  # (B, T), padding never reaches exp()
+    weight = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high).detach()  # sg(clip(r))
+    loss = masked_mean(-weight * advantages[:, None] * logprobs, m)  # 1/sum_i |o_i| sum_i sum_t
+    clipped = (ratio < 1 - clip_eps_low) | (ratio > 1 + clip_eps_high)  # weight clipped, gradient kept
+    return loss, {"clip_frac": masked_mean(clipped.float(), m).detach(), "ratio": masked_mean(ratio, m).detach()}
+
+
+def main(args):
+    check_ranges(args, {**COMMON_RANGES, "prompts_per_step": "> 0", "temperature": "> 0",
+                        "group_size": ">= 2 (CISPO compares the completions of a group)", "num_iterations": "> 0",
+                        "num_minibatches": "> 0",
+                        "clip_eps_low": "in [0, 1] (the weight's lower clip is 1 - clip_eps_low)",
+                        "clip_eps_high": ">= 0"})
+    args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    device = setup(args)
+    rank, world = rank_and_world()
+    num_prompts = per_process(args.prompts_per_step, "--prompts-per-step")  # this process's prompts of each batch
+    batch_size = num_prompts * args.group_size  # and its completions
+    minibatch_size = exact_div(batch_size, args.num_minibatches,
+                               "--prompts-per-step x --group-size (per process) by --num-minibatches")
+    args.micro_batch_size = min(args.micro_batch_size, minibatch_size)  # a micro-batch is at most all this process has
+    exact_div(minibatch_size, args.micro_batch_size, "a minibatch (--prompts-per-step x --group-size / "
+              "--num-minibatches, per process) by --micro-batch-size")
+    args.batch_size, args.minibatch_size = batch_size * world, minibatch_size * world  # of all processes
+    output_dir = make_output_dir(args)  # before any model is loaded: a folder that cannot be made stops the run now
+
+    # the policy; CISPO has no KL term, so no reference model
+    tokenizer = load_tokenizer(args.model_name_or_path, args)
+    policy = load_model(args.model_name_or_path, args, device)
+    stop_ids = stop_token_ids(tokenizer, policy)
+    policy = distribute(policy, args)  # under torchrun: DDP, or FSDP2 with --fsdp
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    train_records, eval_records = load_task(args)
+    logger = Logger(args, output_dir)
+    data_rng, shuffle_gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
+    print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
+
+    start = time.time()
+    logger.log(0, {"eval/accuracy": evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids, device)})
+    for step in range(1, args.num_steps + 1):
+        step_start = clock(device)
+        # 1. rollouts: G completions per prompt from pi_old, group-contiguous (prompt 0 G times, then prompt 1...)
+        prompts = data_rng.choices(train_records, k=args.prompts_per_step)  # the same on every process: take a share
+        group = [r for r in prompts[rank * num_prompts : (rank + 1) * num_prompts] for _ in range(args.group_size)]
+        policy.eval()
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device)  # (B, P)
+        completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature,
+                                  stop_ids)  # (B, T)
+        generation_time = clock(device) - step_start
+        mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
+        attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
+        prompt_len = prompt_ids.shape[1]
+
+        # 2. reward each completion, and normalise the rewards within each group
+        texts = decode_completions(tokenizer, completion_ids, mask)
+        rewards = torch.tensor([reward_fn(t, r["answer"]) for t, r in zip(texts, group)], device=device)  # (B,)
+        advantages = group_advantages(rewards, args.group_size, scale=args.scale_rewards)  # (B,)
+
+        # 3. log-probs of pi_old, once per batch, without gradient. With one update per batch, pi_old
+        # is the policy being updated: its log-probs are the new ones, detached, and need no pass here.
+        logprob_start = clock(device)
+        one_update = args.num_iterations == 1 and args.num_minibatches == 1
+        old_logprobs = None if one_update else batched_logprobs(
+            policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size)  # (B, T)
+        logprob_time = clock(device) - logprob_start
+
+        # 4. num_iterations passes over the batch, each num_minibatches optimizer steps
+        policy.train()
+        step_stats, forward_backward_time = [], 0.0
+        for _ in range(args.num_iterations):
+            for mb in torch.randperm(batch_size, generator=shuffle_gen).to(device).split(minibatch_size):
+                optimizer.zero_grad()
+                for idx in mb.split(args.micro_batch_size):
+                    forward_start = clock(device)
+                    logprobs = sequence_logprobs(policy, input_ids[idx], attention_mask[idx], prompt_len,
+                                                 args.temperature)  # (b, T)
+                    loss, stats = cispo_loss(
+                        logprobs, logprobs.detach() if old_logprobs is None else old_logprobs[idx],
+                        advantages[idx], mask[idx], args.clip_eps_low, args.clip_eps_high)
+                    if not torch.isfinite(loss):
+                        fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the rewards")
+                    # weigh each micro-batch so that the gradients add up to those of the minibatch's loss
+                    # the token mean of all processes' minibatch: they average their gradients, so divide by
+                    # their mean token count
+                    share = mask[idx].sum() / (all_sum(mask[mb].sum()) / world)
+                    (loss * share).backward()
+                    forward_backward_time += clock(device) - forward_start
+                    step_stats.append({"loss": loss.detach(), **stats})
+                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                optimizer.step()
+
+        # 5. log, and evaluate on the held-out prompts
+        step_time = clock(device) - step_start
+        evaluate_now = step % args.eval_every == 0 or step == args.num_steps
+        if step % args.log_every == 0 or evaluate_now:
+            metrics = {f"losses/{k}": torch.stack([s[k] for s in step_stats]).mean().item() for k in step_stats[0]}
+            metrics.update({
+                "charts/reward": rewards.mean().item(), "charts/reward_std": rewards.std().item(),
+                "charts/zero_std_groups": (rewards.view(-1, args.group_size).std(dim=1) == 0).float().mean().item(),
+                "charts/completion_length": mask.sum(dim=1).float().mean().item(),
+                "charts/learning_rate": optimizer.param_groups[0]["lr"], "losses/grad_norm": grad_norm.item(),
+                "charts/step_time": step_time, "charts/tokens_per_sec": mask.sum().item() / step_time,
+                "charts/generation_time": generation_time, "charts/logprob_time": logprob_time,
+                "charts/forward_backward_time": forward_backward_time,
+                "charts/elapsed_time": time.time() - start})
+            if evaluate_now:
+                metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids,
+                                                    device)
+            logger.log(step, metrics)
+
+    save(policy, tokenizer, output_dir)
+    logger.close()
+    print(f"saved to {output_dir} in {time.time() - start:.0f} s")
+    end_processes()
+
+
+# ---- Helpers that only some of the files need: each is kept equal to its copy in the other files that have it ----
+def prompt_answer(record):
+    """{'prompt', 'answer'} from a prompt/answer record or a GSM8K question/answer record."""
+    if "question" in record:  # GSM8K: the reference answer follows '####'
+        return {"prompt": record["question"], "answer": record["answer"].split("####")[-1].strip()}
+    return {"prompt": record["prompt"], "answer": str(record["answer"])}
+
+
+def load_task(args):
+    """(train, eval) lists of {'prompt', 'answer'} records."""
+    if args.dataset is None:
+        return addition_task(args.num_eval, args.task)
+    if args.dataset.endswith(".jsonl"):
+        records = read_jsonl(args.dataset, ("prompt", "answer"), ("question", "answer"))
+        if len(records) <= args.num_eval:
+            fail(f"--dataset {args.dataset}: {len(records)} records, but --num-eval {args.num_eval} are held out")
+        records = [prompt_answer(r) for r in records]
+        return records[: -args.num_eval], records[-args.num_eval :]
+    train = [prompt_answer(r) for r in load_hub_split(args.dataset, args.dataset_config, args.train_split)]
+    held_out = load_hub_split(args.dataset, args.dataset_config, args.eval_split)[: args.num_eval]
+    return train, [prompt_answer(r) for r in held_out]
+
+
+# ==== Everything below this line is the same in every file, byte for byte (tests/test_shared.py checks it) ====
+# ---- Errors and the flags' ranges ---------------------------------------------------------------
 def fail(message):
     """Stop with a one-line error and exit status 1."""
     raise SystemExit(f"error: {message}")
@@ -206,28 +372,6 @@ def load_hub_split(name, config, split):
         return list(datasets.load_dataset(name, config, split=split))
     except Exception as e:  # the datasets library raises many kinds; name the flag and the cause
         fail(f"--dataset {name}: could not load split {split!r} ({type(e).__name__}: {e})".splitlines()[0])
-
-
-def prompt_answer(record):
-    """{'prompt', 'answer'} from a prompt/answer record or a GSM8K question/answer record."""
-    if "question" in record:  # GSM8K: the reference answer follows '####'
-        return {"prompt": record["question"], "answer": record["answer"].split("####")[-1].strip()}
-    return {"prompt": record["prompt"], "answer": str(record["answer"])}
-
-
-def load_task(args):
-    """(train, eval) lists of {'prompt', 'answer'} records."""
-    if args.dataset is None:
-        return addition_task(args.num_eval, args.task)
-    if args.dataset.endswith(".jsonl"):
-        records = read_jsonl(args.dataset, ("prompt", "answer"), ("question", "answer"))
-        if len(records) <= args.num_eval:
-            fail(f"--dataset {args.dataset}: {len(records)} records, but --num-eval {args.num_eval} are held out")
-        records = [prompt_answer(r) for r in records]
-        return records[: -args.num_eval], records[-args.num_eval :]
-    train = [prompt_answer(r) for r in load_hub_split(args.dataset, args.dataset_config, args.train_split)]
-    held_out = load_hub_split(args.dataset, args.dataset_config, args.eval_split)[: args.num_eval]
-    return train, [prompt_answer(r) for r in held_out]
 
 
 # ---- Model, tokenisation, generation and log-probs ----------------------------------------------
@@ -674,143 +818,5 @@ def unwrap(model):
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
-# ---- ALGO LOGIC: CISPO's advantage and loss -----------------------------------------------------
-def group_advantages(rewards, group_size, scale=True, eps=1e-4):
-    """A_i = (R_i - mean(R_group)) / (std(R_group) + eps), or R_i - mean(R_group) if not scale.
-
-    rewards: (B,) group-contiguous, B = num_prompts * group_size; the std is the unbiased one.
-    rewards = [1, 0, 0, 0,  1, 1, 1, 1]  (G = 4) -> [1.5, -0.5, -0.5, -0.5,  0, 0, 0, 0]
-    """
-    grouped = rewards.view(-1, group_size)  # (num_prompts, G)
-    advantages = grouped - grouped.mean(dim=1, keepdim=True)
-    if scale:
-        advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)
-    return advantages.view(-1)  # (B,)
-
-
-def cispo_loss(logprobs, old_logprobs, advantages, mask, clip_eps_low, clip_eps_high):
-    """CISPO's loss: the clipped, stop-gradient importance weight times A times log pi, token mean.
-
-    logprobs (B, T) carries the gradient; old_logprobs (B, T) and advantages (B,) are constants;
-    mask (B, T) marks completion tokens.
-        w_it = sg(clip(exp(logprobs_it - old_logprobs_it), 1 - eps_low, 1 + eps_high))
-        loss = -1/sum_i |o_i| sum_i sum_t w_it A_i logprobs_it
-    d loss / d logprobs_it = -w_it A_i / sum_i |o_i|, also where the ratio is clipped.
-    """
-    m = mask.bool()
-    ratio = torch.exp(torch.where(m, logprobs - old_logprobs, 0.0))  # (B, T), padding never reaches exp()
-    weight = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high).detach()  # sg(clip(r))
-    loss = masked_mean(-weight * advantages[:, None] * logprobs, m)  # 1/sum_i |o_i| sum_i sum_t
-    clipped = (ratio < 1 - clip_eps_low) | (ratio > 1 + clip_eps_high)  # weight clipped, gradient kept
-    return loss, {"clip_frac": masked_mean(clipped.float(), m).detach(), "ratio": masked_mean(ratio, m).detach()}
-
-
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    check_ranges(args, {**COMMON_RANGES, "prompts_per_step": "> 0", "temperature": "> 0",
-                        "group_size": ">= 2 (CISPO compares the completions of a group)", "num_iterations": "> 0",
-                        "num_minibatches": "> 0",
-                        "clip_eps_low": "in [0, 1] (the weight's lower clip is 1 - clip_eps_low)",
-                        "clip_eps_high": ">= 0"})
-    args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    device = setup(args)
-    rank, world = rank_and_world()
-    num_prompts = per_process(args.prompts_per_step, "--prompts-per-step")  # this process's prompts of each batch
-    batch_size = num_prompts * args.group_size  # and its completions
-    minibatch_size = exact_div(batch_size, args.num_minibatches,
-                               "--prompts-per-step x --group-size (per process) by --num-minibatches")
-    args.micro_batch_size = min(args.micro_batch_size, minibatch_size)  # a micro-batch is at most all this process has
-    exact_div(minibatch_size, args.micro_batch_size, "a minibatch (--prompts-per-step x --group-size / "
-              "--num-minibatches, per process) by --micro-batch-size")
-    args.batch_size, args.minibatch_size = batch_size * world, minibatch_size * world  # of all processes
-    output_dir = make_output_dir(args)  # before any model is loaded: a folder that cannot be made stops the run now
-
-    # the policy; CISPO has no KL term, so no reference model
-    tokenizer = load_tokenizer(args.model_name_or_path, args)
-    policy = load_model(args.model_name_or_path, args, device)
-    stop_ids = stop_token_ids(tokenizer, policy)
-    policy = distribute(policy, args)  # under torchrun: DDP, or FSDP2 with --fsdp
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    train_records, eval_records = load_task(args)
-    logger = Logger(args, output_dir)
-    data_rng, shuffle_gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
-    print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
-
-    start = time.time()
-    logger.log(0, {"eval/accuracy": evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids, device)})
-    for step in range(1, args.num_steps + 1):
-        step_start = clock(device)
-        # 1. rollouts: G completions per prompt from pi_old, group-contiguous (prompt 0 G times, then prompt 1...)
-        prompts = data_rng.choices(train_records, k=args.prompts_per_step)  # the same on every process: take a share
-        group = [r for r in prompts[rank * num_prompts : (rank + 1) * num_prompts] for _ in range(args.group_size)]
-        policy.eval()
-        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device)  # (B, P)
-        completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature,
-                                  stop_ids)  # (B, T)
-        generation_time = clock(device) - step_start
-        mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
-        attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
-        prompt_len = prompt_ids.shape[1]
-
-        # 2. reward each completion, and normalise the rewards within each group
-        texts = decode_completions(tokenizer, completion_ids, mask)
-        rewards = torch.tensor([reward_fn(t, r["answer"]) for t, r in zip(texts, group)], device=device)  # (B,)
-        advantages = group_advantages(rewards, args.group_size, scale=args.scale_rewards)  # (B,)
-
-        # 3. log-probs of pi_old, once per batch, without gradient. With one update per batch, pi_old
-        # is the policy being updated: its log-probs are the new ones, detached, and need no pass here.
-        logprob_start = clock(device)
-        one_update = args.num_iterations == 1 and args.num_minibatches == 1
-        old_logprobs = None if one_update else batched_logprobs(
-            policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size)  # (B, T)
-        logprob_time = clock(device) - logprob_start
-
-        # 4. num_iterations passes over the batch, each num_minibatches optimizer steps
-        policy.train()
-        step_stats, forward_backward_time = [], 0.0
-        for _ in range(args.num_iterations):
-            for mb in torch.randperm(batch_size, generator=shuffle_gen).to(device).split(minibatch_size):
-                optimizer.zero_grad()
-                for idx in mb.split(args.micro_batch_size):
-                    forward_start = clock(device)
-                    logprobs = sequence_logprobs(policy, input_ids[idx], attention_mask[idx], prompt_len,
-                                                 args.temperature)  # (b, T)
-                    loss, stats = cispo_loss(
-                        logprobs, logprobs.detach() if old_logprobs is None else old_logprobs[idx],
-                        advantages[idx], mask[idx], args.clip_eps_low, args.clip_eps_high)
-                    if not torch.isfinite(loss):
-                        fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the rewards")
-                    # weigh each micro-batch so that the gradients add up to those of the minibatch's loss
-                    # the token mean of all processes' minibatch: they average their gradients, so divide by
-                    # their mean token count
-                    share = mask[idx].sum() / (all_sum(mask[mb].sum()) / world)
-                    (loss * share).backward()
-                    forward_backward_time += clock(device) - forward_start
-                    step_stats.append({"loss": loss.detach(), **stats})
-                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                optimizer.step()
-
-        # 5. log, and evaluate on the held-out prompts
-        step_time = clock(device) - step_start
-        evaluate_now = step % args.eval_every == 0 or step == args.num_steps
-        if step % args.log_every == 0 or evaluate_now:
-            metrics = {f"losses/{k}": torch.stack([s[k] for s in step_stats]).mean().item() for k in step_stats[0]}
-            metrics.update({
-                "charts/reward": rewards.mean().item(), "charts/reward_std": rewards.std().item(),
-                "charts/zero_std_groups": (rewards.view(-1, args.group_size).std(dim=1) == 0).float().mean().item(),
-                "charts/completion_length": mask.sum(dim=1).float().mean().item(),
-                "charts/learning_rate": optimizer.param_groups[0]["lr"], "losses/grad_norm": grad_norm.item(),
-                "charts/step_time": step_time, "charts/tokens_per_sec": mask.sum().item() / step_time,
-                "charts/generation_time": generation_time, "charts/logprob_time": logprob_time,
-                "charts/forward_backward_time": forward_backward_time,
-                "charts/elapsed_time": time.time() - start})
-            if evaluate_now:
-                metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids,
-                                                    device)
-            logger.log(step, metrics)
-
-    save(policy, tokenizer, output_dir)
-    logger.close()
-    print(f"saved to {output_dir} in {time.time() - start:.0f} s")
-    end_processes()
+    main(tyro.cli(Args))

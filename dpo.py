@@ -96,6 +96,239 @@ class Args:
     run_name: str = ""  # exp_name__seed__time
 
 
+# ---- ALGO LOGIC: DPO's sequence log-probs and loss -----------------------------------------------
+def completion_logps(model, input_ids, attention_mask, prompt_len, mask):
+    """log pi(y|x) (B,): the completion's token log-probs summed, never the prompt's or the padding's."""
+    return torch.where(mask.bool(), sequence_logprobs(model, input_ids, attention_mask, prompt_len), 0.0).sum(dim=1)
+
+
+def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=0.1,
+             loss_type="sigmoid", label_smoothing=0.0, tie_tolerance=0.0):
+    """The DPO loss (or IPO's, or SLiC's hinge) of a batch of pairs, to be minimised; all arguments (B,).
+
+    h = (log pi(y_c) - log pi_ref(y_c)) - (log pi(y_r) - log pi_ref(y_r))
+    sigmoid: -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)   (eps = label_smoothing)
+    ipo:     (h - 1 / (2 beta))^2
+    hinge:   max(0, 1 - beta h)
+    When the policy equals the reference, h = 0 and the sigmoid loss is log 2 for any beta.
+    Stats: the implicit rewards beta (log pi - log pi_ref) of chosen and rejected, their margin,
+    and the share of pairs whose margin is positive (a tie, |h| <= tie_tolerance, counts half).
+    """
+    chosen_logratios = policy_chosen_logps - ref_chosen_logps  # (B,)
+    rejected_logratios = policy_rejected_logps - ref_rejected_logps
+    h = chosen_logratios - rejected_logratios
+    if loss_type == "sigmoid":
+        logsigmoid = torch.nn.functional.logsigmoid
+        losses = -(1 - label_smoothing) * logsigmoid(beta * h) - label_smoothing * logsigmoid(-beta * h)
+    elif loss_type == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * h)
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+    chosen_rewards, rejected_rewards = beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
+    margins = chosen_rewards - rejected_rewards
+    ranked = torch.where(h.detach().abs() <= tie_tolerance, 0.0, margins)  # within rounding of 0: a tie
+    return losses.mean(), {"chosen_reward": chosen_rewards.mean(), "rejected_reward": rejected_rewards.mean(),
+                           "margin": margins.mean(), "accuracy": pair_accuracy(ranked)}
+
+
+def main(args):
+    check_ranges(args, {**COMMON_RANGES, "num_train_prompts": "> 0", "pair_samples": "> 0",
+                        "pair_temperature": "> 0", "batch_size": "> 0", "beta": "> 0",
+                        "label_smoothing": "in [0, 0.5)"})
+    args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    device = setup(args)
+    rank, world = rank_and_world()
+    batch_size = per_process(args.batch_size, "--batch-size")  # this process's pairs of each batch
+    args.micro_batch_size = min(args.micro_batch_size, batch_size)  # a micro-batch is at most all this process has
+    exact_div(batch_size, args.micro_batch_size, "--batch-size (per process) by --micro-batch-size")
+    output_dir = make_output_dir(args)  # before any model is loaded: a folder that cannot be made stops the run now
+
+    # the policy and its frozen copy, the reference
+    tokenizer = load_tokenizer(args.model_name_or_path, args)
+    policy = load_model(args.model_name_or_path, args, device)
+    stop_ids = stop_token_ids(tokenizer, policy)
+    policy = distribute(policy, args)  # under torchrun: DDP, or FSDP2 with --fsdp
+    ref_policy = distribute(load_model(args.model_name_or_path, args, device, frozen=True).eval(), args)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    # the pairs, made once at the start (the built-in task: sampled from the starting policy)
+    train_pairs, eval_pairs = load_preferences(args, tokenizer, device, policy)  # policy: not trained yet
+    eval_records = addition_task(args.num_eval, args.task)[1] if args.dataset is None else None
+    if not train_pairs or not eval_pairs:
+        fail(f"no preference pairs to {'train' if not train_pairs else 'evaluate'} on; check --dataset")
+    logger = Logger(args, output_dir)
+    data_rng = random.Random(args.seed)
+    print(f"{args.run_name}: {len(train_pairs)} training pairs, {len(eval_pairs)} held out, device {device}")
+
+    def forward(tokens, model):
+        """Summed completion log-probs of chosen (B,) and rejected (B,), in one forward pass.
+
+        tokens: pair_batch's ids (2B, P + T), attention mask, prompt length and completion mask (2B, T).
+        """
+        return completion_logps(model, *tokens).chunk(2)
+
+    @torch.no_grad()
+    def eval_metrics():
+        """Held-out preference accuracy of the implicit reward, and the task's greedy accuracy."""
+        policy.eval()
+        margins, pairs = [], share_of(eval_pairs)  # this process's share of the held-out pairs
+        for i in range(0, len(pairs), args.micro_batch_size):
+            tokens = pair_batch(tokenizer, pairs[i : i + args.micro_batch_size], device)
+            (pc, pr), (rc, rr) = (forward(tokens, m) for m in (policy, ref_policy))
+            h = (pc - rc) - (pr - rr)  # (b,)
+            tie = h.abs() <= rounding_tolerance(tokens[-1], unwrap(policy).compute_dtype)  # at step 0, every pair
+            margins.append(torch.where(tie, 0.0, args.beta * h))
+        metrics = {"eval/pair_accuracy": all_sum(pair_accuracy(torch.cat(margins))).item() / world}  # equal shares
+        if eval_records is not None:
+            metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids, device)
+        return metrics
+
+    start = time.time()
+    logger.log(0, eval_metrics())
+    for step in range(1, args.num_steps + 1):
+        step_start = clock(device)
+        batch = data_rng.choices(train_pairs, k=args.batch_size)[rank * batch_size : (rank + 1) * batch_size]
+        policy.train()
+        optimizer.zero_grad()
+        step_stats, num_tokens = [], 0
+        for i in range(0, batch_size, args.micro_batch_size):
+            pairs = batch[i : i + args.micro_batch_size]
+            tokens = pair_batch(tokenizer, pairs, device)  # tokenised once, for both models
+            with torch.no_grad():
+                ref_chosen, ref_rejected = forward(tokens, ref_policy)  # (b,), (b,): constants
+            chosen, rejected = forward(tokens, policy)  # chosen and rejected through one forward pass
+            num_tokens += tokens[-1].sum().item()  # completion tokens of the 2b sequences
+            loss, stats = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
+                                   args.label_smoothing, rounding_tolerance(tokens[-1], unwrap(policy).compute_dtype))
+            if not torch.isfinite(loss):
+                fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the data")
+            (loss * len(pairs) / batch_size).backward()  # the micro-batches add up to the batch's mean
+            step_stats.append({"loss": loss.detach(), **stats})
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+        optimizer.step()
+
+        step_time = clock(device) - step_start
+        evaluate_now = step % args.eval_every == 0 or step == args.num_steps
+        if step % args.log_every == 0 or evaluate_now:
+            metrics = {f"losses/{k}": torch.stack([s[k] for s in step_stats]).mean().item() for k in step_stats[0]}
+            metrics.update({"charts/learning_rate": optimizer.param_groups[0]["lr"],
+                            "losses/grad_norm": grad_norm.item(), "charts/step_time": step_time,
+                            "charts/tokens_per_sec": num_tokens / step_time,
+                            "charts/elapsed_time": time.time() - start})
+            if evaluate_now:
+                metrics.update(eval_metrics())
+            logger.log(step, metrics)
+
+    save(policy, tokenizer, output_dir)
+    logger.close()
+    print(f"saved to {output_dir} in {time.time() - start:.0f} s")
+    end_processes()
+
+
+# ---- Helpers that only some of the files need: each is kept equal to its copy in the other files that have it ----
+def completion_batch(tokenizer, prompts, completions, device):
+    """Prompt (left-padded) then completion + EOS (right-padded): ids (B, P + T), mask (B, T).
+
+    prompts = ["1+2=", "10+20="], completions = ["3", "30"]
+    input_ids = [[PAD, PAD, 1, +, 2, = | 3, EOS, PAD],       completion_mask = [[1, 1, 0],
+                 [1,   0,   +, 2, 0, = | 3, 0,   EOS]]                          [1, 1, 1]]
+    """
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device)
+    ids = [tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for c in completions]
+    length = max(len(c) for c in ids)
+    completion_ids = torch.tensor([c + [tokenizer.pad_token_id] * (length - len(c)) for c in ids], device=device)
+    mask = torch.tensor([[1] * len(c) + [0] * (length - len(c)) for c in ids], device=device)  # (B, T)
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
+    return input_ids, torch.cat([prompt_mask, mask], dim=1), prompt_ids.shape[1], mask
+
+
+@torch.no_grad()
+def addition_pairs(policy, tokenizer, records, samples, max_new_tokens, device, temperature=1.0, chosen="answer",
+                   pairs="first", chunk=64):
+    """Hard negatives: per prompt, `samples` completions from the policy, judged by the task's verifier.
+
+    {"prompt": "47+8=", "chosen": "55", "rejected": "54", "answer": "55"}: rejected is a wrong completion
+    the policy really produced. chosen is the answer ("answer"); or a right completion the policy sampled
+    ("sample": "47 + 8 = 55" from a chat model that writes its sums out; a prompt it never got right gives
+    no pair); or such a completion where there is one and the answer where there is none ("sample-or-answer").
+    pairs="first": one pair per prompt, the first chosen against the first wrong completion. pairs="all":
+    every distinct chosen against every distinct wrong completion (InstructGPT's comparisons: right above
+    wrong; two right or two wrong completions are a tie and give none), one prompt's pairs next to each other.
+    A prompt gives no pair when the policy got it right every time.
+    """
+    policy.eval()
+    stop_ids = stop_token_ids(tokenizer, unwrap(policy))
+    records, out = share_of(records), []  # under torchrun: this process's share, put together below
+    for i in range(0, len(records), chunk):
+        part = records[i : i + chunk]
+        prompts = [r["prompt"] for r in part for _ in range(samples)]
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device)
+        completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids)
+        texts = decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
+        for j, r in enumerate(part):
+            sampled = list(dict.fromkeys(t.strip() for t in texts[j * samples : (j + 1) * samples]))  # distinct
+            wrong = [t for t in sampled if t and not reward_fn(t, r["answer"])]
+            right = [t for t in sampled if reward_fn(t, r["answer"])] if chosen != "answer" else []
+            right = right or ([r["answer"]] if chosen != "sample" else [])
+            if pairs == "first":
+                right, wrong = right[:1], wrong[:1]
+            out += [{"prompt": r["prompt"], "chosen": c, "rejected": w, "answer": r["answer"]}
+                    for c in right for w in wrong]
+    if torch.distributed.is_initialized():  # every process gets every process's pairs, in rank order
+        shares = [None] * rank_and_world()[1]
+        torch.distributed.all_gather_object(shares, out)
+        out = [pair for share in shares for pair in share]
+    return out
+
+
+def load_preferences(args, tokenizer, device, policy=None):
+    """(train, eval) lists of {'prompt', 'chosen', 'rejected'} pairs; the built-in task's also hold 'answer'.
+
+    The built-in pairs' negatives are sampled from `policy`, the starting policy (loaded here when not given).
+    """
+    if args.dataset is None:
+        policy = policy or load_model(args.model_name_or_path, args, device, frozen=True)
+        train, held_out = addition_task(args.num_eval, args.task)  # held-out prompts never appear in training
+        return [addition_pairs(policy, tokenizer, records, args.pair_samples, args.max_new_tokens, device,
+                               args.pair_temperature, args.chosen, args.pairs)
+                for records in (train[: args.num_train_prompts], held_out)]
+    if args.dataset.endswith(".jsonl"):
+        records = read_jsonl(args.dataset, ("prompt", "chosen", "rejected"))
+        if len(records) <= args.num_eval:
+            fail(f"--dataset {args.dataset}: {len(records)} records, but --num-eval {args.num_eval} are held out")
+        return records[: -args.num_eval], records[-args.num_eval :]
+    train = load_hub_split(args.dataset, args.dataset_config, args.train_split)
+    return train, load_hub_split(args.dataset, args.dataset_config, args.eval_split)[: args.num_eval]
+
+
+def pair_batch(tokenizer, pairs, device):
+    """Chosen then rejected, one sequence each, in one batch: rows i and i + len(pairs) share a prompt."""
+    prompts = [p["prompt"] for p in pairs] * 2
+    return completion_batch(tokenizer, prompts, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], device)
+
+
+def pair_accuracy(margins):
+    """Share of pairs whose chosen completion scores higher than the rejected one; a tie counts half."""
+    return ((margins > 0).float() + 0.5 * (margins == 0).float()).mean()
+
+
+def rounding_tolerance(completion_mask, dtype):
+    """The largest |h| that float rounding alone can make, per pair (B,): sqrt(eps * N), N tokens.
+
+    At step 0 the policy is the reference, so h = 0 in exact arithmetic; but the two copies' summed
+    log-probs can differ in their last bits (a frozen model's matmul may take another kernel, and
+    kernels round by shape and memory alignment), by either sign. Rounding moves a token's log-prob
+    by far less than sqrt(eps) of the compute dtype (float32: 3.5e-4, bfloat16: 0.088), and N
+    independent errors add up to about sqrt(N) of them. A pair with |h| at most this is a tie.
+    completion_mask: pair_batch's (2B, T), chosen rows then rejected rows; N counts both completions.
+    """
+    num_tokens = completion_mask.sum(dim=1).view(2, -1).sum(dim=0)  # (B,)
+    return (torch.finfo(dtype).eps * num_tokens).sqrt()
+
+
+# ==== Everything below this line is the same in every file, byte for byte (tests/test_shared.py checks it) ====
+# ---- Errors and the flags' ranges ---------------------------------------------------------------
 def fail(message):
     """Stop with a one-line error and exit status 1."""
     raise SystemExit(f"error: {message}")
@@ -653,234 +886,5 @@ def unwrap(model):
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
-# ---- Prompt + completion batches ---------------------------------------------------------------
-def completion_batch(tokenizer, prompts, completions, device):
-    """Prompt (left-padded) then completion + EOS (right-padded): ids (B, P + T), mask (B, T).
-
-    prompts = ["1+2=", "10+20="], completions = ["3", "30"]
-    input_ids = [[PAD, PAD, 1, +, 2, = | 3, EOS, PAD],       completion_mask = [[1, 1, 0],
-                 [1,   0,   +, 2, 0, = | 3, 0,   EOS]]                          [1, 1, 1]]
-    """
-    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device)
-    ids = [tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for c in completions]
-    length = max(len(c) for c in ids)
-    completion_ids = torch.tensor([c + [tokenizer.pad_token_id] * (length - len(c)) for c in ids], device=device)
-    mask = torch.tensor([[1] * len(c) + [0] * (length - len(c)) for c in ids], device=device)  # (B, T)
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
-    return input_ids, torch.cat([prompt_mask, mask], dim=1), prompt_ids.shape[1], mask
-
-
-# ---- Preference pairs ---------------------------------------------------------------------------
-@torch.no_grad()
-def addition_pairs(policy, tokenizer, records, samples, max_new_tokens, device, temperature=1.0, chosen="answer",
-                   pairs="first", chunk=64):
-    """Hard negatives: per prompt, `samples` completions from the policy, judged by the task's verifier.
-
-    {"prompt": "47+8=", "chosen": "55", "rejected": "54", "answer": "55"}: rejected is a wrong completion
-    the policy really produced. chosen is the answer ("answer"); or a right completion the policy sampled
-    ("sample": "47 + 8 = 55" from a chat model that writes its sums out; a prompt it never got right gives
-    no pair); or such a completion where there is one and the answer where there is none ("sample-or-answer").
-    pairs="first": one pair per prompt, the first chosen against the first wrong completion. pairs="all":
-    every distinct chosen against every distinct wrong completion (InstructGPT's comparisons: right above
-    wrong; two right or two wrong completions are a tie and give none), one prompt's pairs next to each other.
-    A prompt gives no pair when the policy got it right every time.
-    """
-    policy.eval()
-    stop_ids = stop_token_ids(tokenizer, unwrap(policy))
-    records, out = share_of(records), []  # under torchrun: this process's share, put together below
-    for i in range(0, len(records), chunk):
-        part = records[i : i + chunk]
-        prompts = [r["prompt"] for r in part for _ in range(samples)]
-        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device)
-        completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids)
-        texts = decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
-        for j, r in enumerate(part):
-            sampled = list(dict.fromkeys(t.strip() for t in texts[j * samples : (j + 1) * samples]))  # distinct
-            wrong = [t for t in sampled if t and not reward_fn(t, r["answer"])]
-            right = [t for t in sampled if reward_fn(t, r["answer"])] if chosen != "answer" else []
-            right = right or ([r["answer"]] if chosen != "sample" else [])
-            if pairs == "first":
-                right, wrong = right[:1], wrong[:1]
-            out += [{"prompt": r["prompt"], "chosen": c, "rejected": w, "answer": r["answer"]}
-                    for c in right for w in wrong]
-    if torch.distributed.is_initialized():  # every process gets every process's pairs, in rank order
-        shares = [None] * rank_and_world()[1]
-        torch.distributed.all_gather_object(shares, out)
-        out = [pair for share in shares for pair in share]
-    return out
-
-
-def load_preferences(args, tokenizer, device, policy=None):
-    """(train, eval) lists of {'prompt', 'chosen', 'rejected'} pairs; the built-in task's also hold 'answer'.
-
-    The built-in pairs' negatives are sampled from `policy`, the starting policy (loaded here when not given).
-    """
-    if args.dataset is None:
-        policy = policy or load_model(args.model_name_or_path, args, device, frozen=True)
-        train, held_out = addition_task(args.num_eval, args.task)  # held-out prompts never appear in training
-        return [addition_pairs(policy, tokenizer, records, args.pair_samples, args.max_new_tokens, device,
-                               args.pair_temperature, args.chosen, args.pairs)
-                for records in (train[: args.num_train_prompts], held_out)]
-    if args.dataset.endswith(".jsonl"):
-        records = read_jsonl(args.dataset, ("prompt", "chosen", "rejected"))
-        if len(records) <= args.num_eval:
-            fail(f"--dataset {args.dataset}: {len(records)} records, but --num-eval {args.num_eval} are held out")
-        return records[: -args.num_eval], records[-args.num_eval :]
-    train = load_hub_split(args.dataset, args.dataset_config, args.train_split)
-    return train, load_hub_split(args.dataset, args.dataset_config, args.eval_split)[: args.num_eval]
-
-
-def pair_batch(tokenizer, pairs, device):
-    """Chosen then rejected, one sequence each, in one batch: rows i and i + len(pairs) share a prompt."""
-    prompts = [p["prompt"] for p in pairs] * 2
-    return completion_batch(tokenizer, prompts, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], device)
-
-
-def pair_accuracy(margins):
-    """Share of pairs whose chosen completion scores higher than the rejected one; a tie counts half."""
-    return ((margins > 0).float() + 0.5 * (margins == 0).float()).mean()
-
-
-def rounding_tolerance(completion_mask, dtype):
-    """The largest |h| that float rounding alone can make, per pair (B,): sqrt(eps * N), N tokens.
-
-    At step 0 the policy is the reference, so h = 0 in exact arithmetic; but the two copies' summed
-    log-probs can differ in their last bits (a frozen model's matmul may take another kernel, and
-    kernels round by shape and memory alignment), by either sign. Rounding moves a token's log-prob
-    by far less than sqrt(eps) of the compute dtype (float32: 3.5e-4, bfloat16: 0.088), and N
-    independent errors add up to about sqrt(N) of them. A pair with |h| at most this is a tie.
-    completion_mask: pair_batch's (2B, T), chosen rows then rejected rows; N counts both completions.
-    """
-    num_tokens = completion_mask.sum(dim=1).view(2, -1).sum(dim=0)  # (B,)
-    return (torch.finfo(dtype).eps * num_tokens).sqrt()
-
-
-# ---- ALGO LOGIC: DPO's sequence log-probs and loss -----------------------------------------------
-def completion_logps(model, input_ids, attention_mask, prompt_len, mask):
-    """log pi(y|x) (B,): the completion's token log-probs summed, never the prompt's or the padding's."""
-    return torch.where(mask.bool(), sequence_logprobs(model, input_ids, attention_mask, prompt_len), 0.0).sum(dim=1)
-
-
-def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=0.1,
-             loss_type="sigmoid", label_smoothing=0.0, tie_tolerance=0.0):
-    """The DPO loss (or IPO's, or SLiC's hinge) of a batch of pairs, to be minimised; all arguments (B,).
-
-    h = (log pi(y_c) - log pi_ref(y_c)) - (log pi(y_r) - log pi_ref(y_r))
-    sigmoid: -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)   (eps = label_smoothing)
-    ipo:     (h - 1 / (2 beta))^2
-    hinge:   max(0, 1 - beta h)
-    When the policy equals the reference, h = 0 and the sigmoid loss is log 2 for any beta.
-    Stats: the implicit rewards beta (log pi - log pi_ref) of chosen and rejected, their margin,
-    and the share of pairs whose margin is positive (a tie, |h| <= tie_tolerance, counts half).
-    """
-    chosen_logratios = policy_chosen_logps - ref_chosen_logps  # (B,)
-    rejected_logratios = policy_rejected_logps - ref_rejected_logps
-    h = chosen_logratios - rejected_logratios
-    if loss_type == "sigmoid":
-        logsigmoid = torch.nn.functional.logsigmoid
-        losses = -(1 - label_smoothing) * logsigmoid(beta * h) - label_smoothing * logsigmoid(-beta * h)
-    elif loss_type == "ipo":
-        losses = (h - 1 / (2 * beta)) ** 2
-    elif loss_type == "hinge":
-        losses = torch.relu(1 - beta * h)
-    else:
-        raise ValueError(f"unknown loss_type {loss_type!r}")
-    chosen_rewards, rejected_rewards = beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
-    margins = chosen_rewards - rejected_rewards
-    ranked = torch.where(h.detach().abs() <= tie_tolerance, 0.0, margins)  # within rounding of 0: a tie
-    return losses.mean(), {"chosen_reward": chosen_rewards.mean(), "rejected_reward": rejected_rewards.mean(),
-                           "margin": margins.mean(), "accuracy": pair_accuracy(ranked)}
-
-
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    check_ranges(args, {**COMMON_RANGES, "num_train_prompts": "> 0", "pair_samples": "> 0",
-                        "pair_temperature": "> 0", "batch_size": "> 0", "beta": "> 0",
-                        "label_smoothing": "in [0, 0.5)"})
-    args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    device = setup(args)
-    rank, world = rank_and_world()
-    batch_size = per_process(args.batch_size, "--batch-size")  # this process's pairs of each batch
-    args.micro_batch_size = min(args.micro_batch_size, batch_size)  # a micro-batch is at most all this process has
-    exact_div(batch_size, args.micro_batch_size, "--batch-size (per process) by --micro-batch-size")
-    output_dir = make_output_dir(args)  # before any model is loaded: a folder that cannot be made stops the run now
-
-    # the policy and its frozen copy, the reference
-    tokenizer = load_tokenizer(args.model_name_or_path, args)
-    policy = load_model(args.model_name_or_path, args, device)
-    stop_ids = stop_token_ids(tokenizer, policy)
-    policy = distribute(policy, args)  # under torchrun: DDP, or FSDP2 with --fsdp
-    ref_policy = distribute(load_model(args.model_name_or_path, args, device, frozen=True).eval(), args)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    # the pairs, made once at the start (the built-in task: sampled from the starting policy)
-    train_pairs, eval_pairs = load_preferences(args, tokenizer, device, policy)  # policy: not trained yet
-    eval_records = addition_task(args.num_eval, args.task)[1] if args.dataset is None else None
-    if not train_pairs or not eval_pairs:
-        fail(f"no preference pairs to {'train' if not train_pairs else 'evaluate'} on; check --dataset")
-    logger = Logger(args, output_dir)
-    data_rng = random.Random(args.seed)
-    print(f"{args.run_name}: {len(train_pairs)} training pairs, {len(eval_pairs)} held out, device {device}")
-
-    def forward(tokens, model):
-        """Summed completion log-probs of chosen (B,) and rejected (B,), in one forward pass.
-
-        tokens: pair_batch's ids (2B, P + T), attention mask, prompt length and completion mask (2B, T).
-        """
-        return completion_logps(model, *tokens).chunk(2)
-
-    @torch.no_grad()
-    def eval_metrics():
-        """Held-out preference accuracy of the implicit reward, and the task's greedy accuracy."""
-        policy.eval()
-        margins, pairs = [], share_of(eval_pairs)  # this process's share of the held-out pairs
-        for i in range(0, len(pairs), args.micro_batch_size):
-            tokens = pair_batch(tokenizer, pairs[i : i + args.micro_batch_size], device)
-            (pc, pr), (rc, rr) = (forward(tokens, m) for m in (policy, ref_policy))
-            h = (pc - rc) - (pr - rr)  # (b,)
-            tie = h.abs() <= rounding_tolerance(tokens[-1], unwrap(policy).compute_dtype)  # at step 0, every pair
-            margins.append(torch.where(tie, 0.0, args.beta * h))
-        metrics = {"eval/pair_accuracy": all_sum(pair_accuracy(torch.cat(margins))).item() / world}  # equal shares
-        if eval_records is not None:
-            metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids, device)
-        return metrics
-
-    start = time.time()
-    logger.log(0, eval_metrics())
-    for step in range(1, args.num_steps + 1):
-        step_start = clock(device)
-        batch = data_rng.choices(train_pairs, k=args.batch_size)[rank * batch_size : (rank + 1) * batch_size]
-        policy.train()
-        optimizer.zero_grad()
-        step_stats, num_tokens = [], 0
-        for i in range(0, batch_size, args.micro_batch_size):
-            pairs = batch[i : i + args.micro_batch_size]
-            tokens = pair_batch(tokenizer, pairs, device)  # tokenised once, for both models
-            with torch.no_grad():
-                ref_chosen, ref_rejected = forward(tokens, ref_policy)  # (b,), (b,): constants
-            chosen, rejected = forward(tokens, policy)  # chosen and rejected through one forward pass
-            num_tokens += tokens[-1].sum().item()  # completion tokens of the 2b sequences
-            loss, stats = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
-                                   args.label_smoothing, rounding_tolerance(tokens[-1], unwrap(policy).compute_dtype))
-            if not torch.isfinite(loss):
-                fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the data")
-            (loss * len(pairs) / batch_size).backward()  # the micro-batches add up to the batch's mean
-            step_stats.append({"loss": loss.detach(), **stats})
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-        optimizer.step()
-
-        step_time = clock(device) - step_start
-        evaluate_now = step % args.eval_every == 0 or step == args.num_steps
-        if step % args.log_every == 0 or evaluate_now:
-            metrics = {f"losses/{k}": torch.stack([s[k] for s in step_stats]).mean().item() for k in step_stats[0]}
-            metrics.update({"charts/learning_rate": optimizer.param_groups[0]["lr"],
-                            "losses/grad_norm": grad_norm.item(), "charts/step_time": step_time,
-                            "charts/tokens_per_sec": num_tokens / step_time,
-                            "charts/elapsed_time": time.time() - start})
-            if evaluate_now:
-                metrics.update(eval_metrics())
-            logger.log(step, metrics)
-
-    save(policy, tokenizer, output_dir)
-    logger.close()
-    print(f"saved to {output_dir} in {time.time() - start:.0f} s")
-    end_processes()
+    main(tyro.cli(Args))

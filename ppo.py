@@ -113,6 +113,315 @@ class Args:
     run_name: str = ""  # exp_name__seed__time
 
 
+# ---- ALGO LOGIC: values, rewards, GAE and PPO's two losses ---------------------------------------
+def last_token_scores(model, input_ids, attention_mask):
+    """The score (B,) at each sequence's last real token: the last 1 of the attention mask.
+
+    input_ids = [[PAD, 4, 7, 13, 5, EOS, PAD],    left-padded prompt, right-padded completion
+    attention = [[0,   1, 1, 1,  1, 1,   0  ]]    -> the score is read at index 5, the EOS
+    The mask, not the pad id, finds the token, so a pad id equal to the EOS id cannot move it.
+    """
+    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, T), as for the policy
+    hidden = decoder_states(model, input_ids, attention_mask, position_ids)  # (B, T, hidden)
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    last = (attention_mask * positions).argmax(dim=1)  # (B,) the index of the last real token
+    with autocast(model):  # the score head in the compute dtype, as the decoder ran
+        scores = unwrap(model).score(hidden[torch.arange(len(last), device=last.device), last])  # (B, 1)
+    return scores.squeeze(-1).float()  # (B,)
+
+
+def token_values(value_model, input_ids, attention_mask, prompt_len):
+    """V(s_t) (B, T) for each completion token t: the value head on the hidden state that predicts token t."""
+    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, P + T), as for the policy
+    hidden = decoder_states(value_model, input_ids, attention_mask, position_ids)  # (B, P + T, hidden)
+    with autocast(value_model):  # the value head in the compute dtype, as the decoder ran
+        values = unwrap(value_model).score(hidden[:, prompt_len - 1 : -1])  # (B, T, 1)
+    return values.squeeze(-1).float()  # (B, T)
+
+
+def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, beta):
+    """Per-token rewards (B, T): -beta (logprobs - ref_logprobs) on every completion token, the score added
+    on the last real one; 0 on padding. scores (B,); logprobs, ref_logprobs, mask (B, T).
+
+    mask = [[1, 1, 1, 0]], scores = [1.0], kl = [[.1, .2, .3, x]] -> [[-.1b, -.2b, 1 - .3b, 0]]  (b = beta)
+    """
+    m = mask.bool()
+    rewards = torch.where(m, -beta * (logprobs - ref_logprobs), 0.0)  # (B, T)
+    last = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(dim=1)  # (B,) the last real token
+    return rewards + torch.nn.functional.one_hot(last, mask.shape[1]) * scores[:, None]
+
+
+def gae(rewards, values, mask, gamma, lam):
+    """Generalised advantage estimation over the completion tokens; returns (advantages, returns), (B, T).
+
+    delta_t = r_t + gamma V_(t+1) - V_t,  A_t = delta_t + gamma lam A_(t+1),  with V and A = 0 after the
+    last real token (never a bootstrap from padding); returns = A + V. Padding gets 0.
+    """
+    m = mask.bool()
+    rewards, values = torch.where(m, rewards, 0.0), torch.where(m, values, 0.0)
+    next_advantage, next_value = torch.zeros_like(rewards[:, 0]), torch.zeros_like(values[:, 0])
+    advantages = []
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = torch.where(m[:, t], delta + gamma * lam * next_advantage, 0.0)
+        next_value = values[:, t]
+        advantages.append(next_advantage)
+    advantages = torch.stack(advantages[::-1], dim=1)  # (B, T)
+    return advantages, torch.where(m, advantages + values, 0.0)
+
+
+def whiten(x, mask, eps=1e-8):
+    """(x - mean) / std over the positions where mask is 1 (unbiased std); 0 elsewhere.
+
+    Under torchrun the mean and the std are those of every process's positions (all_sum adds them up).
+    """
+    m = mask.bool()
+    n, total = all_sum(torch.stack([m.sum().to(x.dtype), torch.where(m, x, 0.0).sum()]))
+    mean = total / n.clamp(min=1)
+    var = all_sum(torch.where(m, (x - mean) ** 2, 0.0).sum()) / (n - 1).clamp(min=1)
+    return torch.where(m, (x - mean) * torch.rsqrt(var + eps), 0.0)
+
+
+def adaptive_kl_coef(beta, kl, target, num_completions, horizon):
+    """Ziegler et al. 2019's proportional controller: the next beta after a batch whose mean KL was `kl`.
+
+    e = clip(kl / target - 1, -0.2, 0.2),   beta <- beta (1 + e n / horizon),   n = completions in the batch
+    beta = 0.1, kl = 12, target = 6, n = 100, horizon = 1000 -> e = 0.2 (clipped) -> 0.1 * 1.02 = 0.102
+    """
+    error = min(max(kl / target - 1, -0.2), 0.2)
+    return beta * (1 + error * num_completions / horizon)
+
+
+def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps):
+    """PPO's clipped policy loss, the mean over real tokens; logprobs carries the gradient; all (B, T).
+
+    l_t = max(-A_t rho_t, -A_t clip(rho_t, 1 - eps, 1 + eps)),  rho_t = exp(logprobs_t - old_logprobs_t)
+    """
+    m = mask.bool()
+    log_ratio = torch.where(m, logprobs - old_logprobs, 0.0)  # padding never reaches exp()
+    ratio = torch.exp(log_ratio)
+    unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1 - clip_eps, 1 + clip_eps)
+    loss = masked_mean(torch.max(unclipped, clipped), m)
+    return loss, {"clip_frac": masked_mean((clipped > unclipped).float(), m).detach(),
+                  "approx_kl": masked_mean((ratio - 1) - log_ratio, m).detach()}
+
+
+def ppo_value_loss(values, old_values, returns, mask, clip_value):
+    """0.5 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2), the mean over real tokens; all (B, T)."""
+    m = mask.bool()
+    clipped_values = old_values + (values - old_values).clamp(-clip_value, clip_value)
+    unclipped_error, clipped_error = (values - returns) ** 2, (clipped_values - returns) ** 2
+    loss = 0.5 * masked_mean(torch.max(unclipped_error, clipped_error), m)
+    return loss, {"value_clip_frac": masked_mean((clipped_error > unclipped_error).float(), m).detach()}
+
+
+def main(args):
+    learned = args.reward_model_path is not None  # a learned reward is exploitable: smaller steps, the KL held
+    if args.learning_rate is None:
+        args.learning_rate = 3e-5 if learned else 1e-4
+    if args.kl_target is None:
+        args.kl_target = 0.5 if learned else 0.0
+    check_ranges(args, {**COMMON_RANGES, "prompts_per_step": "> 0", "temperature": "> 0", "ppo_epochs": "> 0",
+                        "num_minibatches": "> 0", "beta": ">= 0", "kl_target": ">= 0 (0: a fixed beta)",
+                        "kl_horizon": "> 0", "clip_eps": "in (0, 1] (the ratio's lower clip is 1 - clip_eps)",
+                        "clip_value": ">= 0", "vf_coef": ">= 0", "gamma": "in [0, 1]", "lam": "in [0, 1]",
+                        "missing_eos_penalty": ">= 0"})
+    args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    device = setup(args)
+    rank, world = rank_and_world()
+    batch_size = per_process(args.prompts_per_step, "--prompts-per-step")  # this process's prompts of each batch
+    minibatch_size = exact_div(batch_size, args.num_minibatches,
+                               "--prompts-per-step (per process) by --num-minibatches")
+    args.micro_batch_size = min(args.micro_batch_size, minibatch_size)  # a micro-batch is at most all this process has
+    exact_div(minibatch_size, args.micro_batch_size,
+              "a minibatch (--prompts-per-step / --num-minibatches, per process) by --micro-batch-size")
+    args.batch_size, args.minibatch_size = batch_size * world, minibatch_size * world  # of all processes
+    output_dir = make_output_dir(args)  # before any model is loaded: a folder that cannot be made stops the run now
+
+    # four models: the policy, its frozen reference, the critic, and the reward (a model, or the verifier)
+    tokenizer = load_tokenizer(args.model_name_or_path, args)
+    policy = load_model(args.model_name_or_path, args, device)
+    ref_policy = load_model(args.model_name_or_path, args, device, frozen=True)
+    reward_model = None if args.reward_model_path is None else load_scorer(
+        args.reward_model_path, args, device, "the reward model", "--reward-model-path", frozen=True).eval()
+    value_model = load_scorer(args.reward_model_path or args.model_name_or_path, args, device, "the value model")
+    if args.reward_model_path is None:
+        torch.nn.init.zeros_(value_model.score.weight)  # a new head, zero: V = 0 everywhere at the start
+    stop_ids = stop_token_ids(tokenizer, policy)
+    # under torchrun: DDP, or FSDP2 with --fsdp (frozen models: a copy in each process, or sharded)
+    policy, ref_policy, value_model = (distribute(m, args) for m in (policy, ref_policy, value_model))
+    reward_model = None if reward_model is None else distribute(reward_model, args)
+    optimizer = torch.optim.AdamW([*policy.parameters(), *value_model.parameters()], lr=args.learning_rate,
+                                  weight_decay=args.weight_decay)
+    train_records, eval_records = load_task(args)
+    logger = Logger(args, output_dir)
+    data_rng, shuffle_gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
+    print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
+
+    beta, reward_bias = args.beta, None  # beta moves when --kl-target > 0; the first batch sets the bias
+    start = time.time()
+    logger.log(0, {"eval/accuracy": evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids, device)})
+    for step in range(1, args.num_steps + 1):
+        step_start = clock(device)
+        # 1. rollouts: one completion per prompt from pi_old
+        batch = data_rng.choices(train_records, k=args.prompts_per_step)[rank * batch_size : (rank + 1) * batch_size]
+        policy.eval()
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in batch], device)  # (B, P)
+        completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature,
+                                  stop_ids)  # (B, T)
+        generation_time = clock(device) - step_start
+        mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
+        attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
+        prompt_len = prompt_ids.shape[1]
+
+        # 2. score each completion: the verifier, or the reward model at the last real token
+        texts = decode_completions(tokenizer, completion_ids, mask)
+        correct = torch.tensor([reward_fn(t, r["answer"]) for t, r in zip(texts, batch)], device=device)  # (B,)
+        if reward_model is None:
+            scores = correct
+        else:
+            with torch.no_grad():
+                scores = last_token_scores(reward_model, input_ids, attention_mask)  # (B,)
+            if reward_bias is None:  # the starting policy's mean score (of every process) is 0 from now on
+                reward_bias = all_sum(scores.sum()).item() / args.batch_size if args.normalize_reward else 0.0
+            scores = scores - reward_bias
+            has_eos = torch.isin(completion_ids, torch.tensor(stop_ids, device=device)).any(dim=1)
+            scores = torch.where(has_eos, scores, scores - args.missing_eos_penalty)
+
+        # 3. once per batch, without gradient: log-probs of pi_old and pi_ref, and the critic's values
+        logprob_start = clock(device)
+        old_logprobs = batched_logprobs(policy, input_ids, attention_mask, prompt_len, args.temperature,
+                                        args.micro_batch_size)  # (B, T)
+        ref_logprobs = batched_logprobs(ref_policy, input_ids, attention_mask, prompt_len, args.temperature,
+                                        args.micro_batch_size)  # (B, T)
+        with torch.no_grad():
+            value_model.eval()
+            old_values = torch.cat([token_values(value_model, input_ids[i : i + args.micro_batch_size],
+                                                 attention_mask[i : i + args.micro_batch_size], prompt_len)
+                                    for i in range(0, batch_size, args.micro_batch_size)])  # (B, T)
+        logprob_time = clock(device) - logprob_start
+
+        # 4. per-token rewards, GAE, returns (before whitening), whitened advantages
+        rewards = kl_penalized_rewards(scores, old_logprobs, ref_logprobs, mask, beta)  # (B, T)
+        advantages, returns = gae(rewards, old_values, mask, args.gamma, args.lam)  # (B, T), (B, T)
+        advantages = whiten(advantages, mask)
+
+        # 5. ppo_epochs passes over the batch, each num_minibatches optimizer steps on both losses
+        policy.train()
+        value_model.train()
+        step_stats, forward_backward_time = [], 0.0
+        for _ in range(args.ppo_epochs):
+            for mb in torch.randperm(batch_size, generator=shuffle_gen).to(device).split(minibatch_size):
+                optimizer.zero_grad()
+                for idx in mb.split(args.micro_batch_size):
+                    forward_start = clock(device)
+                    logprobs, entropy = sequence_logprobs(policy, input_ids[idx], attention_mask[idx], prompt_len,
+                                                          args.temperature, with_entropy=True)  # (b, T), (b, T)
+                    values = token_values(value_model, input_ids[idx], attention_mask[idx], prompt_len)  # (b, T)
+                    pg_loss, pg_stats = ppo_policy_loss(logprobs, old_logprobs[idx], advantages[idx], mask[idx],
+                                                        args.clip_eps)
+                    vf_loss, vf_stats = ppo_value_loss(values, old_values[idx], returns[idx], mask[idx],
+                                                       args.clip_value)
+                    loss = pg_loss + args.vf_coef * vf_loss
+                    if not torch.isfinite(loss):
+                        fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the rewards")
+                    # both losses are token means: weigh each micro-batch by its share of the minibatch's tokens
+                    # (of all processes: they average their gradients, so divide by their mean token count)
+                    (loss * mask[idx].sum() / (all_sum(mask[mb].sum()) / world)).backward()
+                    forward_backward_time += clock(device) - forward_start
+                    step_stats.append({"loss": loss.detach(), "policy_loss": pg_loss.detach(),
+                                       "value_loss": vf_loss.detach(), **pg_stats, **vf_stats,
+                                       "entropy": masked_mean(entropy.detach(), mask[idx])})
+                grad_norm = torch.nn.utils.clip_grad_norm_([*policy.parameters(), *value_model.parameters()],
+                                                           args.max_grad_norm)
+                optimizer.step()
+
+        # 6. the adaptive KL coefficient for the next batch, from this batch's KL per completion
+        kl = torch.where(mask, old_logprobs - ref_logprobs, 0.0).sum(dim=1)  # (B,)
+        kl_coef, mean_kl = beta, all_sum(kl.sum()).item() / args.batch_size  # (of every process)
+        if args.kl_target > 0:
+            beta = adaptive_kl_coef(beta, mean_kl, args.kl_target, args.batch_size, args.kl_horizon)
+
+        # 7. log, and evaluate on the held-out prompts
+        step_time = clock(device) - step_start
+        evaluate_now = step % args.eval_every == 0 or step == args.num_steps
+        if step % args.log_every == 0 or evaluate_now:
+            residual = torch.where(mask, returns - old_values, 0.0)
+            metrics = {f"losses/{k}": torch.stack([s[k] for s in step_stats]).mean().item() for k in step_stats[0]}
+            metrics.update({
+                "charts/score": scores.mean().item(), "charts/reward": correct.mean().item(),
+                "losses/kl": kl.mean().item(), "charts/non_score_reward": (-kl_coef * kl).mean().item(),
+                "charts/kl_coef": kl_coef,
+                "losses/explained_variance": (1 - masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
+                                              / masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)).item(),
+                "charts/completion_length": mask.sum(dim=1).float().mean().item(),
+                "charts/learning_rate": optimizer.param_groups[0]["lr"], "losses/grad_norm": grad_norm.item(),
+                "charts/step_time": step_time, "charts/tokens_per_sec": mask.sum().item() / step_time,
+                "charts/generation_time": generation_time, "charts/logprob_time": logprob_time,
+                "charts/forward_backward_time": forward_backward_time,
+                "charts/elapsed_time": time.time() - start})
+            if evaluate_now:
+                metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids,
+                                                    device)
+            logger.log(step, metrics)
+
+    save(policy, tokenizer, output_dir)
+    logger.close()
+    print(f"saved to {output_dir} in {time.time() - start:.0f} s")
+    end_processes()
+
+
+# ---- Helpers that only some of the files need: each is kept equal to its copy in the other files that have it ----
+def prompt_answer(record):
+    """{'prompt', 'answer'} from a prompt/answer record or a GSM8K question/answer record."""
+    if "question" in record:  # GSM8K: the reference answer follows '####'
+        return {"prompt": record["question"], "answer": record["answer"].split("####")[-1].strip()}
+    return {"prompt": record["prompt"], "answer": str(record["answer"])}
+
+
+def load_task(args):
+    """(train, eval) lists of {'prompt', 'answer'} records."""
+    if args.dataset is None:
+        return addition_task(args.num_eval, args.task)
+    if args.dataset.endswith(".jsonl"):
+        records = read_jsonl(args.dataset, ("prompt", "answer"), ("question", "answer"))
+        if len(records) <= args.num_eval:
+            fail(f"--dataset {args.dataset}: {len(records)} records, but --num-eval {args.num_eval} are held out")
+        records = [prompt_answer(r) for r in records]
+        return records[: -args.num_eval], records[-args.num_eval :]
+    train = [prompt_answer(r) for r in load_hub_split(args.dataset, args.dataset_config, args.train_split)]
+    held_out = load_hub_split(args.dataset, args.dataset_config, args.eval_split)[: args.num_eval]
+    return train, [prompt_answer(r) for r in held_out]
+
+
+def load_scorer(path, args, device, what, flag="--model-name-or-path", frozen=False):
+    """A sequence classifier with one output (a reward or value model) from `path`.
+
+    On a language model's checkpoint the score head is new, as it should be: one line says so instead of
+    transformers' load report. A report that lists any other weight, missing or unexpected, still shows.
+    """
+    held = []
+    hold = held.append  # a logging filter that returns None keeps the record from the handlers
+    report_logger = logging.getLogger("transformers.modeling_utils")
+    report_logger.addFilter(hold)
+    try:
+        model = load_model(path, args, device, AutoModelForSequenceClassification, flag, frozen, num_labels=1)
+    finally:
+        report_logger.removeFilter(hold)
+    head = {f"score.{name}" for name, _ in model.score.named_parameters()}
+    for record in held:
+        text = re.sub(r"\x1b\[[0-9;]*m", "", record.getMessage())  # without the terminal's colours
+        keys = re.findall(r"^(\S+)\s*\|", text, flags=re.M)[1:]  # the report's table: the first column, past "Key"
+        if "LOAD REPORT" in text and keys and set(keys) <= head:
+            print(f"{what}: a new score head on {path}, which has none (as expected for a language model)")
+        else:
+            report_logger.handle(record)
+    return model
+
+
+# ==== Everything below this line is the same in every file, byte for byte (tests/test_shared.py checks it) ====
+# ---- Errors and the flags' ranges ---------------------------------------------------------------
 def fail(message):
     """Stop with a one-line error and exit status 1."""
     raise SystemExit(f"error: {message}")
@@ -226,28 +535,6 @@ def load_hub_split(name, config, split):
         fail(f"--dataset {name}: could not load split {split!r} ({type(e).__name__}: {e})".splitlines()[0])
 
 
-def prompt_answer(record):
-    """{'prompt', 'answer'} from a prompt/answer record or a GSM8K question/answer record."""
-    if "question" in record:  # GSM8K: the reference answer follows '####'
-        return {"prompt": record["question"], "answer": record["answer"].split("####")[-1].strip()}
-    return {"prompt": record["prompt"], "answer": str(record["answer"])}
-
-
-def load_task(args):
-    """(train, eval) lists of {'prompt', 'answer'} records."""
-    if args.dataset is None:
-        return addition_task(args.num_eval, args.task)
-    if args.dataset.endswith(".jsonl"):
-        records = read_jsonl(args.dataset, ("prompt", "answer"), ("question", "answer"))
-        if len(records) <= args.num_eval:
-            fail(f"--dataset {args.dataset}: {len(records)} records, but --num-eval {args.num_eval} are held out")
-        records = [prompt_answer(r) for r in records]
-        return records[: -args.num_eval], records[-args.num_eval :]
-    train = [prompt_answer(r) for r in load_hub_split(args.dataset, args.dataset_config, args.train_split)]
-    held_out = load_hub_split(args.dataset, args.dataset_config, args.eval_split)[: args.num_eval]
-    return train, [prompt_answer(r) for r in held_out]
-
-
 # ---- Model, tokenisation, generation and log-probs ----------------------------------------------
 def from_pretrained(cls, path, args, flag="--model-name-or-path", **kwargs):
     """cls.from_pretrained(path), stopping with a one-line error when path is neither a folder nor a hub id."""
@@ -304,31 +591,6 @@ def autocast(model):
     a model that load_model did not make)."""
     dtype = getattr(unwrap(model), "compute_dtype", torch.float32)
     return torch.autocast(next(model.parameters()).device.type, dtype=dtype, enabled=dtype != torch.float32)
-
-
-def load_scorer(path, args, device, what, flag="--model-name-or-path", frozen=False):
-    """A sequence classifier with one output (a reward or value model) from `path`.
-
-    On a language model's checkpoint the score head is new, as it should be: one line says so instead of
-    transformers' load report. A report that lists any other weight, missing or unexpected, still shows.
-    """
-    held = []
-    hold = held.append  # a logging filter that returns None keeps the record from the handlers
-    report_logger = logging.getLogger("transformers.modeling_utils")
-    report_logger.addFilter(hold)
-    try:
-        model = load_model(path, args, device, AutoModelForSequenceClassification, flag, frozen, num_labels=1)
-    finally:
-        report_logger.removeFilter(hold)
-    head = {f"score.{name}" for name, _ in model.score.named_parameters()}
-    for record in held:
-        text = re.sub(r"\x1b\[[0-9;]*m", "", record.getMessage())  # without the terminal's colours
-        keys = re.findall(r"^(\S+)\s*\|", text, flags=re.M)[1:]  # the report's table: the first column, past "Key"
-        if "LOAD REPORT" in text and keys and set(keys) <= head:
-            print(f"{what}: a new score head on {path}, which has none (as expected for a language model)")
-        else:
-            report_logger.handle(record)
-    return model
 
 
 def load_tokenizer(path, args):
@@ -717,261 +979,5 @@ def unwrap(model):
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
-# ---- ALGO LOGIC: values, rewards, GAE and PPO's two losses ---------------------------------------
-def last_token_scores(model, input_ids, attention_mask):
-    """The score (B,) at each sequence's last real token: the last 1 of the attention mask.
-
-    input_ids = [[PAD, 4, 7, 13, 5, EOS, PAD],    left-padded prompt, right-padded completion
-    attention = [[0,   1, 1, 1,  1, 1,   0  ]]    -> the score is read at index 5, the EOS
-    The mask, not the pad id, finds the token, so a pad id equal to the EOS id cannot move it.
-    """
-    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, T), as for the policy
-    hidden = decoder_states(model, input_ids, attention_mask, position_ids)  # (B, T, hidden)
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-    last = (attention_mask * positions).argmax(dim=1)  # (B,) the index of the last real token
-    with autocast(model):  # the score head in the compute dtype, as the decoder ran
-        scores = unwrap(model).score(hidden[torch.arange(len(last), device=last.device), last])  # (B, 1)
-    return scores.squeeze(-1).float()  # (B,)
-
-
-def token_values(value_model, input_ids, attention_mask, prompt_len):
-    """V(s_t) (B, T) for each completion token t: the value head on the hidden state that predicts token t."""
-    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, P + T), as for the policy
-    hidden = decoder_states(value_model, input_ids, attention_mask, position_ids)  # (B, P + T, hidden)
-    with autocast(value_model):  # the value head in the compute dtype, as the decoder ran
-        values = unwrap(value_model).score(hidden[:, prompt_len - 1 : -1])  # (B, T, 1)
-    return values.squeeze(-1).float()  # (B, T)
-
-
-def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, beta):
-    """Per-token rewards (B, T): -beta (logprobs - ref_logprobs) on every completion token, the score added
-    on the last real one; 0 on padding. scores (B,); logprobs, ref_logprobs, mask (B, T).
-
-    mask = [[1, 1, 1, 0]], scores = [1.0], kl = [[.1, .2, .3, x]] -> [[-.1b, -.2b, 1 - .3b, 0]]  (b = beta)
-    """
-    m = mask.bool()
-    rewards = torch.where(m, -beta * (logprobs - ref_logprobs), 0.0)  # (B, T)
-    last = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(dim=1)  # (B,) the last real token
-    return rewards + torch.nn.functional.one_hot(last, mask.shape[1]) * scores[:, None]
-
-
-def gae(rewards, values, mask, gamma, lam):
-    """Generalised advantage estimation over the completion tokens; returns (advantages, returns), (B, T).
-
-    delta_t = r_t + gamma V_(t+1) - V_t,  A_t = delta_t + gamma lam A_(t+1),  with V and A = 0 after the
-    last real token (never a bootstrap from padding); returns = A + V. Padding gets 0.
-    """
-    m = mask.bool()
-    rewards, values = torch.where(m, rewards, 0.0), torch.where(m, values, 0.0)
-    next_advantage, next_value = torch.zeros_like(rewards[:, 0]), torch.zeros_like(values[:, 0])
-    advantages = []
-    for t in reversed(range(rewards.shape[1])):
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_advantage = torch.where(m[:, t], delta + gamma * lam * next_advantage, 0.0)
-        next_value = values[:, t]
-        advantages.append(next_advantage)
-    advantages = torch.stack(advantages[::-1], dim=1)  # (B, T)
-    return advantages, torch.where(m, advantages + values, 0.0)
-
-
-def whiten(x, mask, eps=1e-8):
-    """(x - mean) / std over the positions where mask is 1 (unbiased std); 0 elsewhere.
-
-    Under torchrun the mean and the std are those of every process's positions (all_sum adds them up).
-    """
-    m = mask.bool()
-    n, total = all_sum(torch.stack([m.sum().to(x.dtype), torch.where(m, x, 0.0).sum()]))
-    mean = total / n.clamp(min=1)
-    var = all_sum(torch.where(m, (x - mean) ** 2, 0.0).sum()) / (n - 1).clamp(min=1)
-    return torch.where(m, (x - mean) * torch.rsqrt(var + eps), 0.0)
-
-
-def adaptive_kl_coef(beta, kl, target, num_completions, horizon):
-    """Ziegler et al. 2019's proportional controller: the next beta after a batch whose mean KL was `kl`.
-
-    e = clip(kl / target - 1, -0.2, 0.2),   beta <- beta (1 + e n / horizon),   n = completions in the batch
-    beta = 0.1, kl = 12, target = 6, n = 100, horizon = 1000 -> e = 0.2 (clipped) -> 0.1 * 1.02 = 0.102
-    """
-    error = min(max(kl / target - 1, -0.2), 0.2)
-    return beta * (1 + error * num_completions / horizon)
-
-
-def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps):
-    """PPO's clipped policy loss, the mean over real tokens; logprobs carries the gradient; all (B, T).
-
-    l_t = max(-A_t rho_t, -A_t clip(rho_t, 1 - eps, 1 + eps)),  rho_t = exp(logprobs_t - old_logprobs_t)
-    """
-    m = mask.bool()
-    log_ratio = torch.where(m, logprobs - old_logprobs, 0.0)  # padding never reaches exp()
-    ratio = torch.exp(log_ratio)
-    unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1 - clip_eps, 1 + clip_eps)
-    loss = masked_mean(torch.max(unclipped, clipped), m)
-    return loss, {"clip_frac": masked_mean((clipped > unclipped).float(), m).detach(),
-                  "approx_kl": masked_mean((ratio - 1) - log_ratio, m).detach()}
-
-
-def ppo_value_loss(values, old_values, returns, mask, clip_value):
-    """0.5 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2), the mean over real tokens; all (B, T)."""
-    m = mask.bool()
-    clipped_values = old_values + (values - old_values).clamp(-clip_value, clip_value)
-    unclipped_error, clipped_error = (values - returns) ** 2, (clipped_values - returns) ** 2
-    loss = 0.5 * masked_mean(torch.max(unclipped_error, clipped_error), m)
-    return loss, {"value_clip_frac": masked_mean((clipped_error > unclipped_error).float(), m).detach()}
-
-
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    learned = args.reward_model_path is not None  # a learned reward is exploitable: smaller steps, the KL held
-    if args.learning_rate is None:
-        args.learning_rate = 3e-5 if learned else 1e-4
-    if args.kl_target is None:
-        args.kl_target = 0.5 if learned else 0.0
-    check_ranges(args, {**COMMON_RANGES, "prompts_per_step": "> 0", "temperature": "> 0", "ppo_epochs": "> 0",
-                        "num_minibatches": "> 0", "beta": ">= 0", "kl_target": ">= 0 (0: a fixed beta)",
-                        "kl_horizon": "> 0", "clip_eps": "in (0, 1] (the ratio's lower clip is 1 - clip_eps)",
-                        "clip_value": ">= 0", "vf_coef": ">= 0", "gamma": "in [0, 1]", "lam": "in [0, 1]",
-                        "missing_eos_penalty": ">= 0"})
-    args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    device = setup(args)
-    rank, world = rank_and_world()
-    batch_size = per_process(args.prompts_per_step, "--prompts-per-step")  # this process's prompts of each batch
-    minibatch_size = exact_div(batch_size, args.num_minibatches,
-                               "--prompts-per-step (per process) by --num-minibatches")
-    args.micro_batch_size = min(args.micro_batch_size, minibatch_size)  # a micro-batch is at most all this process has
-    exact_div(minibatch_size, args.micro_batch_size,
-              "a minibatch (--prompts-per-step / --num-minibatches, per process) by --micro-batch-size")
-    args.batch_size, args.minibatch_size = batch_size * world, minibatch_size * world  # of all processes
-    output_dir = make_output_dir(args)  # before any model is loaded: a folder that cannot be made stops the run now
-
-    # four models: the policy, its frozen reference, the critic, and the reward (a model, or the verifier)
-    tokenizer = load_tokenizer(args.model_name_or_path, args)
-    policy = load_model(args.model_name_or_path, args, device)
-    ref_policy = load_model(args.model_name_or_path, args, device, frozen=True)
-    reward_model = None if args.reward_model_path is None else load_scorer(
-        args.reward_model_path, args, device, "the reward model", "--reward-model-path", frozen=True).eval()
-    value_model = load_scorer(args.reward_model_path or args.model_name_or_path, args, device, "the value model")
-    if args.reward_model_path is None:
-        torch.nn.init.zeros_(value_model.score.weight)  # a new head, zero: V = 0 everywhere at the start
-    stop_ids = stop_token_ids(tokenizer, policy)
-    # under torchrun: DDP, or FSDP2 with --fsdp (frozen models: a copy in each process, or sharded)
-    policy, ref_policy, value_model = (distribute(m, args) for m in (policy, ref_policy, value_model))
-    reward_model = None if reward_model is None else distribute(reward_model, args)
-    optimizer = torch.optim.AdamW([*policy.parameters(), *value_model.parameters()], lr=args.learning_rate,
-                                  weight_decay=args.weight_decay)
-    train_records, eval_records = load_task(args)
-    logger = Logger(args, output_dir)
-    data_rng, shuffle_gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
-    print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
-
-    beta, reward_bias = args.beta, None  # beta moves when --kl-target > 0; the first batch sets the bias
-    start = time.time()
-    logger.log(0, {"eval/accuracy": evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids, device)})
-    for step in range(1, args.num_steps + 1):
-        step_start = clock(device)
-        # 1. rollouts: one completion per prompt from pi_old
-        batch = data_rng.choices(train_records, k=args.prompts_per_step)[rank * batch_size : (rank + 1) * batch_size]
-        policy.eval()
-        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in batch], device)  # (B, P)
-        completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature,
-                                  stop_ids)  # (B, T)
-        generation_time = clock(device) - step_start
-        mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
-        attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
-        prompt_len = prompt_ids.shape[1]
-
-        # 2. score each completion: the verifier, or the reward model at the last real token
-        texts = decode_completions(tokenizer, completion_ids, mask)
-        correct = torch.tensor([reward_fn(t, r["answer"]) for t, r in zip(texts, batch)], device=device)  # (B,)
-        if reward_model is None:
-            scores = correct
-        else:
-            with torch.no_grad():
-                scores = last_token_scores(reward_model, input_ids, attention_mask)  # (B,)
-            if reward_bias is None:  # the starting policy's mean score (of every process) is 0 from now on
-                reward_bias = all_sum(scores.sum()).item() / args.batch_size if args.normalize_reward else 0.0
-            scores = scores - reward_bias
-            has_eos = torch.isin(completion_ids, torch.tensor(stop_ids, device=device)).any(dim=1)
-            scores = torch.where(has_eos, scores, scores - args.missing_eos_penalty)
-
-        # 3. once per batch, without gradient: log-probs of pi_old and pi_ref, and the critic's values
-        logprob_start = clock(device)
-        old_logprobs = batched_logprobs(policy, input_ids, attention_mask, prompt_len, args.temperature,
-                                        args.micro_batch_size)  # (B, T)
-        ref_logprobs = batched_logprobs(ref_policy, input_ids, attention_mask, prompt_len, args.temperature,
-                                        args.micro_batch_size)  # (B, T)
-        with torch.no_grad():
-            value_model.eval()
-            old_values = torch.cat([token_values(value_model, input_ids[i : i + args.micro_batch_size],
-                                                 attention_mask[i : i + args.micro_batch_size], prompt_len)
-                                    for i in range(0, batch_size, args.micro_batch_size)])  # (B, T)
-        logprob_time = clock(device) - logprob_start
-
-        # 4. per-token rewards, GAE, returns (before whitening), whitened advantages
-        rewards = kl_penalized_rewards(scores, old_logprobs, ref_logprobs, mask, beta)  # (B, T)
-        advantages, returns = gae(rewards, old_values, mask, args.gamma, args.lam)  # (B, T), (B, T)
-        advantages = whiten(advantages, mask)
-
-        # 5. ppo_epochs passes over the batch, each num_minibatches optimizer steps on both losses
-        policy.train()
-        value_model.train()
-        step_stats, forward_backward_time = [], 0.0
-        for _ in range(args.ppo_epochs):
-            for mb in torch.randperm(batch_size, generator=shuffle_gen).to(device).split(minibatch_size):
-                optimizer.zero_grad()
-                for idx in mb.split(args.micro_batch_size):
-                    forward_start = clock(device)
-                    logprobs, entropy = sequence_logprobs(policy, input_ids[idx], attention_mask[idx], prompt_len,
-                                                          args.temperature, with_entropy=True)  # (b, T), (b, T)
-                    values = token_values(value_model, input_ids[idx], attention_mask[idx], prompt_len)  # (b, T)
-                    pg_loss, pg_stats = ppo_policy_loss(logprobs, old_logprobs[idx], advantages[idx], mask[idx],
-                                                        args.clip_eps)
-                    vf_loss, vf_stats = ppo_value_loss(values, old_values[idx], returns[idx], mask[idx],
-                                                       args.clip_value)
-                    loss = pg_loss + args.vf_coef * vf_loss
-                    if not torch.isfinite(loss):
-                        fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the rewards")
-                    # both losses are token means: weigh each micro-batch by its share of the minibatch's tokens
-                    # (of all processes: they average their gradients, so divide by their mean token count)
-                    (loss * mask[idx].sum() / (all_sum(mask[mb].sum()) / world)).backward()
-                    forward_backward_time += clock(device) - forward_start
-                    step_stats.append({"loss": loss.detach(), "policy_loss": pg_loss.detach(),
-                                       "value_loss": vf_loss.detach(), **pg_stats, **vf_stats,
-                                       "entropy": masked_mean(entropy.detach(), mask[idx])})
-                grad_norm = torch.nn.utils.clip_grad_norm_([*policy.parameters(), *value_model.parameters()],
-                                                           args.max_grad_norm)
-                optimizer.step()
-
-        # 6. the adaptive KL coefficient for the next batch, from this batch's KL per completion
-        kl = torch.where(mask, old_logprobs - ref_logprobs, 0.0).sum(dim=1)  # (B,)
-        kl_coef, mean_kl = beta, all_sum(kl.sum()).item() / args.batch_size  # (of every process)
-        if args.kl_target > 0:
-            beta = adaptive_kl_coef(beta, mean_kl, args.kl_target, args.batch_size, args.kl_horizon)
-
-        # 7. log, and evaluate on the held-out prompts
-        step_time = clock(device) - step_start
-        evaluate_now = step % args.eval_every == 0 or step == args.num_steps
-        if step % args.log_every == 0 or evaluate_now:
-            residual = torch.where(mask, returns - old_values, 0.0)
-            metrics = {f"losses/{k}": torch.stack([s[k] for s in step_stats]).mean().item() for k in step_stats[0]}
-            metrics.update({
-                "charts/score": scores.mean().item(), "charts/reward": correct.mean().item(),
-                "losses/kl": kl.mean().item(), "charts/non_score_reward": (-kl_coef * kl).mean().item(),
-                "charts/kl_coef": kl_coef,
-                "losses/explained_variance": (1 - masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
-                                              / masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)).item(),
-                "charts/completion_length": mask.sum(dim=1).float().mean().item(),
-                "charts/learning_rate": optimizer.param_groups[0]["lr"], "losses/grad_norm": grad_norm.item(),
-                "charts/step_time": step_time, "charts/tokens_per_sec": mask.sum().item() / step_time,
-                "charts/generation_time": generation_time, "charts/logprob_time": logprob_time,
-                "charts/forward_backward_time": forward_backward_time,
-                "charts/elapsed_time": time.time() - start})
-            if evaluate_now:
-                metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids,
-                                                    device)
-            logger.log(step, metrics)
-
-    save(policy, tokenizer, output_dir)
-    logger.close()
-    print(f"saved to {output_dir} in {time.time() - start:.0f} s")
-    end_processes()
+    main(tyro.cli(Args))

@@ -97,6 +97,233 @@ class Args:
     run_name: str = ""  # exp_name__seed__time
 
 
+# ---- ALGO LOGIC: the reward model's score and the Bradley-Terry loss -----------------------------
+def last_token_scores(model, input_ids, attention_mask):
+    """The score (B,) at each sequence's last real token: the last 1 of the attention mask.
+
+    input_ids = [[PAD, 4, 7, 13, 5, EOS, PAD],    left-padded prompt, right-padded completion
+    attention = [[0,   1, 1, 1,  1, 1,   0  ]]    -> the score is read at index 5, the EOS
+    The mask, not the pad id, finds the token, so a pad id equal to the EOS id cannot move it.
+    """
+    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, T), as for the policy
+    hidden = decoder_states(model, input_ids, attention_mask, position_ids)  # (B, T, hidden)
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    last = (attention_mask * positions).argmax(dim=1)  # (B,) the index of the last real token
+    with autocast(model):  # the score head in the compute dtype, as the decoder ran
+        scores = unwrap(model).score(hidden[torch.arange(len(last), device=last.device), last])  # (B, 1)
+    return scores.squeeze(-1).float()  # (B,)
+
+
+def bradley_terry_loss(chosen_scores, rejected_scores, margin=None):
+    """-log sigmoid(r_c - r_r - m), the mean over pairs; all arguments (B,), margin optional.
+
+    Equal scores give log 2. Stats: the share of pairs scored the right way round (a tie counts
+    half) and the mean of r_c - r_r.
+    """
+    diff = chosen_scores - rejected_scores  # (B,)
+    losses = -torch.nn.functional.logsigmoid(diff if margin is None else diff - margin)
+    return losses.mean(), {"accuracy": pair_accuracy(diff.detach()), "margin": diff.detach().mean()}
+
+
+def main(args):
+    check_ranges(args, {**COMMON_RANGES, "num_train_prompts": "> 0", "pair_samples": "> 0",
+                        "pair_temperature": "> 0", "batch_size": "> 0"})
+    args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    device = setup(args)
+    rank, world = rank_and_world()
+    batch_size = per_process(args.batch_size, "--batch-size")  # this process's prompts of each batch
+    args.micro_batch_size = min(args.micro_batch_size, batch_size)  # a micro-batch is at most all this process has
+    exact_div(batch_size, args.micro_batch_size, "--batch-size (per process) by --micro-batch-size")
+    output_dir = make_output_dir(args)  # before any model is loaded: a folder that cannot be made stops the run now
+
+    # the pairs, made once at the start (the built-in task: the negatives sampled from the starting policy)
+    tokenizer = load_tokenizer(args.model_name_or_path, args)
+    train_pairs, eval_pairs = load_preferences(args, tokenizer, device)
+    if not train_pairs or not eval_pairs:
+        fail(f"no preference pairs to {'train' if not train_pairs else 'evaluate'} on; check --dataset")
+    # the reward model: the same checkpoint with a new head of one output
+    model = load_scorer(args.model_name_or_path, args, device, "the reward model")
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model = distribute(model, args)  # under torchrun: DDP, or FSDP2 with --fsdp (the new head: rank 0's)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    logger = Logger(args, output_dir)
+    data_rng = random.Random(args.seed)
+    print(f"{args.run_name}: {len(train_pairs)} training pairs, {len(eval_pairs)} held out, device {device}")
+
+    def scores(tokens):
+        """Scores of chosen (B,) and rejected (B,), through one forward pass.
+
+        tokens: pair_batch's ids (2B, P + T), attention mask, prompt length and completion mask (2B, T).
+        """
+        input_ids, attention_mask, _, _ = tokens
+        return last_token_scores(model, input_ids, attention_mask).chunk(2)
+
+    @torch.no_grad()
+    def eval_metrics():
+        model.eval()
+        pairs = share_of(eval_pairs)  # this process's share of the held-out pairs
+        diffs = [torch.sub(*scores(pair_batch(tokenizer, pairs[i : i + args.micro_batch_size], device)))
+                 for i in range(0, len(pairs), args.micro_batch_size)]
+        return {"eval/pair_accuracy": all_sum(pair_accuracy(torch.cat(diffs))).item() / world}  # equal shares
+
+    # a prompt's pairs stay together, one element of a batch (InstructGPT: this keeps the reward model from
+    # over-fitting to the many comparisons that share a completion); consecutive pairs of one prompt are a group
+    groups = [list(group) for _, group in itertools.groupby(train_pairs, key=lambda pair: pair["prompt"])]
+    start = time.time()
+    logger.log(0, eval_metrics())
+    for step in range(1, args.num_steps + 1):
+        step_start = clock(device)
+        batch = data_rng.choices(groups, k=args.batch_size)[rank * batch_size : (rank + 1) * batch_size]
+        num_pairs = all_sum(torch.tensor(float(sum(map(len, batch))), device=device)) / world  # the processes' mean
+        model.train()
+        optimizer.zero_grad()
+        step_stats, num_tokens = [], 0
+        for i in range(0, batch_size, args.micro_batch_size):  # the same number of passes in every process
+            pairs = [pair for group in batch[i : i + args.micro_batch_size] for pair in group]
+            tokens = pair_batch(tokenizer, pairs, device)
+            chosen, rejected = scores(tokens)  # chosen and rejected through one forward pass
+            num_tokens += tokens[-1].sum().item()  # completion tokens of the 2b sequences
+            margin = torch.tensor([float(p["margin"]) for p in pairs], device=device) if "margin" in pairs[0] else None
+            loss, stats = bradley_terry_loss(chosen, rejected, margin)
+            if not torch.isfinite(loss):
+                fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the data")
+            (loss * len(pairs) / num_pairs).backward()  # the micro-batches add up to the mean over the batch's pairs
+            step_stats.append({"loss": loss.detach(), **stats})
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+
+        step_time = clock(device) - step_start
+        evaluate_now = step % args.eval_every == 0 or step == args.num_steps
+        if step % args.log_every == 0 or evaluate_now:
+            metrics = {f"losses/{k}": torch.stack([s[k] for s in step_stats]).mean().item() for k in step_stats[0]}
+            metrics.update({"charts/learning_rate": optimizer.param_groups[0]["lr"],
+                            "losses/grad_norm": grad_norm.item(), "charts/step_time": step_time,
+                            "charts/tokens_per_sec": num_tokens / step_time,
+                            "charts/elapsed_time": time.time() - start})
+            if evaluate_now:
+                metrics.update(eval_metrics())
+            logger.log(step, metrics)
+
+    save(model, tokenizer, output_dir)
+    logger.close()
+    print(f"saved to {output_dir} in {time.time() - start:.0f} s")
+    end_processes()
+
+
+# ---- Helpers that only some of the files need: each is kept equal to its copy in the other files that have it ----
+def load_scorer(path, args, device, what, flag="--model-name-or-path", frozen=False):
+    """A sequence classifier with one output (a reward or value model) from `path`.
+
+    On a language model's checkpoint the score head is new, as it should be: one line says so instead of
+    transformers' load report. A report that lists any other weight, missing or unexpected, still shows.
+    """
+    held = []
+    hold = held.append  # a logging filter that returns None keeps the record from the handlers
+    report_logger = logging.getLogger("transformers.modeling_utils")
+    report_logger.addFilter(hold)
+    try:
+        model = load_model(path, args, device, AutoModelForSequenceClassification, flag, frozen, num_labels=1)
+    finally:
+        report_logger.removeFilter(hold)
+    head = {f"score.{name}" for name, _ in model.score.named_parameters()}
+    for record in held:
+        text = re.sub(r"\x1b\[[0-9;]*m", "", record.getMessage())  # without the terminal's colours
+        keys = re.findall(r"^(\S+)\s*\|", text, flags=re.M)[1:]  # the report's table: the first column, past "Key"
+        if "LOAD REPORT" in text and keys and set(keys) <= head:
+            print(f"{what}: a new score head on {path}, which has none (as expected for a language model)")
+        else:
+            report_logger.handle(record)
+    return model
+
+
+def completion_batch(tokenizer, prompts, completions, device):
+    """Prompt (left-padded) then completion + EOS (right-padded): ids (B, P + T), mask (B, T).
+
+    prompts = ["1+2=", "10+20="], completions = ["3", "30"]
+    input_ids = [[PAD, PAD, 1, +, 2, = | 3, EOS, PAD],       completion_mask = [[1, 1, 0],
+                 [1,   0,   +, 2, 0, = | 3, 0,   EOS]]                          [1, 1, 1]]
+    """
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device)
+    ids = [tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for c in completions]
+    length = max(len(c) for c in ids)
+    completion_ids = torch.tensor([c + [tokenizer.pad_token_id] * (length - len(c)) for c in ids], device=device)
+    mask = torch.tensor([[1] * len(c) + [0] * (length - len(c)) for c in ids], device=device)  # (B, T)
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
+    return input_ids, torch.cat([prompt_mask, mask], dim=1), prompt_ids.shape[1], mask
+
+
+@torch.no_grad()
+def addition_pairs(policy, tokenizer, records, samples, max_new_tokens, device, temperature=1.0, chosen="answer",
+                   pairs="first", chunk=64):
+    """Hard negatives: per prompt, `samples` completions from the policy, judged by the task's verifier.
+
+    {"prompt": "47+8=", "chosen": "55", "rejected": "54", "answer": "55"}: rejected is a wrong completion
+    the policy really produced. chosen is the answer ("answer"); or a right completion the policy sampled
+    ("sample": "47 + 8 = 55" from a chat model that writes its sums out; a prompt it never got right gives
+    no pair); or such a completion where there is one and the answer where there is none ("sample-or-answer").
+    pairs="first": one pair per prompt, the first chosen against the first wrong completion. pairs="all":
+    every distinct chosen against every distinct wrong completion (InstructGPT's comparisons: right above
+    wrong; two right or two wrong completions are a tie and give none), one prompt's pairs next to each other.
+    A prompt gives no pair when the policy got it right every time.
+    """
+    policy.eval()
+    stop_ids = stop_token_ids(tokenizer, unwrap(policy))
+    records, out = share_of(records), []  # under torchrun: this process's share, put together below
+    for i in range(0, len(records), chunk):
+        part = records[i : i + chunk]
+        prompts = [r["prompt"] for r in part for _ in range(samples)]
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device)
+        completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids)
+        texts = decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
+        for j, r in enumerate(part):
+            sampled = list(dict.fromkeys(t.strip() for t in texts[j * samples : (j + 1) * samples]))  # distinct
+            wrong = [t for t in sampled if t and not reward_fn(t, r["answer"])]
+            right = [t for t in sampled if reward_fn(t, r["answer"])] if chosen != "answer" else []
+            right = right or ([r["answer"]] if chosen != "sample" else [])
+            if pairs == "first":
+                right, wrong = right[:1], wrong[:1]
+            out += [{"prompt": r["prompt"], "chosen": c, "rejected": w, "answer": r["answer"]}
+                    for c in right for w in wrong]
+    if torch.distributed.is_initialized():  # every process gets every process's pairs, in rank order
+        shares = [None] * rank_and_world()[1]
+        torch.distributed.all_gather_object(shares, out)
+        out = [pair for share in shares for pair in share]
+    return out
+
+
+def load_preferences(args, tokenizer, device, policy=None):
+    """(train, eval) lists of {'prompt', 'chosen', 'rejected'} pairs; the built-in task's also hold 'answer'.
+
+    The built-in pairs' negatives are sampled from `policy`, the starting policy (loaded here when not given).
+    """
+    if args.dataset is None:
+        policy = policy or load_model(args.model_name_or_path, args, device, frozen=True)
+        train, held_out = addition_task(args.num_eval, args.task)  # held-out prompts never appear in training
+        return [addition_pairs(policy, tokenizer, records, args.pair_samples, args.max_new_tokens, device,
+                               args.pair_temperature, args.chosen, args.pairs)
+                for records in (train[: args.num_train_prompts], held_out)]
+    if args.dataset.endswith(".jsonl"):
+        records = read_jsonl(args.dataset, ("prompt", "chosen", "rejected"))
+        if len(records) <= args.num_eval:
+            fail(f"--dataset {args.dataset}: {len(records)} records, but --num-eval {args.num_eval} are held out")
+        return records[: -args.num_eval], records[-args.num_eval :]
+    train = load_hub_split(args.dataset, args.dataset_config, args.train_split)
+    return train, load_hub_split(args.dataset, args.dataset_config, args.eval_split)[: args.num_eval]
+
+
+def pair_batch(tokenizer, pairs, device):
+    """Chosen then rejected, one sequence each, in one batch: rows i and i + len(pairs) share a prompt."""
+    prompts = [p["prompt"] for p in pairs] * 2
+    return completion_batch(tokenizer, prompts, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], device)
+
+
+def pair_accuracy(margins):
+    """Share of pairs whose chosen completion scores higher than the rejected one; a tie counts half."""
+    return ((margins > 0).float() + 0.5 * (margins == 0).float()).mean()
+
+
+# ==== Everything below this line is the same in every file, byte for byte (tests/test_shared.py checks it) ====
+# ---- Errors and the flags' ranges ---------------------------------------------------------------
 def fail(message):
     """Stop with a one-line error and exit status 1."""
     raise SystemExit(f"error: {message}")
@@ -266,31 +493,6 @@ def autocast(model):
     a model that load_model did not make)."""
     dtype = getattr(unwrap(model), "compute_dtype", torch.float32)
     return torch.autocast(next(model.parameters()).device.type, dtype=dtype, enabled=dtype != torch.float32)
-
-
-def load_scorer(path, args, device, what, flag="--model-name-or-path", frozen=False):
-    """A sequence classifier with one output (a reward or value model) from `path`.
-
-    On a language model's checkpoint the score head is new, as it should be: one line says so instead of
-    transformers' load report. A report that lists any other weight, missing or unexpected, still shows.
-    """
-    held = []
-    hold = held.append  # a logging filter that returns None keeps the record from the handlers
-    report_logger = logging.getLogger("transformers.modeling_utils")
-    report_logger.addFilter(hold)
-    try:
-        model = load_model(path, args, device, AutoModelForSequenceClassification, flag, frozen, num_labels=1)
-    finally:
-        report_logger.removeFilter(hold)
-    head = {f"score.{name}" for name, _ in model.score.named_parameters()}
-    for record in held:
-        text = re.sub(r"\x1b\[[0-9;]*m", "", record.getMessage())  # without the terminal's colours
-        keys = re.findall(r"^(\S+)\s*\|", text, flags=re.M)[1:]  # the report's table: the first column, past "Key"
-        if "LOAD REPORT" in text and keys and set(keys) <= head:
-            print(f"{what}: a new score head on {path}, which has none (as expected for a language model)")
-        else:
-            report_logger.handle(record)
-    return model
 
 
 def load_tokenizer(path, args):
@@ -679,203 +881,5 @@ def unwrap(model):
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
-# ---- Prompt + completion batches ---------------------------------------------------------------
-def completion_batch(tokenizer, prompts, completions, device):
-    """Prompt (left-padded) then completion + EOS (right-padded): ids (B, P + T), mask (B, T).
-
-    prompts = ["1+2=", "10+20="], completions = ["3", "30"]
-    input_ids = [[PAD, PAD, 1, +, 2, = | 3, EOS, PAD],       completion_mask = [[1, 1, 0],
-                 [1,   0,   +, 2, 0, = | 3, 0,   EOS]]                          [1, 1, 1]]
-    """
-    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device)
-    ids = [tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for c in completions]
-    length = max(len(c) for c in ids)
-    completion_ids = torch.tensor([c + [tokenizer.pad_token_id] * (length - len(c)) for c in ids], device=device)
-    mask = torch.tensor([[1] * len(c) + [0] * (length - len(c)) for c in ids], device=device)  # (B, T)
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
-    return input_ids, torch.cat([prompt_mask, mask], dim=1), prompt_ids.shape[1], mask
-
-
-# ---- Preference pairs ---------------------------------------------------------------------------
-@torch.no_grad()
-def addition_pairs(policy, tokenizer, records, samples, max_new_tokens, device, temperature=1.0, chosen="answer",
-                   pairs="first", chunk=64):
-    """Hard negatives: per prompt, `samples` completions from the policy, judged by the task's verifier.
-
-    {"prompt": "47+8=", "chosen": "55", "rejected": "54", "answer": "55"}: rejected is a wrong completion
-    the policy really produced. chosen is the answer ("answer"); or a right completion the policy sampled
-    ("sample": "47 + 8 = 55" from a chat model that writes its sums out; a prompt it never got right gives
-    no pair); or such a completion where there is one and the answer where there is none ("sample-or-answer").
-    pairs="first": one pair per prompt, the first chosen against the first wrong completion. pairs="all":
-    every distinct chosen against every distinct wrong completion (InstructGPT's comparisons: right above
-    wrong; two right or two wrong completions are a tie and give none), one prompt's pairs next to each other.
-    A prompt gives no pair when the policy got it right every time.
-    """
-    policy.eval()
-    stop_ids = stop_token_ids(tokenizer, unwrap(policy))
-    records, out = share_of(records), []  # under torchrun: this process's share, put together below
-    for i in range(0, len(records), chunk):
-        part = records[i : i + chunk]
-        prompts = [r["prompt"] for r in part for _ in range(samples)]
-        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device)
-        completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids)
-        texts = decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
-        for j, r in enumerate(part):
-            sampled = list(dict.fromkeys(t.strip() for t in texts[j * samples : (j + 1) * samples]))  # distinct
-            wrong = [t for t in sampled if t and not reward_fn(t, r["answer"])]
-            right = [t for t in sampled if reward_fn(t, r["answer"])] if chosen != "answer" else []
-            right = right or ([r["answer"]] if chosen != "sample" else [])
-            if pairs == "first":
-                right, wrong = right[:1], wrong[:1]
-            out += [{"prompt": r["prompt"], "chosen": c, "rejected": w, "answer": r["answer"]}
-                    for c in right for w in wrong]
-    if torch.distributed.is_initialized():  # every process gets every process's pairs, in rank order
-        shares = [None] * rank_and_world()[1]
-        torch.distributed.all_gather_object(shares, out)
-        out = [pair for share in shares for pair in share]
-    return out
-
-
-def load_preferences(args, tokenizer, device, policy=None):
-    """(train, eval) lists of {'prompt', 'chosen', 'rejected'} pairs; the built-in task's also hold 'answer'.
-
-    The built-in pairs' negatives are sampled from `policy`, the starting policy (loaded here when not given).
-    """
-    if args.dataset is None:
-        policy = policy or load_model(args.model_name_or_path, args, device, frozen=True)
-        train, held_out = addition_task(args.num_eval, args.task)  # held-out prompts never appear in training
-        return [addition_pairs(policy, tokenizer, records, args.pair_samples, args.max_new_tokens, device,
-                               args.pair_temperature, args.chosen, args.pairs)
-                for records in (train[: args.num_train_prompts], held_out)]
-    if args.dataset.endswith(".jsonl"):
-        records = read_jsonl(args.dataset, ("prompt", "chosen", "rejected"))
-        if len(records) <= args.num_eval:
-            fail(f"--dataset {args.dataset}: {len(records)} records, but --num-eval {args.num_eval} are held out")
-        return records[: -args.num_eval], records[-args.num_eval :]
-    train = load_hub_split(args.dataset, args.dataset_config, args.train_split)
-    return train, load_hub_split(args.dataset, args.dataset_config, args.eval_split)[: args.num_eval]
-
-
-def pair_batch(tokenizer, pairs, device):
-    """Chosen then rejected, one sequence each, in one batch: rows i and i + len(pairs) share a prompt."""
-    prompts = [p["prompt"] for p in pairs] * 2
-    return completion_batch(tokenizer, prompts, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], device)
-
-
-def pair_accuracy(margins):
-    """Share of pairs whose chosen completion scores higher than the rejected one; a tie counts half."""
-    return ((margins > 0).float() + 0.5 * (margins == 0).float()).mean()
-
-
-# ---- ALGO LOGIC: the reward model's score and the Bradley-Terry loss -----------------------------
-def last_token_scores(model, input_ids, attention_mask):
-    """The score (B,) at each sequence's last real token: the last 1 of the attention mask.
-
-    input_ids = [[PAD, 4, 7, 13, 5, EOS, PAD],    left-padded prompt, right-padded completion
-    attention = [[0,   1, 1, 1,  1, 1,   0  ]]    -> the score is read at index 5, the EOS
-    The mask, not the pad id, finds the token, so a pad id equal to the EOS id cannot move it.
-    """
-    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, T), as for the policy
-    hidden = decoder_states(model, input_ids, attention_mask, position_ids)  # (B, T, hidden)
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-    last = (attention_mask * positions).argmax(dim=1)  # (B,) the index of the last real token
-    with autocast(model):  # the score head in the compute dtype, as the decoder ran
-        scores = unwrap(model).score(hidden[torch.arange(len(last), device=last.device), last])  # (B, 1)
-    return scores.squeeze(-1).float()  # (B,)
-
-
-def bradley_terry_loss(chosen_scores, rejected_scores, margin=None):
-    """-log sigmoid(r_c - r_r - m), the mean over pairs; all arguments (B,), margin optional.
-
-    Equal scores give log 2. Stats: the share of pairs scored the right way round (a tie counts
-    half) and the mean of r_c - r_r.
-    """
-    diff = chosen_scores - rejected_scores  # (B,)
-    losses = -torch.nn.functional.logsigmoid(diff if margin is None else diff - margin)
-    return losses.mean(), {"accuracy": pair_accuracy(diff.detach()), "margin": diff.detach().mean()}
-
-
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    check_ranges(args, {**COMMON_RANGES, "num_train_prompts": "> 0", "pair_samples": "> 0",
-                        "pair_temperature": "> 0", "batch_size": "> 0"})
-    args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    device = setup(args)
-    rank, world = rank_and_world()
-    batch_size = per_process(args.batch_size, "--batch-size")  # this process's prompts of each batch
-    args.micro_batch_size = min(args.micro_batch_size, batch_size)  # a micro-batch is at most all this process has
-    exact_div(batch_size, args.micro_batch_size, "--batch-size (per process) by --micro-batch-size")
-    output_dir = make_output_dir(args)  # before any model is loaded: a folder that cannot be made stops the run now
-
-    # the pairs, made once at the start (the built-in task: the negatives sampled from the starting policy)
-    tokenizer = load_tokenizer(args.model_name_or_path, args)
-    train_pairs, eval_pairs = load_preferences(args, tokenizer, device)
-    if not train_pairs or not eval_pairs:
-        fail(f"no preference pairs to {'train' if not train_pairs else 'evaluate'} on; check --dataset")
-    # the reward model: the same checkpoint with a new head of one output
-    model = load_scorer(args.model_name_or_path, args, device, "the reward model")
-    model.config.pad_token_id = tokenizer.pad_token_id
-    model = distribute(model, args)  # under torchrun: DDP, or FSDP2 with --fsdp (the new head: rank 0's)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    logger = Logger(args, output_dir)
-    data_rng = random.Random(args.seed)
-    print(f"{args.run_name}: {len(train_pairs)} training pairs, {len(eval_pairs)} held out, device {device}")
-
-    def scores(tokens):
-        """Scores of chosen (B,) and rejected (B,), through one forward pass.
-
-        tokens: pair_batch's ids (2B, P + T), attention mask, prompt length and completion mask (2B, T).
-        """
-        input_ids, attention_mask, _, _ = tokens
-        return last_token_scores(model, input_ids, attention_mask).chunk(2)
-
-    @torch.no_grad()
-    def eval_metrics():
-        model.eval()
-        pairs = share_of(eval_pairs)  # this process's share of the held-out pairs
-        diffs = [torch.sub(*scores(pair_batch(tokenizer, pairs[i : i + args.micro_batch_size], device)))
-                 for i in range(0, len(pairs), args.micro_batch_size)]
-        return {"eval/pair_accuracy": all_sum(pair_accuracy(torch.cat(diffs))).item() / world}  # equal shares
-
-    # a prompt's pairs stay together, one element of a batch (InstructGPT: this keeps the reward model from
-    # over-fitting to the many comparisons that share a completion); consecutive pairs of one prompt are a group
-    groups = [list(group) for _, group in itertools.groupby(train_pairs, key=lambda pair: pair["prompt"])]
-    start = time.time()
-    logger.log(0, eval_metrics())
-    for step in range(1, args.num_steps + 1):
-        step_start = clock(device)
-        batch = data_rng.choices(groups, k=args.batch_size)[rank * batch_size : (rank + 1) * batch_size]
-        num_pairs = all_sum(torch.tensor(float(sum(map(len, batch))), device=device)) / world  # the processes' mean
-        model.train()
-        optimizer.zero_grad()
-        step_stats, num_tokens = [], 0
-        for i in range(0, batch_size, args.micro_batch_size):  # the same number of passes in every process
-            pairs = [pair for group in batch[i : i + args.micro_batch_size] for pair in group]
-            tokens = pair_batch(tokenizer, pairs, device)
-            chosen, rejected = scores(tokens)  # chosen and rejected through one forward pass
-            num_tokens += tokens[-1].sum().item()  # completion tokens of the 2b sequences
-            margin = torch.tensor([float(p["margin"]) for p in pairs], device=device) if "margin" in pairs[0] else None
-            loss, stats = bradley_terry_loss(chosen, rejected, margin)
-            if not torch.isfinite(loss):
-                fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the data")
-            (loss * len(pairs) / num_pairs).backward()  # the micro-batches add up to the mean over the batch's pairs
-            step_stats.append({"loss": loss.detach(), **stats})
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        optimizer.step()
-
-        step_time = clock(device) - step_start
-        evaluate_now = step % args.eval_every == 0 or step == args.num_steps
-        if step % args.log_every == 0 or evaluate_now:
-            metrics = {f"losses/{k}": torch.stack([s[k] for s in step_stats]).mean().item() for k in step_stats[0]}
-            metrics.update({"charts/learning_rate": optimizer.param_groups[0]["lr"],
-                            "losses/grad_norm": grad_norm.item(), "charts/step_time": step_time,
-                            "charts/tokens_per_sec": num_tokens / step_time,
-                            "charts/elapsed_time": time.time() - start})
-            if evaluate_now:
-                metrics.update(eval_metrics())
-            logger.log(step, metrics)
-
-    save(model, tokenizer, output_dir)
-    logger.close()
-    print(f"saved to {output_dir} in {time.time() - start:.0f} s")
-    end_processes()
+    main(tyro.cli(Args))

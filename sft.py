@@ -84,6 +84,150 @@ class Args:
     run_name: str = ""  # exp_name__seed__time
 
 
+# ---- ALGO LOGIC: the tiny model and the loss of SFT ---------------------------------------------
+def build_tiny_model(args):
+    """A character-level tokenizer and a small randomly initialised Llama, for the addition task.
+
+    The tokenizer is a tokenizer.json written here (one token per character, decoded without
+    spaces), so it is a real Hugging Face tokenizer that AutoTokenizer loads offline.
+    """
+    specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
+    vocab = {token: i for i, token in enumerate(specials + list("0123456789+-= "))}
+    spec = {"version": "1.0", "truncation": None, "padding": None, "normalizer": None, "post_processor": None,
+            "added_tokens": [{"id": vocab[t], "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                              "normalized": False, "special": True} for t in specials],
+            "pre_tokenizer": {"type": "Split", "pattern": {"String": ""}, "behavior": "Isolated", "invert": False},
+            "decoder": {"type": "Fuse"}, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}}
+    with tempfile.TemporaryDirectory() as folder:
+        with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+            json.dump(spec, f)
+        tokenizer = PreTrainedTokenizerFast(tokenizer_file=os.path.join(folder, "tokenizer.json"), pad_token="<pad>",
+                                            bos_token="<bos>", eos_token="<eos>", unk_token="<unk>")
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=args.hidden_size, intermediate_size=4 * args.hidden_size,
+                         num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
+                         max_position_embeddings=64, tie_word_embeddings=True,
+                         pad_token_id=vocab["<pad>"], bos_token_id=vocab["<bos>"], eos_token_id=vocab["<eos>"])
+    return tokenizer, AutoModelForCausalLM.from_config(config)
+
+
+def sft_loss(logprobs, mask):
+    """Cross-entropy of the completion tokens: -sum(log pi * mask) / sum(mask). logprobs, mask: (B, T)."""
+    return -masked_mean(logprobs, mask)
+
+
+def main(args):
+    check_ranges(args, {**COMMON_RANGES, "batch_size": "> 0", "hidden_size": "> 0", "num_layers": "> 0",
+                        "num_heads": "> 0"})
+    if args.model_name_or_path is None:
+        exact_div(args.hidden_size, args.num_heads, "--hidden-size by --num-heads")
+    args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    device = setup(args)
+    rank, world = rank_and_world()
+    batch_size = per_process(args.batch_size, "--batch-size")  # this process's share of each batch
+    args.micro_batch_size = min(args.micro_batch_size, batch_size)  # a micro-batch is at most all this process has
+    exact_div(batch_size, args.micro_batch_size, "--batch-size (per process) by --micro-batch-size")
+    output_dir = make_output_dir(args)  # before any model is loaded: a folder that cannot be made stops the run now
+
+    # the model: built from a config (the default), or loaded from a folder or the hub
+    if args.model_name_or_path is None:
+        tokenizer, model = build_tiny_model(args)
+        model = autocast_forward(model, device, compute_dtype(args, device)).to(device)
+    else:
+        tokenizer = load_tokenizer(args.model_name_or_path, args)
+        model = load_model(args.model_name_or_path, args, device)
+    stop_ids = stop_token_ids(tokenizer, model)
+    num_params = sum(p.numel() for p in model.parameters())
+    model = distribute(model, args)  # under torchrun: DDP, or FSDP2 with --fsdp
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+
+    # the data: the addition task's answers as completions, or prompt/completion records
+    if args.dataset is None:
+        train_records, eval_records = addition_task(args.num_eval, args.task)
+        train_records = [{"prompt": r["prompt"], "completion": r["answer"]} for r in train_records]
+    else:
+        records = read_jsonl(args.dataset, ("prompt", "completion"))
+        if len(records) <= args.num_eval:
+            fail(f"--dataset {args.dataset}: {len(records)} records, but --num-eval {args.num_eval} are held out")
+        train_records, eval_records = records[: -args.num_eval], records[-args.num_eval :]
+    logger = Logger(args, output_dir)
+    data_rng = random.Random(args.seed)
+    print(f"{args.run_name}: {num_params} parameters, {len(train_records)} training records, device {device}")
+
+    def eval_metrics():
+        """Held-out loss, and greedy accuracy where the records have answers (the addition task)."""
+        model.eval()
+        with torch.no_grad():
+            losses, records = [], share_of(eval_records)  # this process's share of the held-out records
+            for i in range(0, len(records), args.micro_batch_size):
+                chunk = records[i : i + args.micro_batch_size]
+                completions = [r.get("completion", r.get("answer")) for r in chunk]  # the addition task: the answer
+                input_ids, attention_mask, prompt_len, mask = completion_batch(
+                    tokenizer, [r["prompt"] for r in chunk], completions, device)
+                logprobs = sequence_logprobs(model, input_ids, attention_mask, prompt_len)  # (b, T)
+                losses.append(sft_loss(logprobs, mask) * len(chunk))
+        metrics = {"eval/loss": all_sum(torch.stack(losses).sum()).item() / (len(records) * world)}
+        if "answer" in eval_records[0]:
+            metrics["eval/accuracy"] = evaluate(model, tokenizer, eval_records, args.max_new_tokens, stop_ids, device)
+        return metrics
+
+    start = time.time()
+    logger.log(0, eval_metrics())
+    for step in range(1, args.num_steps + 1):
+        step_start = clock(device)
+        batch = data_rng.choices(train_records, k=args.batch_size)[rank * batch_size : (rank + 1) * batch_size]
+        model.train()
+        optimizer.zero_grad()
+        input_ids, attention_mask, prompt_len, mask = completion_batch(
+            tokenizer, [r["prompt"] for r in batch], [r["completion"] for r in batch], device)  # (B, P + T), (B, T)
+        batch_loss = 0.0
+        for idx in torch.arange(batch_size).split(args.micro_batch_size):
+            logprobs = sequence_logprobs(model, input_ids[idx], attention_mask[idx], prompt_len)  # (b, T)
+            loss = sft_loss(logprobs, mask[idx])
+            if not torch.isfinite(loss):
+                fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the data")
+            # the micro-batches add up to the token mean of the batch (of all processes: they average their
+            # gradients, so divide by their mean token count)
+            share = mask[idx].sum() / (all_sum(mask.sum()) / world)
+            (loss * share).backward()
+            batch_loss += loss.item() * share.item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+
+        step_time = clock(device) - step_start
+        if step % args.log_every == 0 or step % args.eval_every == 0 or step == args.num_steps:
+            metrics = {"losses/loss": batch_loss, "losses/grad_norm": grad_norm.item(),
+                       "charts/learning_rate": optimizer.param_groups[0]["lr"], "charts/step_time": step_time,
+                       "charts/tokens_per_sec": mask.sum().item() / step_time,
+                       "charts/elapsed_time": time.time() - start}
+            if step % args.eval_every == 0 or step == args.num_steps:
+                metrics.update(eval_metrics())
+            logger.log(step, metrics)
+
+    save(model, tokenizer, output_dir)
+    logger.close()
+    print(f"saved to {output_dir} in {time.time() - start:.0f} s")
+    end_processes()
+
+
+# ---- Helpers that only some of the files need: each is kept equal to its copy in the other files that have it ----
+def completion_batch(tokenizer, prompts, completions, device):
+    """Prompt (left-padded) then completion + EOS (right-padded): ids (B, P + T), mask (B, T).
+
+    prompts = ["1+2=", "10+20="], completions = ["3", "30"]
+    input_ids = [[PAD, PAD, 1, +, 2, = | 3, EOS, PAD],       completion_mask = [[1, 1, 0],
+                 [1,   0,   +, 2, 0, = | 3, 0,   EOS]]                          [1, 1, 1]]
+    """
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device)
+    ids = [tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for c in completions]
+    length = max(len(c) for c in ids)
+    completion_ids = torch.tensor([c + [tokenizer.pad_token_id] * (length - len(c)) for c in ids], device=device)
+    mask = torch.tensor([[1] * len(c) + [0] * (length - len(c)) for c in ids], device=device)  # (B, T)
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
+    return input_ids, torch.cat([prompt_mask, mask], dim=1), prompt_ids.shape[1], mask
+
+
+# ==== Everything below this line is the same in every file, byte for byte (tests/test_shared.py checks it) ====
+# ---- Errors and the flags' ranges ---------------------------------------------------------------
 def fail(message):
     """Stop with a one-line error and exit status 1."""
     raise SystemExit(f"error: {message}")
@@ -641,144 +785,5 @@ def unwrap(model):
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
-# ---- Prompt + completion batches ---------------------------------------------------------------
-def completion_batch(tokenizer, prompts, completions, device):
-    """Prompt (left-padded) then completion + EOS (right-padded): ids (B, P + T), mask (B, T).
-
-    prompts = ["1+2=", "10+20="], completions = ["3", "30"]
-    input_ids = [[PAD, PAD, 1, +, 2, = | 3, EOS, PAD],       completion_mask = [[1, 1, 0],
-                 [1,   0,   +, 2, 0, = | 3, 0,   EOS]]                          [1, 1, 1]]
-    """
-    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device)
-    ids = [tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for c in completions]
-    length = max(len(c) for c in ids)
-    completion_ids = torch.tensor([c + [tokenizer.pad_token_id] * (length - len(c)) for c in ids], device=device)
-    mask = torch.tensor([[1] * len(c) + [0] * (length - len(c)) for c in ids], device=device)  # (B, T)
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
-    return input_ids, torch.cat([prompt_mask, mask], dim=1), prompt_ids.shape[1], mask
-
-
-# ---- ALGO LOGIC: the tiny model and the loss of SFT ---------------------------------------------
-def build_tiny_model(args):
-    """A character-level tokenizer and a small randomly initialised Llama, for the addition task.
-
-    The tokenizer is a tokenizer.json written here (one token per character, decoded without
-    spaces), so it is a real Hugging Face tokenizer that AutoTokenizer loads offline.
-    """
-    specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
-    vocab = {token: i for i, token in enumerate(specials + list("0123456789+-= "))}
-    spec = {"version": "1.0", "truncation": None, "padding": None, "normalizer": None, "post_processor": None,
-            "added_tokens": [{"id": vocab[t], "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-                              "normalized": False, "special": True} for t in specials],
-            "pre_tokenizer": {"type": "Split", "pattern": {"String": ""}, "behavior": "Isolated", "invert": False},
-            "decoder": {"type": "Fuse"}, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}}
-    with tempfile.TemporaryDirectory() as folder:
-        with open(os.path.join(folder, "tokenizer.json"), "w") as f:
-            json.dump(spec, f)
-        tokenizer = PreTrainedTokenizerFast(tokenizer_file=os.path.join(folder, "tokenizer.json"), pad_token="<pad>",
-                                            bos_token="<bos>", eos_token="<eos>", unk_token="<unk>")
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=args.hidden_size, intermediate_size=4 * args.hidden_size,
-                         num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
-                         max_position_embeddings=64, tie_word_embeddings=True,
-                         pad_token_id=vocab["<pad>"], bos_token_id=vocab["<bos>"], eos_token_id=vocab["<eos>"])
-    return tokenizer, AutoModelForCausalLM.from_config(config)
-
-
-def sft_loss(logprobs, mask):
-    """Cross-entropy of the completion tokens: -sum(log pi * mask) / sum(mask). logprobs, mask: (B, T)."""
-    return -masked_mean(logprobs, mask)
-
-
 if __name__ == "__main__":
-    args = tyro.cli(Args)
-    check_ranges(args, {**COMMON_RANGES, "batch_size": "> 0", "hidden_size": "> 0", "num_layers": "> 0",
-                        "num_heads": "> 0"})
-    if args.model_name_or_path is None:
-        exact_div(args.hidden_size, args.num_heads, "--hidden-size by --num-heads")
-    args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    device = setup(args)
-    rank, world = rank_and_world()
-    batch_size = per_process(args.batch_size, "--batch-size")  # this process's share of each batch
-    args.micro_batch_size = min(args.micro_batch_size, batch_size)  # a micro-batch is at most all this process has
-    exact_div(batch_size, args.micro_batch_size, "--batch-size (per process) by --micro-batch-size")
-    output_dir = make_output_dir(args)  # before any model is loaded: a folder that cannot be made stops the run now
-
-    # the model: built from a config (the default), or loaded from a folder or the hub
-    if args.model_name_or_path is None:
-        tokenizer, model = build_tiny_model(args)
-        model = autocast_forward(model, device, compute_dtype(args, device)).to(device)
-    else:
-        tokenizer = load_tokenizer(args.model_name_or_path, args)
-        model = load_model(args.model_name_or_path, args, device)
-    stop_ids = stop_token_ids(tokenizer, model)
-    num_params = sum(p.numel() for p in model.parameters())
-    model = distribute(model, args)  # under torchrun: DDP, or FSDP2 with --fsdp
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-
-    # the data: the addition task's answers as completions, or prompt/completion records
-    if args.dataset is None:
-        train_records, eval_records = addition_task(args.num_eval, args.task)
-        train_records = [{"prompt": r["prompt"], "completion": r["answer"]} for r in train_records]
-    else:
-        records = read_jsonl(args.dataset, ("prompt", "completion"))
-        if len(records) <= args.num_eval:
-            fail(f"--dataset {args.dataset}: {len(records)} records, but --num-eval {args.num_eval} are held out")
-        train_records, eval_records = records[: -args.num_eval], records[-args.num_eval :]
-    logger = Logger(args, output_dir)
-    data_rng = random.Random(args.seed)
-    print(f"{args.run_name}: {num_params} parameters, {len(train_records)} training records, device {device}")
-
-    def eval_metrics():
-        """Held-out loss, and greedy accuracy where the records have answers (the addition task)."""
-        model.eval()
-        with torch.no_grad():
-            losses, records = [], share_of(eval_records)  # this process's share of the held-out records
-            for i in range(0, len(records), args.micro_batch_size):
-                chunk = records[i : i + args.micro_batch_size]
-                completions = [r.get("completion", r.get("answer")) for r in chunk]  # the addition task: the answer
-                input_ids, attention_mask, prompt_len, mask = completion_batch(
-                    tokenizer, [r["prompt"] for r in chunk], completions, device)
-                logprobs = sequence_logprobs(model, input_ids, attention_mask, prompt_len)  # (b, T)
-                losses.append(sft_loss(logprobs, mask) * len(chunk))
-        metrics = {"eval/loss": all_sum(torch.stack(losses).sum()).item() / (len(records) * world)}
-        if "answer" in eval_records[0]:
-            metrics["eval/accuracy"] = evaluate(model, tokenizer, eval_records, args.max_new_tokens, stop_ids, device)
-        return metrics
-
-    start = time.time()
-    logger.log(0, eval_metrics())
-    for step in range(1, args.num_steps + 1):
-        step_start = clock(device)
-        batch = data_rng.choices(train_records, k=args.batch_size)[rank * batch_size : (rank + 1) * batch_size]
-        model.train()
-        optimizer.zero_grad()
-        input_ids, attention_mask, prompt_len, mask = completion_batch(
-            tokenizer, [r["prompt"] for r in batch], [r["completion"] for r in batch], device)  # (B, P + T), (B, T)
-        batch_loss = 0.0
-        for idx in torch.arange(batch_size).split(args.micro_batch_size):
-            logprobs = sequence_logprobs(model, input_ids[idx], attention_mask[idx], prompt_len)  # (b, T)
-            loss = sft_loss(logprobs, mask[idx])
-            if not torch.isfinite(loss):
-                fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the data")
-            # the micro-batches add up to the token mean of the batch (of all processes: they average their
-            # gradients, so divide by their mean token count)
-            share = mask[idx].sum() / (all_sum(mask.sum()) / world)
-            (loss * share).backward()
-            batch_loss += loss.item() * share.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        optimizer.step()
-
-        step_time = clock(device) - step_start
-        if step % args.log_every == 0 or step % args.eval_every == 0 or step == args.num_steps:
-            metrics = {"losses/loss": batch_loss, "losses/grad_norm": grad_norm.item(),
-                       "charts/learning_rate": optimizer.param_groups[0]["lr"], "charts/step_time": step_time,
-                       "charts/tokens_per_sec": mask.sum().item() / step_time,
-                       "charts/elapsed_time": time.time() - start}
-            if step % args.eval_every == 0 or step == args.num_steps:
-                metrics.update(eval_metrics())
-            logger.log(step, metrics)
-
-    save(model, tokenizer, output_dir)
-    logger.close()
-    print(f"saved to {output_dir} in {time.time() - start:.0f} s")
-    end_processes()
+    main(tyro.cli(Args))

@@ -22,6 +22,27 @@ def run_script(*argv, cwd=ROOT, expect_ok=True, timeout=900, env=None):
     return proc
 
 
+# for a harness script: runs a file's main() as `python file ...` does, and returns main's variables (the models,
+# the output folder) as they are when main reaches its last call, end_processes()
+RUN_MAIN = """
+import runpy, sys
+
+
+def run_main(script):
+    module = runpy.run_path(script, run_name="harness")  # defines everything; main() is not called
+    main, caught = module["main"], {}
+    end_processes = main.__globals__["end_processes"]
+
+    def catch_and_end():
+        caught.update(sys._getframe(1).f_locals)
+        end_processes()
+
+    main.__globals__["end_processes"] = catch_and_end
+    main(module["tyro"].cli(module["Args"]))
+    return caught
+"""
+
+
 def read_metrics(output_dir):
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]

@@ -10,18 +10,18 @@ import os
 
 import pytest
 import torch
-from conftest import ROOT, run_script
+from conftest import ROOT, RUN_MAIN, run_script
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 # runs a script as `python script ...` does, once with --dtype float32 and once with bfloat16 (in one process, to
 # start Python once), and saves the named model's weights after each run, as float32, for the test
-HARNESS = """
-import runpy, sys, torch
+HARNESS = RUN_MAIN + """
+import sys, torch
 out, name, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
 for dtype in ("float32", "bfloat16"):
     sys.argv = argv + ["--dtype", dtype, "--output-dir", f"{out}/{dtype}"]
-    run = runpy.run_path(sys.argv[0], run_name="__main__")
+    run = run_main(sys.argv[0])
     model = getattr(run[name], "module", run[name])
     torch.save({k: v.detach().float().clone() for k, v in model.state_dict().items()}, f"{out}/{dtype}.pt")
 """

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FIXTURES, ROOT, read_metrics, run_script
+from conftest import FIXTURES, ROOT, RUN_MAIN, read_metrics, run_script
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -163,10 +163,10 @@ def test_fsdp_online_run_saves_the_full_model_it_trained(tmp_path):
     harness, check_harness = tmp_path / "harness.py", tmp_path / "check_harness.py"
     harness.write_text(HARNESS)
     # after the run, both processes score a batch with the sharded policy; rank 0 compares with the saved one
-    check_harness.write_text(HARNESS.replace('runpy.run_path(sys.argv[0], run_name="__main__")', """
+    check_harness.write_text(HARNESS.replace('runpy.run_path(sys.argv[0], run_name="__main__")', RUN_MAIN + """
 torch.distributed.destroy_process_group = lambda: None  # keep the group for the check below
 os._exit = lambda status: None  # and the process (end_processes)
-run = runpy.run_path(sys.argv[0], run_name="__main__")
+run = run_main(sys.argv[0])
 input_ids = torch.randint(4, len(tokenizer), (4, 9))
 mask = torch.ones_like(input_ids)
 with torch.no_grad():
