@@ -602,10 +602,6 @@ def clock(device):
     return time.perf_counter()
 
 
-TIMING_KEYS = ("charts/step_time", "charts/elapsed_time", "charts/tokens_per_sec", "charts/generation_time",
-               "charts/logprob_time", "charts/forward_backward_time")
-
-
 class Logger:
     """Writes every logged step to metrics.jsonl, to wandb with --track, and a console line.
 
