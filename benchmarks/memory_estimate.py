@@ -1,0 +1,104 @@
+"""An estimate of the GPU memory each of the README's GPU commands needs, per process, from the model's size.
+
+Nothing here is measured: it is arithmetic on the model's configuration (the parameters counted on the meta
+device, so nothing is downloaded) that you can redo by hand, and an estimate until a GPU run measures it.
+
+    python benchmarks/memory_estimate.py      # the table the README's GPU section gives
+
+Per process, in bytes (N: a model's parameters; under --fsdp each process holds 1/P of every model):
+- a trained model: 16 N (float32 weights 4, gradients 4, AdamW's two moments 8) plus 2 N for the bfloat16 copies
+  of the weights that autocast makes in a forward pass and the backward pass keeps;
+- a frozen model (reference, reward model): 2 N, held in bfloat16;
+- training activations of one micro-batch of b sequences of L = prompt + completion tokens: (10 d + 4 i) bfloat16
+  values per token and layer (the inputs that the backward pass keeps: norms, q/k/v/o and the MLP's gate, up and
+  product; d the hidden size, i the MLP's), or with --gradient-checkpointing one d-vector per token and layer plus
+  one layer's worth; and the float32 logits of one chunk of the log-prob computation with their gradient,
+  2 x 2^26 x 4 bytes (sequence_logprobs);
+- generation: the KV cache of the whole rollout batch, 2 x layers x kv_heads x head_dim x L x 2 bytes a sequence,
+  the float32 logits and probabilities of one position, 2 x vocab x 4 bytes a sequence, and under --fsdp the whole
+  model gathered in bfloat16, 2 N (a rollout gathers each layer once and keeps it until the rollout ends).
+The peak is the static part plus the larger of the training and the generation part. Not counted: the CUDA
+context and the allocator's fragmentation (often 1-3 GiB more: the last column keeps 3 GiB free), NCCL's buffers.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+# the published configurations of Qwen2.5-0.5B(-Instruct) and Qwen2.5-7B-Instruct
+QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+QWEN_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
+GB = 2**30
+
+
+@dataclass
+class Command:
+    name: str  # the README command, shortly
+    model: dict  # its configuration
+    trained: int  # models trained (the policy; PPO also its value model)
+    frozen: int  # models held frozen in bfloat16 (reference, reward model)
+    micro_batch: int  # sequences per forward/backward pass
+    prompt: int  # tokens of a prompt, chat template included (GSM8K: about 200; a file: --max-prompt-length)
+    completion: int  # tokens of a completion (--max-new-tokens; a file of pairs: --max-length - the prompt)
+    rollout: int = 0  # sequences generated at once per process (prompts-per-step x group-size / processes)
+    checkpointing: bool = False  # --gradient-checkpointing
+    processes: int = 1  # FSDP shards every model over this many processes
+
+
+def parameters(config):
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(Qwen2Config(**config)).parameters())
+
+
+def estimate(c):
+    """(static, training, generation, peak) in GiB per process."""
+    n, d, i = parameters(c.model), c.model["hidden_size"], c.model["intermediate_size"]
+    layers, length = c.model["num_hidden_layers"], c.prompt + c.completion
+    shard = c.processes
+    static = (c.trained * 16 * n + c.frozen * 2 * n) / shard
+    tokens = c.micro_batch * length
+    if c.checkpointing:
+        activations = 2 * tokens * (layers * d + (10 * d + 4 * i))
+    else:
+        activations = 2 * tokens * layers * (10 * d + 4 * i)
+    training = c.trained * 2 * n / shard + activations + 2 * 2**26 * 4
+    head_dim = d // c.model["num_attention_heads"]
+    generation = c.rollout * 2 * layers * c.model["num_key_value_heads"] * head_dim * length * 2
+    generation += c.rollout * 2 * c.model["vocab_size"] * 4 + (2 * n if c.processes > 1 else 0)
+    return static / GB, training / GB, generation / GB, (static + max(training, generation)) / GB
+
+
+COMMANDS = [
+    Command("grpo.py, Qwen2.5-0.5B-Instruct, GSM8K", QWEN_05B, trained=1, frozen=1, micro_batch=8, prompt=200,
+            completion=512, rollout=16 * 8, checkpointing=True),
+    Command("grpo.py, Qwen2.5-0.5B-Instruct, my_problems.jsonl", QWEN_05B, trained=1, frozen=1, micro_batch=8,
+            prompt=512, completion=512, rollout=32 * 8),
+    Command("ppo.py, Qwen2.5-0.5B-Instruct, GSM8K", QWEN_05B, trained=2, frozen=1, micro_batch=8, prompt=200,
+            completion=512, rollout=64, checkpointing=True),
+    Command("reward_model.py, Qwen2.5-0.5B-Instruct, my_pairs.jsonl", QWEN_05B, trained=1, frozen=0,
+            micro_batch=2 * 4, prompt=512, completion=512, checkpointing=True),
+    Command("dpo.py, Qwen2.5-0.5B-Instruct, my_pairs.jsonl", QWEN_05B, trained=1, frozen=1, micro_batch=2 * 4,
+            prompt=512, completion=512, checkpointing=True),
+    Command("sft.py, Qwen2.5-0.5B, my_sft_data.jsonl", QWEN_05B, trained=1, frozen=0, micro_batch=4, prompt=512,
+            completion=512),
+    Command("torchrun 8 x grpo.py --fsdp, Qwen2.5-7B-Instruct, GSM8K", QWEN_7B, trained=1, frozen=1, micro_batch=4,
+            prompt=200, completion=512, rollout=64 * 8 // 8, checkpointing=True, processes=8),
+]
+
+
+def table():
+    lines = ["| command | parameters | weights, gradients, AdamW, frozen models (GiB) | training pass (GiB) |"
+             " generation (GiB) | estimated peak per GPU (GiB) | fits on |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for c in COMMANDS:
+        static, training, generation, peak = estimate(c)
+        fits = next((f"a {card} GB GPU" for card in (24, 40, 80) if peak + 3 <= card), "no single GPU of 80 GB")
+        lines.append(f"| {c.name} | {parameters(c.model) / 1e9:.2f} B | {static:.1f} | {training:.1f} |"
+                     f" {generation:.1f} | {peak:.1f} | {fits} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table())
