@@ -19,7 +19,7 @@ mu) of `--num-minibatches` optimizer steps. See docs/grpo.md.
     python grpo.py                                   # bundled tiny model, addition task, CPU
     python grpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \
         --dataset-config main --max-new-tokens 512 --prompts-per-step 16 --micro-batch-size 8 \
-        --learning-rate 1e-6 --gradient-checkpointing  # a real model on a GPU
+        --learning-rate 1e-6 --num-eval 200 --eval-every 50 --gradient-checkpointing  # a real model on a GPU
 """
 
 import json
@@ -74,6 +74,8 @@ class Args:
     num_eval: int = 500  # held-out prompts for evaluation
     eval_every: int = 25  # evaluate greedy accuracy on the held-out prompts every this many steps, and at 0
     max_new_tokens: int = 8  # the longest completion, in tokens
+    max_prompt_length: int | None = None
+    """a longer prompt (its chat template included) keeps its last this many tokens; None: no limit"""
 
     # Optimisation
     num_steps: int = 300  # training steps (each: one batch of rollouts, then its updates)
@@ -95,10 +97,10 @@ class Args:
     """how token losses are averaged: the paper's, DAPO's, or Dr. GRPO's (docs/grpo.md)"""
     scale_rewards: bool = True  # divide by the group's std (`--no-scale-rewards`: Dr. GRPO)
 
-    # to be filled in at runtime
-    batch_size: int = 0  # completions per batch of rollouts (prompts_per_step * group_size)
-    minibatch_size: int = 0  # completions per optimizer step (batch_size // num_minibatches)
-    run_name: str = ""  # exp_name__seed__time
+    # to be filled in at runtime (not flags: the command line cannot set them)
+    batch_size: tyro.conf.Suppress[int] = 0  # completions per batch of rollouts (prompts_per_step * group_size)
+    minibatch_size: tyro.conf.Suppress[int] = 0  # completions per optimizer step (batch_size // num_minibatches)
+    run_name: tyro.conf.Suppress[str] = ""  # exp_name__seed__time
 
 
 # ---- ALGO LOGIC: GRPO's advantage and loss ------------------------------------------------------
@@ -182,19 +184,22 @@ def main(args):
         load_model(args.model_name_or_path, args, device, frozen=True), args)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     train_records, eval_records = load_task(args)
+    report_truncation(tokenizer, train_records + eval_records, args)  # with --max-prompt-length: what it cuts
     logger = Logger(args, output_dir)
     data_rng, shuffle_gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
     print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
 
-    start = time.time()
-    logger.log(0, {"eval/accuracy": evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids, device)})
+    start, no_signal = time.time(), []  # no_signal: no_signal_note's record of the first steps
+    logger.log(0, {"eval/accuracy": evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids, device,
+                                             args.max_prompt_length)})
     for step in range(1, args.num_steps + 1):
         step_start = clock(device)
         # 1. rollouts: G completions per prompt from pi_old, group-contiguous (prompt 0 G times, then prompt 1...)
         prompts = data_rng.choices(train_records, k=args.prompts_per_step)  # the same on every process: take a share
         group = [r for r in prompts[rank * num_prompts : (rank + 1) * num_prompts] for _ in range(args.group_size)]
         policy.eval()
-        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device)  # (B, P)
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device,
+                                                   args.max_prompt_length)  # (B, P)
         completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature,
                                   stop_ids)  # (B, T)
         generation_time = clock(device) - step_start
@@ -205,7 +210,8 @@ def main(args):
 
         # 2. reward each completion, and normalise the rewards within each group
         texts = decode_completions(tokenizer, completion_ids, mask)
-        rewards = torch.tensor([reward_fn(t, r["answer"]) for t, r in zip(texts, group)], device=device)  # (B,)
+        rewards = torch.tensor([reward_fn(t, r) for t, r in zip(texts, group)], device=device)  # (B,)
+        no_signal_note(step, rewards, args.group_size, no_signal)
         advantages = group_advantages(rewards, args.group_size, scale=args.scale_rewards)  # (B,)
 
         # 3. log-probs of pi_old and pi_ref, once per batch, without gradient. With one update per batch,
@@ -260,7 +266,7 @@ def main(args):
                 "charts/elapsed_time": time.time() - start})
             if evaluate_now:
                 metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids,
-                                                    device)
+                                                    device, args.max_prompt_length)
             logger.log(step, metrics)
 
     save(policy, tokenizer, output_dir)
@@ -271,18 +277,22 @@ def main(args):
 
 # ---- Helpers that only some of the files need: each is kept equal to its copy in the other files that have it ----
 def prompt_answer(record):
-    """{'prompt', 'answer'} from a prompt/answer record or a GSM8K question/answer record."""
+    """The record with its 'prompt' and 'answer' (text; None when it has none) from a prompt/answer record or a
+    GSM8K question/answer record; its other fields stay, for reward_fn."""
+    answer = None if record.get("answer") is None else str(record["answer"])
     if "question" in record:  # GSM8K: the reference answer follows '####'
-        return {"prompt": record["question"], "answer": record["answer"].split("####")[-1].strip()}
-    return {"prompt": record["prompt"], "answer": str(record["answer"])}
+        return {**record, "prompt": record["question"], "answer": answer and answer.split("####")[-1].strip()}
+    return {**record, "prompt": record["prompt"], "answer": answer}
 
 
-def load_task(args):
-    """(train, eval) lists of {'prompt', 'answer'} records."""
+def load_task(args, answers=True):
+    """(train, eval) lists of records with a 'prompt' and an 'answer'; with answers=False (a reward model scores
+    the completions) a record may hold a prompt alone, and its answer is None."""
     if args.dataset is None:
         return addition_task(args.num_eval, args.task)
     if args.dataset.endswith(".jsonl"):
-        records = read_jsonl(args.dataset, ("prompt", "answer"), ("question", "answer"))
+        needed = ("answer",) if answers else ()
+        records = read_jsonl(args.dataset, ("prompt", *needed), ("question", *needed))
         if len(records) <= args.num_eval:
             fail(f"--dataset {args.dataset}: {len(records)} records, but --num-eval {args.num_eval} are held out")
         records = [prompt_answer(r) for r in records]
@@ -290,6 +300,22 @@ def load_task(args):
     train = [prompt_answer(r) for r in load_hub_split(args.dataset, args.dataset_config, args.train_split)]
     held_out = load_hub_split(args.dataset, args.dataset_config, args.eval_split)[: args.num_eval]
     return train, [prompt_answer(r) for r in held_out]
+
+
+def no_signal_note(step, rewards, group_size, history, first_steps=5):
+    """Says once, at step `first_steps`, when in every step so far every group of completions (of every process)
+    had equal rewards: then no advantage carries a signal. history: a list kept across the steps.
+
+    rewards (B,) group-contiguous; PPO passes its whole batch as one group.
+    """
+    if step > first_steps:
+        return
+    grouped = rewards.view(-1, group_size)  # (groups, G)
+    history.append(all_sum((grouped.amax(dim=1) > grouped.amin(dim=1)).sum()).item() == 0)
+    if step == first_steps and all(history):
+        print(f"note: in the first {first_steps} steps every group of completions got equal rewards, so there is no"
+              " learning signal; likely cause: reward_fn scores every completion alike on your records (see"
+              " docs/your_own_task.md), or the task is too hard or too easy for this model within --max-new-tokens")
 
 
 # ==== Everything below this line is the same in every file, byte for byte (tests/test_shared.py checks it) ====
@@ -309,7 +335,7 @@ def exact_div(a, b, what):
 # the valid range of the numeric flags that every file has; each file adds its own (check_ranges)
 COMMON_RANGES = {"seed": "in [0, 4294967295]", "log_every": "> 0", "num_eval": "> 0", "eval_every": "> 0",
                  "max_new_tokens": "> 0", "num_steps": "> 0", "learning_rate": "> 0", "weight_decay": ">= 0",
-                 "max_grad_norm": "> 0", "micro_batch_size": "> 0"}
+                 "max_grad_norm": "> 0", "micro_batch_size": "> 0", "max_prompt_length": "> 0"}
 
 
 def check_ranges(args, ranges):
@@ -317,6 +343,8 @@ def check_ranges(args, ranges):
     are in no range. A range reads '> 0', '>= 2' or 'in [0, 0.5)', and may go on with a reason in words."""
     for name, spec in ranges.items():
         value = getattr(args, name)
+        if value is None:  # an optional flag left unset (no limit)
+            continue
         op, bounds = re.match(r"(>=|>|in) ([\[(][^\])]*[\])]|\S+)", spec).groups()
         if op == "in":
             low, high = (float(b) for b in bounds[1:-1].split(","))
@@ -355,11 +383,24 @@ def last_number(text):
     return float(found[-1].replace(",", "")) if found else None
 
 
-def reward_fn(completion, answer):
-    """1.0 when the last number in the completion equals the answer exactly, else 0.0.
+def normalized(text):
+    """Lower case, runs of white space as one space, without surrounding punctuation: ' Paris.' -> 'paris'."""
+    return " ".join(text.lower().split()).strip(" .,;:!?\"'`*()[]{}")
 
-    A whole-number match, not a substring: '5' scores 0 for the answer '55', and so does '555'.
+
+def reward_fn(completion, record):
+    """The reward of one completion: a float. Replace it to train on your own task (docs/your_own_task.md).
+
+    completion: the sampled text, decoded without special tokens, up to its first stop token.
+    record: the record its prompt came from: 'prompt', 'answer' and any other field of your data.
+    An answer with a number in it: 1.0 when the last number of the completion equals the answer's, else 0.0 (a
+    whole-number match: '5' scores 0 for '55', and so does '555'). Any other answer: 1.0 when the normalised
+    completion is the normalised answer or ends with it as whole words ('The capital is Paris.' for 'Paris').
     """
+    answer = str(record["answer"])
+    if last_number(answer) is None:  # a text answer
+        text, expected = normalized(completion), normalized(answer)
+        return float(bool(expected) and (text == expected or text.endswith(" " + expected)))
     value = last_number(completion)
     return float(value is not None and value == last_number(answer))
 
@@ -394,6 +435,29 @@ def read_jsonl(path, *schemas):
     if not records:
         fail(f"--dataset {path}: the file holds no records")
     return records
+
+
+def report_truncation(tokenizer, records, args, completion_keys=()):
+    """One console line on what the length limits cut: the prompts longer than --max-prompt-length (they lose
+    their first tokens) and, where a file has --max-length, the records whose prompt and completion (each of
+    completion_keys) come to more (the completion loses its end). Nothing when no limit is set."""
+    max_length = getattr(args, "max_length", None)
+    if args.max_prompt_length is None and max_length is None:
+        return
+    cut_prompts = cut_completions = 0
+    for i in range(0, len(records), 256):
+        chunk = records[i : i + 256]
+        prompt_lengths = tokenize_prompts(tokenizer, [r["prompt"] for r in chunk], "cpu")[1].sum(dim=1).tolist()
+        for record, length in zip(chunk, prompt_lengths):
+            cut_prompts += args.max_prompt_length is not None and length > args.max_prompt_length
+            kept = min(length, args.max_prompt_length or length)
+            cut_completions += max_length is not None and any(
+                kept + len(tokenizer(str(record[k]), add_special_tokens=False)["input_ids"]) + 1 > max_length
+                for k in completion_keys)
+    line = f"--max-prompt-length {args.max_prompt_length}: {cut_prompts} of {len(records)} prompts cut"
+    if max_length is not None:
+        line += f"; --max-length {max_length}: {cut_completions} of {len(records)} records' completions cut"
+    print(line)
 
 
 def load_hub_split(name, config, split):
@@ -479,15 +543,24 @@ def stop_token_ids(tokenizer, model):
     return sorted(set(ids) | {tokenizer.eos_token_id})
 
 
-def tokenize_prompts(tokenizer, prompts, device):
-    """Left-padded prompt ids and mask, (B, P); the chat template is applied when there is one."""
+def tokenize_prompts(tokenizer, prompts, device, max_length=None):
+    """Left-padded prompt ids and mask, (B, P); the chat template is applied when there is one. A prompt of more
+    than max_length tokens (--max-prompt-length) keeps its last max_length: its end is what a completion follows.
+
+    prompts = ["1+2=", "10+20="]  ->  ids = [[PAD, PAD, 1, +, 2, =], [1, 0, +, 2, 0, =]], mask = [[0, 0, 1, 1, 1, 1],
+                                                                                                [1, 1, 1, 1, 1, 1]]
+    """
     if tokenizer.chat_template:
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                add_generation_prompt=True) for p in prompts]
-        batch = tokenizer(texts, padding=True, padding_side="left", add_special_tokens=False, return_tensors="pt")
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     else:
-        batch = tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt")
-    return batch["input_ids"].to(device), batch["attention_mask"].to(device)
+        ids = tokenizer(prompts)["input_ids"]
+    ids = [i[-max_length:] if max_length is not None else i for i in ids]
+    width = max(len(i) for i in ids)
+    input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(i)) + i for i in ids], device=device)
+    mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=device)
+    return input_ids, mask
 
 
 @torch.no_grad()
@@ -640,7 +713,7 @@ def masked_mean(x, mask, dim=None):
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, batch_size=128):
+def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, max_prompt_length=None, batch_size=128):
     """Greedy accuracy on held-out records: the mean reward of greedy completions.
 
     Under torchrun each process takes every N-th record and the totals are added up (a remainder of fewer
@@ -651,10 +724,10 @@ def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, batch_
     total = 0.0
     for i in range(0, len(records), batch_size):
         chunk = records[i : i + batch_size]
-        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in chunk], device)
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in chunk], device, max_prompt_length)
         completion_ids = generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, None, stop_ids)
         texts = decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
-        total += sum(reward_fn(t, r["answer"]) for t, r in zip(texts, chunk))
+        total += sum(reward_fn(t, r) for t, r in zip(texts, chunk))
     right, count = all_sum(torch.tensor([total, len(records)], dtype=torch.float64)).tolist()  # of all processes
     return right / count
 

@@ -16,7 +16,8 @@ docs/reward_model.md.
 
     python reward_model.py                           # bundled tiny model, addition pairs, CPU
     python reward_model.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset my_pairs.jsonl \
-        --micro-batch-size 4 --learning-rate 1e-5 --gradient-checkpointing  # a real model on a GPU
+        --max-prompt-length 512 --max-length 1024 --micro-batch-size 4 --learning-rate 1e-5 --num-steps 1000 \
+        --num-eval 100 --gradient-checkpointing  # a real model on a GPU
 """
 
 import itertools
@@ -73,6 +74,11 @@ class Args:
     num_eval: int = 500  # held-out prompts (the addition task) or pairs (a dataset)
     eval_every: int = 250  # evaluate every this many steps, and at 0
     max_new_tokens: int = 8  # the longest completion sampled for the pairs
+    max_prompt_length: int | None = None
+    """a longer prompt (its chat template included) keeps its last this many tokens; None: no limit"""
+    max_length: int | None = None
+    """a longer prompt + completion keeps this many tokens, the completion losing its end (EOS too); needs
+    --max-prompt-length below it; None: no limit"""
     num_train_prompts: int = 9500  # addition prompts turned into training pairs (9500: all of them)
     pair_samples: int = 4  # completions sampled per addition prompt, to be judged right or wrong
     pair_temperature: float = 1.0  # the temperature those completions are sampled at
@@ -93,8 +99,8 @@ class Args:
     # Algorithm specific arguments
     batch_size: int = 32  # prompts per optimizer step, each with all its pairs (a dataset's record: one pair)
 
-    # to be filled in at runtime
-    run_name: str = ""  # exp_name__seed__time
+    # to be filled in at runtime (not flags: the command line cannot set them)
+    run_name: tyro.conf.Suppress[str] = ""  # exp_name__seed__time
 
 
 # ---- ALGO LOGIC: the reward model's score and the Bradley-Terry loss -----------------------------
@@ -126,8 +132,10 @@ def bradley_terry_loss(chosen_scores, rejected_scores, margin=None):
 
 
 def main(args):
-    check_ranges(args, {**COMMON_RANGES, "num_train_prompts": "> 0", "pair_samples": "> 0",
+    check_ranges(args, {**COMMON_RANGES, "max_length": ">= 2", "num_train_prompts": "> 0", "pair_samples": "> 0",
                         "pair_temperature": "> 0", "batch_size": "> 0"})
+    if args.max_length is not None and (args.max_prompt_length is None or args.max_prompt_length >= args.max_length):
+        fail(f"--max-length {args.max_length} needs --max-prompt-length below it (the prompt's share of it)")
     args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     device = setup(args)
     rank, world = rank_and_world()
@@ -139,11 +147,12 @@ def main(args):
     # the pairs, made once at the start (the built-in task: the negatives sampled from the starting policy)
     tokenizer = load_tokenizer(args.model_name_or_path, args)
     train_pairs, eval_pairs = load_preferences(args, tokenizer, device)
+    if args.dataset is not None:  # with --max-prompt-length and --max-length: what they cut
+        report_truncation(tokenizer, train_pairs + eval_pairs, args, ("chosen", "rejected"))
     if not train_pairs or not eval_pairs:
         fail(f"no preference pairs to {'train' if not train_pairs else 'evaluate'} on; check --dataset")
     # the reward model: the same checkpoint with a new head of one output
-    model = load_scorer(args.model_name_or_path, args, device, "the reward model")
-    model.config.pad_token_id = tokenizer.pad_token_id
+    model = load_scorer(args.model_name_or_path, args, device, "the reward model", tokenizer)
     model = distribute(model, args)  # under torchrun: DDP, or FSDP2 with --fsdp (the new head: rank 0's)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     logger = Logger(args, output_dir)
@@ -162,7 +171,7 @@ def main(args):
     def eval_metrics():
         model.eval()
         pairs = share_of(eval_pairs)  # this process's share of the held-out pairs
-        diffs = [torch.sub(*scores(pair_batch(tokenizer, pairs[i : i + args.micro_batch_size], device)))
+        diffs = [torch.sub(*scores(pair_batch(tokenizer, pairs[i : i + args.micro_batch_size], device, args)))
                  for i in range(0, len(pairs), args.micro_batch_size)]
         return {"eval/pair_accuracy": all_sum(pair_accuracy(torch.cat(diffs))).item() / world}  # equal shares
 
@@ -180,7 +189,7 @@ def main(args):
         step_stats, num_tokens = [], 0
         for i in range(0, batch_size, args.micro_batch_size):  # the same number of passes in every process
             pairs = [pair for group in batch[i : i + args.micro_batch_size] for pair in group]
-            tokens = pair_batch(tokenizer, pairs, device)
+            tokens = pair_batch(tokenizer, pairs, device, args)
             chosen, rejected = scores(tokens)  # chosen and rejected through one forward pass
             num_tokens += tokens[-1].sum().item()  # completion tokens of the 2b sequences
             margin = torch.tensor([float(p["margin"]) for p in pairs], device=device) if "margin" in pairs[0] else None
@@ -211,11 +220,13 @@ def main(args):
 
 
 # ---- Helpers that only some of the files need: each is kept equal to its copy in the other files that have it ----
-def load_scorer(path, args, device, what, flag="--model-name-or-path", frozen=False):
+def load_scorer(path, args, device, what, tokenizer, flag="--model-name-or-path", frozen=False):
     """A sequence classifier with one output (a reward or value model) from `path`.
 
     On a language model's checkpoint the score head is new, as it should be: one line says so instead of
-    transformers' load report. A report that lists any other weight, missing or unexpected, still shows.
+    transformers' load report. A report that lists any other weight, missing or unexpected, still shows. The
+    tokenizer's pad id goes into the config: transformers' own pooling stops without one (Qwen2.5's configs have
+    none), though the files read the score at the last token of the attention mask, not by the pad id.
     """
     held = []
     hold = held.append  # a logging filter that returns None keeps the record from the handlers
@@ -233,18 +244,22 @@ def load_scorer(path, args, device, what, flag="--model-name-or-path", frozen=Fa
             print(f"{what}: a new score head on {path}, which has none (as expected for a language model)")
         else:
             report_logger.handle(record)
+    model.config.pad_token_id = tokenizer.pad_token_id
     return model
 
 
-def completion_batch(tokenizer, prompts, completions, device):
-    """Prompt (left-padded) then completion + EOS (right-padded): ids (B, P + T), mask (B, T).
+def completion_batch(tokenizer, prompts, completions, device, max_prompt_length=None, max_length=None):
+    """Prompt (left-padded) then completion + EOS (right-padded): ids (B, P + T), mask (B, T). A prompt keeps its
+    last max_prompt_length tokens, and a completion the tokens that fit in max_length with its prompt.
 
     prompts = ["1+2=", "10+20="], completions = ["3", "30"]
     input_ids = [[PAD, PAD, 1, +, 2, = | 3, EOS, PAD],       completion_mask = [[1, 1, 0],
                  [1,   0,   +, 2, 0, = | 3, 0,   EOS]]                          [1, 1, 1]]
     """
-    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device)
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device, max_prompt_length)  # (B, P)
     ids = [tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for c in completions]
+    if max_length is not None:  # cut from the end: a completion cut short loses its EOS too
+        ids = [c[: max_length - n] for c, n in zip(ids, prompt_mask.sum(dim=1).tolist())]
     length = max(len(c) for c in ids)
     completion_ids = torch.tensor([c + [tokenizer.pad_token_id] * (length - len(c)) for c in ids], device=device)
     mask = torch.tensor([[1] * len(c) + [0] * (length - len(c)) for c in ids], device=device)  # (B, T)
@@ -277,8 +292,8 @@ def addition_pairs(policy, tokenizer, records, samples, max_new_tokens, device, 
         texts = decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
         for j, r in enumerate(part):
             sampled = list(dict.fromkeys(t.strip() for t in texts[j * samples : (j + 1) * samples]))  # distinct
-            wrong = [t for t in sampled if t and not reward_fn(t, r["answer"])]
-            right = [t for t in sampled if reward_fn(t, r["answer"])] if chosen != "answer" else []
+            wrong = [t for t in sampled if t and not reward_fn(t, r)]
+            right = [t for t in sampled if reward_fn(t, r)] if chosen != "answer" else []
             right = right or ([r["answer"]] if chosen != "sample" else [])
             if pairs == "first":
                 right, wrong = right[:1], wrong[:1]
@@ -311,10 +326,12 @@ def load_preferences(args, tokenizer, device, policy=None):
     return train, load_hub_split(args.dataset, args.dataset_config, args.eval_split)[: args.num_eval]
 
 
-def pair_batch(tokenizer, pairs, device):
-    """Chosen then rejected, one sequence each, in one batch: rows i and i + len(pairs) share a prompt."""
+def pair_batch(tokenizer, pairs, device, args):
+    """Chosen then rejected, one sequence each, in one batch: rows i and i + len(pairs) share a prompt (cut to
+    --max-prompt-length and --max-length)."""
     prompts = [p["prompt"] for p in pairs] * 2
-    return completion_batch(tokenizer, prompts, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], device)
+    completions = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
+    return completion_batch(tokenizer, prompts, completions, device, args.max_prompt_length, args.max_length)
 
 
 def pair_accuracy(margins):
@@ -339,7 +356,7 @@ def exact_div(a, b, what):
 # the valid range of the numeric flags that every file has; each file adds its own (check_ranges)
 COMMON_RANGES = {"seed": "in [0, 4294967295]", "log_every": "> 0", "num_eval": "> 0", "eval_every": "> 0",
                  "max_new_tokens": "> 0", "num_steps": "> 0", "learning_rate": "> 0", "weight_decay": ">= 0",
-                 "max_grad_norm": "> 0", "micro_batch_size": "> 0"}
+                 "max_grad_norm": "> 0", "micro_batch_size": "> 0", "max_prompt_length": "> 0"}
 
 
 def check_ranges(args, ranges):
@@ -347,6 +364,8 @@ def check_ranges(args, ranges):
     are in no range. A range reads '> 0', '>= 2' or 'in [0, 0.5)', and may go on with a reason in words."""
     for name, spec in ranges.items():
         value = getattr(args, name)
+        if value is None:  # an optional flag left unset (no limit)
+            continue
         op, bounds = re.match(r"(>=|>|in) ([\[(][^\])]*[\])]|\S+)", spec).groups()
         if op == "in":
             low, high = (float(b) for b in bounds[1:-1].split(","))
@@ -385,11 +404,24 @@ def last_number(text):
     return float(found[-1].replace(",", "")) if found else None
 
 
-def reward_fn(completion, answer):
-    """1.0 when the last number in the completion equals the answer exactly, else 0.0.
+def normalized(text):
+    """Lower case, runs of white space as one space, without surrounding punctuation: ' Paris.' -> 'paris'."""
+    return " ".join(text.lower().split()).strip(" .,;:!?\"'`*()[]{}")
 
-    A whole-number match, not a substring: '5' scores 0 for the answer '55', and so does '555'.
+
+def reward_fn(completion, record):
+    """The reward of one completion: a float. Replace it to train on your own task (docs/your_own_task.md).
+
+    completion: the sampled text, decoded without special tokens, up to its first stop token.
+    record: the record its prompt came from: 'prompt', 'answer' and any other field of your data.
+    An answer with a number in it: 1.0 when the last number of the completion equals the answer's, else 0.0 (a
+    whole-number match: '5' scores 0 for '55', and so does '555'). Any other answer: 1.0 when the normalised
+    completion is the normalised answer or ends with it as whole words ('The capital is Paris.' for 'Paris').
     """
+    answer = str(record["answer"])
+    if last_number(answer) is None:  # a text answer
+        text, expected = normalized(completion), normalized(answer)
+        return float(bool(expected) and (text == expected or text.endswith(" " + expected)))
     value = last_number(completion)
     return float(value is not None and value == last_number(answer))
 
@@ -424,6 +456,29 @@ def read_jsonl(path, *schemas):
     if not records:
         fail(f"--dataset {path}: the file holds no records")
     return records
+
+
+def report_truncation(tokenizer, records, args, completion_keys=()):
+    """One console line on what the length limits cut: the prompts longer than --max-prompt-length (they lose
+    their first tokens) and, where a file has --max-length, the records whose prompt and completion (each of
+    completion_keys) come to more (the completion loses its end). Nothing when no limit is set."""
+    max_length = getattr(args, "max_length", None)
+    if args.max_prompt_length is None and max_length is None:
+        return
+    cut_prompts = cut_completions = 0
+    for i in range(0, len(records), 256):
+        chunk = records[i : i + 256]
+        prompt_lengths = tokenize_prompts(tokenizer, [r["prompt"] for r in chunk], "cpu")[1].sum(dim=1).tolist()
+        for record, length in zip(chunk, prompt_lengths):
+            cut_prompts += args.max_prompt_length is not None and length > args.max_prompt_length
+            kept = min(length, args.max_prompt_length or length)
+            cut_completions += max_length is not None and any(
+                kept + len(tokenizer(str(record[k]), add_special_tokens=False)["input_ids"]) + 1 > max_length
+                for k in completion_keys)
+    line = f"--max-prompt-length {args.max_prompt_length}: {cut_prompts} of {len(records)} prompts cut"
+    if max_length is not None:
+        line += f"; --max-length {max_length}: {cut_completions} of {len(records)} records' completions cut"
+    print(line)
 
 
 def load_hub_split(name, config, split):
@@ -509,15 +564,24 @@ def stop_token_ids(tokenizer, model):
     return sorted(set(ids) | {tokenizer.eos_token_id})
 
 
-def tokenize_prompts(tokenizer, prompts, device):
-    """Left-padded prompt ids and mask, (B, P); the chat template is applied when there is one."""
+def tokenize_prompts(tokenizer, prompts, device, max_length=None):
+    """Left-padded prompt ids and mask, (B, P); the chat template is applied when there is one. A prompt of more
+    than max_length tokens (--max-prompt-length) keeps its last max_length: its end is what a completion follows.
+
+    prompts = ["1+2=", "10+20="]  ->  ids = [[PAD, PAD, 1, +, 2, =], [1, 0, +, 2, 0, =]], mask = [[0, 0, 1, 1, 1, 1],
+                                                                                                [1, 1, 1, 1, 1, 1]]
+    """
     if tokenizer.chat_template:
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                add_generation_prompt=True) for p in prompts]
-        batch = tokenizer(texts, padding=True, padding_side="left", add_special_tokens=False, return_tensors="pt")
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     else:
-        batch = tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt")
-    return batch["input_ids"].to(device), batch["attention_mask"].to(device)
+        ids = tokenizer(prompts)["input_ids"]
+    ids = [i[-max_length:] if max_length is not None else i for i in ids]
+    width = max(len(i) for i in ids)
+    input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(i)) + i for i in ids], device=device)
+    mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=device)
+    return input_ids, mask
 
 
 @torch.no_grad()
@@ -670,7 +734,7 @@ def masked_mean(x, mask, dim=None):
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, batch_size=128):
+def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, max_prompt_length=None, batch_size=128):
     """Greedy accuracy on held-out records: the mean reward of greedy completions.
 
     Under torchrun each process takes every N-th record and the totals are added up (a remainder of fewer
@@ -681,10 +745,10 @@ def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, batch_
     total = 0.0
     for i in range(0, len(records), batch_size):
         chunk = records[i : i + batch_size]
-        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in chunk], device)
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in chunk], device, max_prompt_length)
         completion_ids = generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, None, stop_ids)
         texts = decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
-        total += sum(reward_fn(t, r["answer"]) for t, r in zip(texts, chunk))
+        total += sum(reward_fn(t, r) for t, r in zip(texts, chunk))
     right, count = all_sum(torch.tensor([total, len(records)], dtype=torch.float64)).tolist()  # of all processes
     return right / count
 

@@ -12,10 +12,11 @@ purpose, so that its held-out greedy accuracy leaves room for reinforcement lear
 `--model-name-or-path` starts from any causal LM instead, and `--dataset` takes a JSONL file of
 prompt/completion records. See docs/sft.md.
 
-    python sft.py                                 # regenerate the bundled model, on the CPU
-    python sft.py --output-dir tiny-adder         # ...written where the other files look for it
-    python sft.py --model-name-or-path Qwen/Qwen2.5-0.5B --dataset my_data.jsonl --num-steps 1000 \
-        --batch-size 16 --micro-batch-size 4 --learning-rate 1e-5 --max-new-tokens 256  # on a GPU
+    python sft.py                                 # the bundled model's recipe, on the CPU
+    python sft.py --output-dir tiny-adder-again   # ...into a folder of your choice (tiny-adder/ is the bundled one)
+    python sft.py --model-name-or-path Qwen/Qwen2.5-0.5B --dataset my_sft_data.jsonl --max-prompt-length 512 \
+        --max-length 1024 --num-steps 1000 --batch-size 16 --micro-batch-size 4 --learning-rate 1e-5 \
+        --num-eval 100  # on a GPU
 """
 
 import json
@@ -66,6 +67,11 @@ class Args:
     num_eval: int = 500  # held-out records (the last ones of a .jsonl file)
     eval_every: int = 100  # evaluate every this many steps (and at step 0)
     max_new_tokens: int = 8  # the longest completion generated when evaluating greedy accuracy
+    max_prompt_length: int | None = None
+    """a longer prompt (its chat template included) keeps its last this many tokens; None: no limit"""
+    max_length: int | None = None
+    """a longer prompt + completion keeps this many tokens, the completion losing its end (EOS too); needs
+    --max-prompt-length below it; None: no limit"""
 
     # Optimisation
     num_steps: int = 300  # optimizer steps
@@ -80,8 +86,8 @@ class Args:
     num_layers: int = 2  # the tiny model's transformer blocks
     num_heads: int = 4  # the tiny model's attention heads
 
-    # to be filled in at runtime
-    run_name: str = ""  # exp_name__seed__time
+    # to be filled in at runtime (not flags: the command line cannot set them)
+    run_name: tyro.conf.Suppress[str] = ""  # exp_name__seed__time
 
 
 # ---- ALGO LOGIC: the tiny model and the loss of SFT ---------------------------------------------
@@ -116,10 +122,12 @@ def sft_loss(logprobs, mask):
 
 
 def main(args):
-    check_ranges(args, {**COMMON_RANGES, "batch_size": "> 0", "hidden_size": "> 0", "num_layers": "> 0",
-                        "num_heads": "> 0"})
+    check_ranges(args, {**COMMON_RANGES, "max_length": ">= 2", "batch_size": "> 0", "hidden_size": "> 0",
+                        "num_layers": "> 0", "num_heads": "> 0"})
     if args.model_name_or_path is None:
         exact_div(args.hidden_size, args.num_heads, "--hidden-size by --num-heads")
+    if args.max_length is not None and (args.max_prompt_length is None or args.max_prompt_length >= args.max_length):
+        fail(f"--max-length {args.max_length} needs --max-prompt-length below it (the prompt's share of it)")
     args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     device = setup(args)
     rank, world = rank_and_world()
@@ -149,6 +157,7 @@ def main(args):
         if len(records) <= args.num_eval:
             fail(f"--dataset {args.dataset}: {len(records)} records, but --num-eval {args.num_eval} are held out")
         train_records, eval_records = records[: -args.num_eval], records[-args.num_eval :]
+        report_truncation(tokenizer, records, args, ("completion",))  # with --max-prompt-length and --max-length
     logger = Logger(args, output_dir)
     data_rng = random.Random(args.seed)
     print(f"{args.run_name}: {num_params} parameters, {len(train_records)} training records, device {device}")
@@ -162,12 +171,14 @@ def main(args):
                 chunk = records[i : i + args.micro_batch_size]
                 completions = [r.get("completion", r.get("answer")) for r in chunk]  # the addition task: the answer
                 input_ids, attention_mask, prompt_len, mask = completion_batch(
-                    tokenizer, [r["prompt"] for r in chunk], completions, device)
+                    tokenizer, [r["prompt"] for r in chunk], completions, device, args.max_prompt_length,
+                    args.max_length)
                 logprobs = sequence_logprobs(model, input_ids, attention_mask, prompt_len)  # (b, T)
                 losses.append(sft_loss(logprobs, mask) * len(chunk))
         metrics = {"eval/loss": all_sum(torch.stack(losses).sum()).item() / (len(records) * world)}
         if "answer" in eval_records[0]:
-            metrics["eval/accuracy"] = evaluate(model, tokenizer, eval_records, args.max_new_tokens, stop_ids, device)
+            metrics["eval/accuracy"] = evaluate(model, tokenizer, eval_records, args.max_new_tokens, stop_ids, device,
+                                                args.max_prompt_length)
         return metrics
 
     start = time.time()
@@ -178,7 +189,8 @@ def main(args):
         model.train()
         optimizer.zero_grad()
         input_ids, attention_mask, prompt_len, mask = completion_batch(
-            tokenizer, [r["prompt"] for r in batch], [r["completion"] for r in batch], device)  # (B, P + T), (B, T)
+            tokenizer, [r["prompt"] for r in batch], [r["completion"] for r in batch], device, args.max_prompt_length,
+            args.max_length)  # (B, P + T), (B, T)
         batch_loss = 0.0
         for idx in torch.arange(batch_size).split(args.micro_batch_size):
             logprobs = sequence_logprobs(model, input_ids[idx], attention_mask[idx], prompt_len)  # (b, T)
@@ -210,15 +222,18 @@ def main(args):
 
 
 # ---- Helpers that only some of the files need: each is kept equal to its copy in the other files that have it ----
-def completion_batch(tokenizer, prompts, completions, device):
-    """Prompt (left-padded) then completion + EOS (right-padded): ids (B, P + T), mask (B, T).
+def completion_batch(tokenizer, prompts, completions, device, max_prompt_length=None, max_length=None):
+    """Prompt (left-padded) then completion + EOS (right-padded): ids (B, P + T), mask (B, T). A prompt keeps its
+    last max_prompt_length tokens, and a completion the tokens that fit in max_length with its prompt.
 
     prompts = ["1+2=", "10+20="], completions = ["3", "30"]
     input_ids = [[PAD, PAD, 1, +, 2, = | 3, EOS, PAD],       completion_mask = [[1, 1, 0],
                  [1,   0,   +, 2, 0, = | 3, 0,   EOS]]                          [1, 1, 1]]
     """
-    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device)
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device, max_prompt_length)  # (B, P)
     ids = [tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for c in completions]
+    if max_length is not None:  # cut from the end: a completion cut short loses its EOS too
+        ids = [c[: max_length - n] for c, n in zip(ids, prompt_mask.sum(dim=1).tolist())]
     length = max(len(c) for c in ids)
     completion_ids = torch.tensor([c + [tokenizer.pad_token_id] * (length - len(c)) for c in ids], device=device)
     mask = torch.tensor([[1] * len(c) + [0] * (length - len(c)) for c in ids], device=device)  # (B, T)
@@ -243,7 +258,7 @@ def exact_div(a, b, what):
 # the valid range of the numeric flags that every file has; each file adds its own (check_ranges)
 COMMON_RANGES = {"seed": "in [0, 4294967295]", "log_every": "> 0", "num_eval": "> 0", "eval_every": "> 0",
                  "max_new_tokens": "> 0", "num_steps": "> 0", "learning_rate": "> 0", "weight_decay": ">= 0",
-                 "max_grad_norm": "> 0", "micro_batch_size": "> 0"}
+                 "max_grad_norm": "> 0", "micro_batch_size": "> 0", "max_prompt_length": "> 0"}
 
 
 def check_ranges(args, ranges):
@@ -251,6 +266,8 @@ def check_ranges(args, ranges):
     are in no range. A range reads '> 0', '>= 2' or 'in [0, 0.5)', and may go on with a reason in words."""
     for name, spec in ranges.items():
         value = getattr(args, name)
+        if value is None:  # an optional flag left unset (no limit)
+            continue
         op, bounds = re.match(r"(>=|>|in) ([\[(][^\])]*[\])]|\S+)", spec).groups()
         if op == "in":
             low, high = (float(b) for b in bounds[1:-1].split(","))
@@ -289,11 +306,24 @@ def last_number(text):
     return float(found[-1].replace(",", "")) if found else None
 
 
-def reward_fn(completion, answer):
-    """1.0 when the last number in the completion equals the answer exactly, else 0.0.
+def normalized(text):
+    """Lower case, runs of white space as one space, without surrounding punctuation: ' Paris.' -> 'paris'."""
+    return " ".join(text.lower().split()).strip(" .,;:!?\"'`*()[]{}")
 
-    A whole-number match, not a substring: '5' scores 0 for the answer '55', and so does '555'.
+
+def reward_fn(completion, record):
+    """The reward of one completion: a float. Replace it to train on your own task (docs/your_own_task.md).
+
+    completion: the sampled text, decoded without special tokens, up to its first stop token.
+    record: the record its prompt came from: 'prompt', 'answer' and any other field of your data.
+    An answer with a number in it: 1.0 when the last number of the completion equals the answer's, else 0.0 (a
+    whole-number match: '5' scores 0 for '55', and so does '555'). Any other answer: 1.0 when the normalised
+    completion is the normalised answer or ends with it as whole words ('The capital is Paris.' for 'Paris').
     """
+    answer = str(record["answer"])
+    if last_number(answer) is None:  # a text answer
+        text, expected = normalized(completion), normalized(answer)
+        return float(bool(expected) and (text == expected or text.endswith(" " + expected)))
     value = last_number(completion)
     return float(value is not None and value == last_number(answer))
 
@@ -328,6 +358,29 @@ def read_jsonl(path, *schemas):
     if not records:
         fail(f"--dataset {path}: the file holds no records")
     return records
+
+
+def report_truncation(tokenizer, records, args, completion_keys=()):
+    """One console line on what the length limits cut: the prompts longer than --max-prompt-length (they lose
+    their first tokens) and, where a file has --max-length, the records whose prompt and completion (each of
+    completion_keys) come to more (the completion loses its end). Nothing when no limit is set."""
+    max_length = getattr(args, "max_length", None)
+    if args.max_prompt_length is None and max_length is None:
+        return
+    cut_prompts = cut_completions = 0
+    for i in range(0, len(records), 256):
+        chunk = records[i : i + 256]
+        prompt_lengths = tokenize_prompts(tokenizer, [r["prompt"] for r in chunk], "cpu")[1].sum(dim=1).tolist()
+        for record, length in zip(chunk, prompt_lengths):
+            cut_prompts += args.max_prompt_length is not None and length > args.max_prompt_length
+            kept = min(length, args.max_prompt_length or length)
+            cut_completions += max_length is not None and any(
+                kept + len(tokenizer(str(record[k]), add_special_tokens=False)["input_ids"]) + 1 > max_length
+                for k in completion_keys)
+    line = f"--max-prompt-length {args.max_prompt_length}: {cut_prompts} of {len(records)} prompts cut"
+    if max_length is not None:
+        line += f"; --max-length {max_length}: {cut_completions} of {len(records)} records' completions cut"
+    print(line)
 
 
 def load_hub_split(name, config, split):
@@ -413,15 +466,24 @@ def stop_token_ids(tokenizer, model):
     return sorted(set(ids) | {tokenizer.eos_token_id})
 
 
-def tokenize_prompts(tokenizer, prompts, device):
-    """Left-padded prompt ids and mask, (B, P); the chat template is applied when there is one."""
+def tokenize_prompts(tokenizer, prompts, device, max_length=None):
+    """Left-padded prompt ids and mask, (B, P); the chat template is applied when there is one. A prompt of more
+    than max_length tokens (--max-prompt-length) keeps its last max_length: its end is what a completion follows.
+
+    prompts = ["1+2=", "10+20="]  ->  ids = [[PAD, PAD, 1, +, 2, =], [1, 0, +, 2, 0, =]], mask = [[0, 0, 1, 1, 1, 1],
+                                                                                                [1, 1, 1, 1, 1, 1]]
+    """
     if tokenizer.chat_template:
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                add_generation_prompt=True) for p in prompts]
-        batch = tokenizer(texts, padding=True, padding_side="left", add_special_tokens=False, return_tensors="pt")
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     else:
-        batch = tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt")
-    return batch["input_ids"].to(device), batch["attention_mask"].to(device)
+        ids = tokenizer(prompts)["input_ids"]
+    ids = [i[-max_length:] if max_length is not None else i for i in ids]
+    width = max(len(i) for i in ids)
+    input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(i)) + i for i in ids], device=device)
+    mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=device)
+    return input_ids, mask
 
 
 @torch.no_grad()
@@ -574,7 +636,7 @@ def masked_mean(x, mask, dim=None):
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, batch_size=128):
+def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, max_prompt_length=None, batch_size=128):
     """Greedy accuracy on held-out records: the mean reward of greedy completions.
 
     Under torchrun each process takes every N-th record and the totals are added up (a remainder of fewer
@@ -585,10 +647,10 @@ def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, batch_
     total = 0.0
     for i in range(0, len(records), batch_size):
         chunk = records[i : i + batch_size]
-        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in chunk], device)
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in chunk], device, max_prompt_length)
         completion_ids = generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, None, stop_ids)
         texts = decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
-        total += sum(reward_fn(t, r["answer"]) for t, r in zip(texts, chunk))
+        total += sum(reward_fn(t, r) for t, r in zip(texts, chunk))
     right, count = all_sum(torch.tensor([total, len(records)], dtype=torch.float64)).tolist()  # of all processes
     return right / count
 

@@ -84,7 +84,8 @@ def test_two_copies_of_the_bundled_model_tie_within_rounding_and_a_changed_one_d
     """dpo.py's step 0: the policy and a frozen reference loaded from one folder. Their margins may
     differ from 0 in the last bits (they do on some CPUs), but stay inside rounding_tolerance; a
     reference whose weights really differ (by about one per cent) is ranked outside it."""
-    args = SimpleNamespace(trust_remote_code=False, dtype="float32", gradient_checkpointing=False)
+    args = SimpleNamespace(trust_remote_code=False, dtype="float32", gradient_checkpointing=False,
+                           max_prompt_length=None, max_length=None)
     path, device = os.path.join(ROOT, "tiny-adder"), torch.device("cpu")
     tokenizer = load_tokenizer(path, args)
     policy = load_model(path, args, device).eval()
@@ -95,7 +96,7 @@ def test_two_copies_of_the_bundled_model_tie_within_rounding_and_a_changed_one_d
             p.mul_(1 + 1e-2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
     held_out = addition_task(num_eval=64)[1]
     pairs = [{"prompt": r["prompt"], "chosen": r["answer"], "rejected": str(int(r["answer"]) + 10)} for r in held_out]
-    tokens = pair_batch(tokenizer, pairs, device)
+    tokens = pair_batch(tokenizer, pairs, device, args)
     with torch.no_grad():
         (pc, pr), (rc, rr), (cc, cr) = (completion_logps(m, *tokens).chunk(2) for m in (policy, reference, changed))
     tolerance = rounding_tolerance(tokens[-1], torch.float32)  # (64,)

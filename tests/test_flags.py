@@ -26,12 +26,13 @@ SCRIPTS = ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "dpo.py", "rew
 POSITIVE, NON_NEGATIVE, UNIT = (0, False, None, False), (0, True, None, False), (0, True, 1, True)
 COMMON = {"seed": (0, True, 2**32 - 1, True), "log_every": POSITIVE, "num_eval": POSITIVE, "eval_every": POSITIVE,
           "max_new_tokens": POSITIVE, "num_steps": POSITIVE, "learning_rate": POSITIVE, "weight_decay": NON_NEGATIVE,
-          "max_grad_norm": POSITIVE, "micro_batch_size": POSITIVE}
+          "max_grad_norm": POSITIVE, "micro_batch_size": POSITIVE, "max_prompt_length": POSITIVE}
 GROUP = {"prompts_per_step": POSITIVE, "group_size": (2, True, None, False), "temperature": POSITIVE}
 CLIPPED = {"num_iterations": POSITIVE, "num_minibatches": POSITIVE, "clip_eps_low": UNIT,
            "clip_eps_high": NON_NEGATIVE}
 PAIRS = {"num_train_prompts": POSITIVE, "pair_samples": POSITIVE, "pair_temperature": POSITIVE,
          "batch_size": POSITIVE}
+LENGTH = {"max_length": (2, True, None, False)}  # with --max-prompt-length below it
 RANGES = {
     "grpo.py": {**COMMON, **GROUP, **CLIPPED, "beta": NON_NEGATIVE},
     "rloo.py": {**COMMON, **GROUP, "beta": NON_NEGATIVE},
@@ -41,14 +42,16 @@ RANGES = {
                "num_minibatches": POSITIVE, "beta": NON_NEGATIVE, "kl_target": NON_NEGATIVE, "kl_horizon": POSITIVE,
                "clip_eps": (0, False, 1, True), "clip_value": NON_NEGATIVE, "vf_coef": NON_NEGATIVE, "gamma": UNIT,
                "lam": UNIT, "missing_eos_penalty": NON_NEGATIVE},
-    "dpo.py": {**COMMON, **PAIRS, "beta": POSITIVE, "label_smoothing": (0, True, 0.5, False)},
-    "reward_model.py": {**COMMON, **PAIRS},
-    "sft.py": {**COMMON, "batch_size": POSITIVE, "hidden_size": POSITIVE, "num_layers": POSITIVE,
+    "dpo.py": {**COMMON, **PAIRS, **LENGTH, "beta": POSITIVE, "label_smoothing": (0, True, 0.5, False)},
+    "reward_model.py": {**COMMON, **PAIRS, **LENGTH},
+    "sft.py": {**COMMON, **LENGTH, "batch_size": POSITIVE, "hidden_size": POSITIVE, "num_layers": POSITIVE,
                "num_heads": POSITIVE},
 }
 # a valid value at an edge can still make a batch that does not divide: these flags keep the rest valid
 VALID_WITH = {("ppo.py", "prompts_per_step"): ["--num-minibatches", "1"],
-              ("sft.py", "hidden_size"): ["--num-heads", "1"]}
+              ("sft.py", "hidden_size"): ["--num-heads", "1"],
+              **{(script, "max_length"): ["--max-prompt-length", "1"] for script in ("dpo.py", "reward_model.py",
+                                                                                     "sft.py")}}
 
 # runs a script once per case in one process, as `python script ...` does; building any model stops the case
 HARNESS = """
@@ -222,13 +225,14 @@ def test_a_new_score_head_is_one_line_and_any_other_load_problem_still_shows(tmp
     """On a language model's checkpoint the score head is new: one line of ours, no load report. A checkpoint that
     also lacks another weight gets transformers' report as before; a reward model's own checkpoint gets neither."""
     args, cpu = ppo.Args(), torch.device("cpu")
-    model = ppo.load_scorer(os.path.join(ROOT, "tiny-adder"), args, cpu, "the value model")
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "tiny-adder"))
+    model = ppo.load_scorer(os.path.join(ROOT, "tiny-adder"), args, cpu, "the value model", tokenizer)
     assert "the value model: a new score head on" in capsys.readouterr().out and "LOAD REPORT" not in caplog.text
     assert model.score.weight.shape[0] == 1
     broken = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "tiny-adder"))
     state = {k: v for k, v in broken.state_dict().items() if k != "model.norm.weight"}
     broken.save_pretrained(tmp_path / "broken", state_dict=state)
-    ppo.load_scorer(str(tmp_path / "broken"), args, cpu, "the value model")
+    ppo.load_scorer(str(tmp_path / "broken"), args, cpu, "the value model", tokenizer)
     assert "a new score head" not in capsys.readouterr().out
     assert "LOAD REPORT" in caplog.text and "model.norm.weight" in caplog.text and "score.weight" in caplog.text
     caplog.clear()
@@ -236,5 +240,5 @@ def test_a_new_score_head_is_one_line_and_any_other_load_problem_still_shows(tmp
     scorer.save_pretrained(tmp_path / "rm")
     caplog.clear()
     capsys.readouterr()
-    ppo.load_scorer(str(tmp_path / "rm"), args, cpu, "the reward model")
+    ppo.load_scorer(str(tmp_path / "rm"), args, cpu, "the reward model", tokenizer)
     assert "score head" not in capsys.readouterr().out and "LOAD REPORT" not in caplog.text

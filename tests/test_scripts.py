@@ -1,6 +1,8 @@
 """Each script run as a user runs it: the README's commands, learning, determinism, bad input."""
 
+import ast
 import json
+import math
 import os
 import re
 import shlex
@@ -11,6 +13,7 @@ import torch
 from conftest import FIXTURES, ROOT, read_metrics, run_script
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+ALL_SCRIPTS = ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "sft.py", "dpo.py", "reward_model.py"]
 # the metrics that measure time, which no two runs share
 TIMING_KEYS = ("charts/step_time", "charts/elapsed_time", "charts/tokens_per_sec", "charts/generation_time",
                "charts/logprob_time", "charts/forward_backward_time")
@@ -36,16 +39,29 @@ SMALL = {
 EVAL_SIZE = {"dpo.py": "20", "reward_model.py": "20"}
 
 
-def readme_commands():
-    """Every `python ...` command in the README's bash blocks (continuations joined, `&&` split)."""
-    with open(os.path.join(ROOT, "README.md")) as f:
-        blocks = re.findall(r"```bash\n(.*?)```", f.read(), flags=re.S)
+def python_commands(text):
+    """Every `python ...` command of a text (continuations joined, comments dropped, `&&` split)."""
     commands = []
-    for block in blocks:
-        for line in block.replace("\\\n", " ").splitlines():
-            for part in line.split("#")[0].split("&&"):
-                if part.strip().startswith("python "):
-                    commands.append(part.strip())
+    for line in text.replace("\\\n", " ").splitlines():
+        for part in line.split("#")[0].split("&&"):
+            if part.strip().startswith("python "):
+                commands.append(" ".join(part.split()))
+    return commands
+
+
+def readme_commands(language="bash"):
+    """Every `python ...` command in the README's blocks of that language."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        return [c for block in re.findall(rf"```{language}\n(.*?)```", f.read(), flags=re.S)
+                for c in python_commands(block)]
+
+
+def docstring_commands():
+    """Every `python ...` command in the algorithm files' docstrings."""
+    commands = []
+    for script in ALL_SCRIPTS:
+        with open(os.path.join(ROOT, script)) as f:
+            commands += python_commands(ast.get_docstring(ast.parse(f.read())))
     return commands
 
 
@@ -70,9 +86,12 @@ def test_the_readme_has_the_two_setup_lines():
 # (`python rloo.py`) and the README's real-model commands (`--task addition-question`, the same flags: a test
 # there checks it) with small flags and checks the same things, so those are not run twice here; the real-model
 # folder's command (`python benchmarks/smollm2.py`) is conftest's real_model_dir
-@pytest.mark.parametrize("command", [c for c in readme_commands()
+# and the commands of the files' docstrings, each once: the README's RLHF pipeline (its `sh` block, which
+# ppo.py's docstring repeats) is test_readme_rlhf_pipeline_sft_reward_model_ppo's
+@pytest.mark.parametrize("command", [c for c in dict.fromkeys(readme_commands() + docstring_commands())
                                      if not c.startswith(("python -m pytest", "python benchmarks/"))
-                                     and not re.fullmatch(r"python \w+\.py", c) and "addition-question" not in c])
+                                     and not re.fullmatch(r"python \w+\.py", c) and "addition-question" not in c
+                                     and c not in readme_commands("sh")])
 def test_readme_command(command, chat_model_dir, tmp_path):
     argv = offline(shlex.split(command)[1:], chat_model_dir)
     script = argv[0]
@@ -95,10 +114,24 @@ def test_learns(script, tmp_path):
     """A short run from the bundled model raises held-out accuracy clearly (a sign and wiring check)."""
     out = str(tmp_path / "run")
     steps = "20" if script == "ppo.py" else "30"
-    run_script(script, "--num-steps", steps, "--eval-every", steps, "--output-dir", out)
+    proc = run_script(script, "--num-steps", steps, "--eval-every", steps, "--output-dir", out)
     metrics = read_metrics(out)
     before, after = metrics[0]["eval/accuracy"], metrics[-1]["eval/accuracy"]
     assert after >= before + 0.10, f"held-out accuracy {before:.3f} -> {after:.3f}"
+    assert "no learning signal" not in proc.stdout  # the rewards varied
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
+def test_a_reward_that_never_varies_is_named_once(script, tmp_path):
+    """Answers that the bundled model never writes: every reward is 0, and after the first 5 steps one console
+    line says that there is no learning signal and names the likely cause."""
+    data = tmp_path / "never.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": "banana"}) + "\n" for a in range(12)))
+    proc = run_script(script, "--dataset", str(data), "--num-eval", "2", "--num-steps", "7", "--prompts-per-step",
+                      "4", "--micro-batch-size", "4", "--eval-every", "7", "--output-dir", str(tmp_path / "run"),
+                      *(["--group-size", "2"] if script == "grpo.py" else ["--num-minibatches", "1"]))
+    assert proc.stdout.count("no learning signal") == 1
+    assert "likely cause: reward_fn scores every completion alike" in proc.stdout
 
 
 def test_sft_regenerates_the_bundled_model(tmp_path):
@@ -153,14 +186,121 @@ def test_bfloat16_on_the_cpu(tmp_path):
     assert len(moved) == len(saved), f"only {moved} changed"
 
 
-ALL_SCRIPTS = ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "sft.py", "dpo.py", "reward_model.py"]
-
-
 @pytest.mark.parametrize("script", ALL_SCRIPTS)
 def test_help_works_when_copied_alone(script, tmp_path):
     shutil.copy(os.path.join(ROOT, script), tmp_path / script)
     proc = run_script(script, "--help", cwd=str(tmp_path))
     assert "--seed" in proc.stdout and "--model-name-or-path" in proc.stdout
+    # the fields filled in at run time are no flags: --help does not offer them, and setting one is refused
+    assert "--run-name" not in proc.stdout and "--minibatch-size" not in proc.stdout
+    if script not in ("sft.py", "dpo.py", "reward_model.py"):  # there --batch-size is a flag
+        assert "--batch-size" not in proc.stdout
+    refused = run_script(script, "--run-name", "mine", "--output-dir", str(tmp_path / "o"), cwd=str(tmp_path),
+                         expect_ok=False)
+    assert refused.returncode != 0 and "--run-name" in refused.stderr + refused.stdout
+    assert not os.path.exists(tmp_path / "o")
+
+
+@pytest.fixture(scope="module")
+def no_pad_id_model(tmp_path_factory):
+    """The bundled model with no pad_token_id in its configs, as Qwen2.5's configs have none (the tokenizer has
+    its pad token)."""
+    path = tmp_path_factory.mktemp("no_pad_id") / "model"
+    shutil.copytree(os.path.join(ROOT, "tiny-adder"), path)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((path / name).read_text())
+        del config["pad_token_id"]
+        (path / name).write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=ALL_SCRIPTS)
+def small_run(request, no_pad_id_model, tmp_path_factory):
+    """Each file for 2 steps on the bundled model without a pad_token_id, every metric logged at step 2."""
+    out = tmp_path_factory.mktemp("small_run") / "run"
+    run_script(request.param, "--model-name-or-path", no_pad_id_model, *SMALL[request.param], "--num-eval",
+               EVAL_SIZE.get(request.param, "2"), "--output-dir", str(out))
+    return request.param, out
+
+
+def test_a_model_whose_config_has_no_pad_token_id(small_run):
+    """PPO's value model used to stop at step 1 on such a model ("Cannot handle batch sizes > 1 if no padding token
+    is defined"); every file runs, and the reward model it saves carries the tokenizer's pad id."""
+    script, out = small_run
+    assert read_metrics(str(out))[-1]["step"] == 2
+    if script == "reward_model.py":
+        assert json.loads((out / "config.json").read_text())["pad_token_id"] == 0  # tiny-adder's <pad>
+
+
+def table_metrics(page):
+    """The metric names in a docs page's table rows (`charts/...`, `losses/...`, `eval/...`)."""
+    with open(os.path.join(ROOT, "docs", page)) as f:
+        rows = [line for line in f if line.startswith("| `")]
+    return {name for row in rows for name in re.findall(r"`((?:charts|losses|eval)/\w+)`", row)}
+
+
+def test_each_docs_page_names_every_metric_its_file_logs_and_no_other(small_run):
+    """Every key of the run's metrics.jsonl is in the file's docs page (or in grpo.md, for the pages that say they
+    keep its names), and every metric the page's own tables name is one the file logs: in this run, or under other
+    flags (PPO's eval/score with a reward model), written out in the file."""
+    script, out = small_run
+    page = script.replace(".py", ".md")
+    logged = {k for m in read_metrics(str(out)) for k in m} - {"step"}
+    named = table_metrics(page)
+    with open(os.path.join(ROOT, "docs", page)) as f:
+        inherits = "The same names as in [grpo.md](grpo.md)" in f.read()
+    missing = logged - named - (table_metrics("grpo.md") if inherits else set())
+    assert not missing, f"{page} leaves out {sorted(missing)}"
+    with open(os.path.join(ROOT, script)) as f:
+        written = set(re.findall(r'"((?:charts|losses|eval)/\w+)"', f.read()))
+    assert named <= logged | written, f"{page} names {sorted(named - logged - written)}, which {script} does not log"
+
+
+def test_length_limits_cut_prompts_from_the_left_and_completions_from_the_right(chat_model_dir):
+    """--max-prompt-length keeps a prompt's last tokens (chat template included); --max-length keeps the first
+    tokens of a completion that fit beside its prompt, so a completion cut short loses its EOS."""
+    from sft import completion_batch, tokenize_prompts
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
+    prompts = ["What is 2 + 3?", "What is 10 - 4? Say it twice."]
+    full, full_mask = tokenize_prompts(tokenizer, prompts, "cpu")
+    cut, cut_mask = tokenize_prompts(tokenizer, prompts, "cpu", max_length=5)
+    assert cut.shape == (2, 5) and cut_mask.all() and (full_mask.sum(dim=1) > 5).all()
+    assert torch.equal(cut, full[:, -5:])  # left-padded: the last 5 columns are each prompt's last 5 tokens
+    completions = ["2 + 3 = 5.", "6"]
+    ids, attention, prompt_len, mask = completion_batch(tokenizer, prompts, completions, "cpu", 5, 8)
+    whole = [tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for c in completions]
+    assert len(whole[0]) > 3 >= len(whole[1])  # the first needs cutting to 8 - 5 = 3 tokens, the second fits
+    assert prompt_len == 5 and mask.sum(dim=1).tolist() == [3, len(whole[1])]
+    assert ids[0, 5:8].tolist() == whole[0][:3] and tokenizer.eos_token_id not in ids[0, 5:].tolist()
+    assert ids[1, 5 : 5 + len(whole[1])].tolist() == whole[1]  # kept whole, its EOS too
+    assert torch.equal(attention, torch.cat([cut_mask, mask], dim=1))
+
+
+def test_the_length_limits_say_what_they_cut(chat_model_dir, tmp_path):
+    """One line counts the records whose prompt or completion the limits cut, as the tokenizer counts them."""
+    from sft import tokenize_prompts
+    from transformers import AutoTokenizer
+
+    data = os.path.join(FIXTURES, "sft_tiny.jsonl")
+    proc = run_script("sft.py", "--model-name-or-path", chat_model_dir, "--dataset", data, *SMALL["sft.py"],
+                      "--num-eval", "2", "--max-prompt-length", "30", "--max-length", "53",
+                      "--output-dir", str(tmp_path / "run"))
+    tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
+    with open(data) as f:
+        records = [json.loads(line) for line in f]
+    prompts = [tokenize_prompts(tokenizer, [r["prompt"]], "cpu")[1].sum().item() for r in records]
+    completions = [len(tokenizer(r["completion"], add_special_tokens=False)["input_ids"]) + 1 for r in records]
+    cut_prompts = sum(p > 30 for p in prompts)
+    cut_completions = sum(min(p, 30) + c > 53 for p, c in zip(prompts, completions))
+    assert 0 < cut_prompts < len(records) and 0 < cut_completions < len(records)  # some cut, not all
+    assert (f"--max-prompt-length 30: {cut_prompts} of 6 prompts cut; --max-length 53: {cut_completions} of 6 "
+            "records' completions cut") in proc.stdout
+    assert read_metrics(str(tmp_path / "run"))[-1]["step"] == 2
+    refused = run_script("dpo.py", "--max-length", "10", "--output-dir", str(tmp_path / "o"), expect_ok=False)
+    assert refused.returncode == 1 and not os.path.exists(tmp_path / "o")
+    assert refused.stderr.strip() == "error: --max-length 10 needs --max-prompt-length below it (the prompt's share of it)"
 
 
 def write(tmp_path, name, text):
@@ -278,6 +418,31 @@ def test_readme_rlhf_pipeline_sft_reward_model_ppo(tmp_path):
     assert "charts/score" in metrics[-1] and "losses/value_loss" in metrics[-1]
     with open(os.path.join(ppo_out, "args.json")) as f:
         assert json.load(f)["reward_model_path"] == str(tmp_path) + "/rm"
+
+
+def test_ppo_with_a_reward_model_trains_on_prompts_alone(tmp_path):
+    """RLHF on open-ended prompts: a JSONL of prompts with no answer trains against the reward model, and the
+    evaluation reports the reward model's mean score of the greedy completions (no verifier, no accuracy); the
+    same file with answers reports the accuracy too, from the same completions."""
+    from transformers import AutoTokenizer
+
+    rm = str(tmp_path / "rm")  # a reward model with a random head: any scorer will do here
+    start = os.path.join(ROOT, "tiny-adder")
+    AutoModelForSequenceClassification.from_pretrained(start, num_labels=1).save_pretrained(rm)
+    AutoTokenizer.from_pretrained(start).save_pretrained(rm)
+    sums = [(a, 2 * a + 1) for a in range(12)]
+    for name, fields in (("prompts", lambda a, b: {}), ("answers", lambda a, b: {"answer": str(a + b)})):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+{b}=", **fields(a, b)}) + "\n"
+                                                        for a, b in sums))
+        run_script("ppo.py", "--reward-model-path", rm, "--dataset", str(tmp_path / f"{name}.jsonl"), "--num-eval",
+                   "4", "--num-steps", "2", "--prompts-per-step", "4", "--num-minibatches", "1", "--micro-batch-size",
+                   "4", "--eval-every", "2", "--log-every", "1", "--output-dir", str(tmp_path / name))
+    prompts, answers = read_metrics(str(tmp_path / "prompts")), read_metrics(str(tmp_path / "answers"))
+    assert [sorted(k for k in m if k.startswith("eval/")) for m in prompts] == [["eval/score"], [], ["eval/score"]]
+    assert not any("charts/reward" in m for m in prompts) and all("charts/score" in m for m in prompts[1:])
+    assert all(math.isfinite(m["eval/score"]) for m in (prompts[0], prompts[2]))
+    assert {"eval/score", "eval/accuracy"} <= set(answers[0]) and "charts/reward" in answers[1]
+    assert answers[0]["eval/score"] == pytest.approx(prompts[0]["eval/score"])  # the same start, the same prompts
 
 
 def test_ppo_with_a_reward_model_normalises_the_score_and_adapts_beta(tmp_path):

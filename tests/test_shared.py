@@ -4,6 +4,7 @@ import ast
 import difflib
 import io
 import os
+import re
 import sys
 import tokenize
 from types import SimpleNamespace
@@ -32,14 +33,44 @@ ALGORITHM_FILES = ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "dpo.p
     ("-7", "-7", 1.0),
 ])
 def test_reward_is_an_exact_number_match(completion, answer, expected):
-    assert reward_fn(completion, answer) == expected
+    assert reward_fn(completion, {"prompt": "?", "answer": answer}) == expected
+    assert reward_fn(completion, {"prompt": "?", "answer": float(answer)}) == expected  # a number in JSON
+
+
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("Paris", "Paris", 1.0),  # the old rule scored every text answer 0: no number in either
+    ("paris.", "Paris", 1.0),  # case and surrounding punctuation do not count
+    ("The capital of France is  Paris.", "Paris", 1.0),  # ends with the answer, as whole words
+    ("Paris is not it. Lyon", "Paris", 0.0),  # the answer must come last
+    ("Comparison", "Paris", 0.0),  # whole words: 'comparison' does not end with ' paris'
+    ("It is Saint Paris", "Saint Paris", 1.0),
+    ("", "Paris", 0.0),
+    ("anything", "", 0.0),  # an empty answer matches nothing
+])
+def test_a_text_answer_is_compared_as_normalised_text(completion, answer, expected):
+    assert reward_fn(completion, {"prompt": "?", "answer": answer}) == expected
+
+
+def test_the_reward_examples_of_the_docs_score_as_worked_out_by_hand():
+    """docs/your_own_task.md's two reward functions, run as written (with the files' last_number at hand)."""
+    with open(os.path.join(ROOT, "docs", "your_own_task.md")) as f:
+        exact_source, tagged_source = re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
+    exact, tagged = {}, {"last_number": last_number}
+    exec(exact_source, exact)
+    exec(tagged_source, tagged)
+    paris = {"prompt": "The capital of France? One word.", "answer": "Paris"}
+    assert [exact["reward_fn"](c, paris) for c in (" Paris\n", "paris", "Paris.", "It is Paris")] == [1, 0, 0, 0]
+    twelve = {"prompt": "3 * 4?", "answer": "12"}
+    cases = {"<answer>12</answer>": 1.2, "so 3 * 4 = <answer>12</answer>": 1.2, "<answer>13</answer>": 0.2,
+             "12": 0.0, "<answer>12</answer> or <answer>13</answer>": 0.0}
+    assert {c: tagged["reward_fn"](c, twelve) for c in cases} == pytest.approx(cases)
 
 
 def test_last_number_and_gsm8k_answers():
     assert last_number("3 boxes of 4 make 12") == 12.0
     assert last_number("no digits") is None
-    record = prompt_answer({"question": "How many?", "answer": "3 * 4 = <<3*4=12>>12\n#### 12"})
-    assert record == {"prompt": "How many?", "answer": "12"}
+    record = prompt_answer({"question": "How many?", "answer": "3 * 4 = <<3*4=12>>12\n#### 12", "id": 7})
+    assert (record["prompt"], record["answer"], record["id"]) == ("How many?", "12", 7)  # other fields stay
 
 
 def test_addition_task_held_out_is_fixed_and_disjoint():

@@ -1,0 +1,82 @@
+"""The README agrees with docs/results.md: every number it quotes from that page is the page's number."""
+
+import os
+import re
+
+from conftest import ROOT
+
+
+def read(path):
+    with open(os.path.join(ROOT, path)) as f:
+        return " ".join(f.read().split())  # one space between words, as a sentence reads
+
+
+def results_rows():
+    """Every table row of docs/results.md, by its first cell: the list of its cells."""
+    rows = {}
+    with open(os.path.join(ROOT, "docs", "results.md")) as f:
+        for line in f:
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if line.startswith("| ") and not set(cells[1]) <= set("- "):
+                rows.setdefault(cells[0], cells)  # the first table a name appears in: the summary table
+    return rows
+
+
+def start_end(cell):
+    """'34.8 ± 0.0 → 69.6 ± 1.9' -> ('34.8', '69.6 ± 1.9'): the start's mean (every seed starts from the same
+    model) and the end as the page gives it."""
+    start, end = (part.strip() for part in cell.split("→"))
+    return start.split(" ± ")[0], end
+
+
+def minutes(seconds_cell):
+    return f"{float(seconds_cell.split(' ± ')[0]) / 60:.1f}"
+
+
+def test_the_readme_quotes_the_results_page():
+    readme, rows = read("README.md"), results_rows()
+    page = read("docs/results.md")
+    runs, total = re.search(r"The (\d+) runs took (\d+) minutes", page).groups()
+    assert f"its {runs} runs took {total} minutes, one after another" in readme
+    start, end = start_end(rows["grpo"][1])
+    assert (f"({rows['grpo'][4]} s of wall time over three seeds on this project's 2-core machine); held-out greedy"
+            f" accuracy climbs from the bundled model's {start}% to {end}%") in readme
+    real = []
+    for name, label in (("grpo-smollm2", "GRPO"), ("rloo-smollm2", "RLOO"), ("dpo-smollm2", "DPO")):
+        start, end = start_end(rows[name][1])
+        real.append(f"{label} {start}% → {end}% in {minutes(rows[name][4])} min")
+    best, peak = rows["grpo-smollm2"][2], float(rows["grpo-smollm2"][5])
+    assert (f"{real[0]} of wall time (best {best}%, {peak:.1f} GB peak memory), {real[1]}, {real[2]}") in readme
+    start, end = start_end(rows["ppo-learned-rm"][1])
+    old_end = start_end(rows["ppo-learned-rm-one-pair"][1])[1]
+    assert (f"raises held-out accuracy from {start}% to {end}% over three seeds, where the settings before took it"
+            f" down to {old_end}%") in readme
+
+
+def test_the_readme_quotes_the_bfloat16_comparison():
+    readme, page = read("README.md"), read("docs/results.md")
+    cells = {}
+    for name in ("grpo-smollm2", "grpo-smollm2-bf16"):
+        row = re.search(rf"\| {name} \| (float32|bfloat16) \| ([\d.]+) \| [\d.]+ \| [\d.]+ \| [\d.]+ \| ([\d.]+) \|"
+                        rf" (\d+) \| ([\d.]+) → ([\d.]+) \|", page)
+        assert row, f"no {name} row in the bfloat16 section of docs/results.md"
+        cells[name] = row.groups()
+    f32, b16 = cells["grpo-smollm2"], cells["grpo-smollm2-bf16"]
+    assert (f"{b16[1]} s a step against {f32[1]} s in float32, {b16[2]} GiB of peak memory against {f32[2]} GiB, and"
+            f" held-out accuracy {b16[4]}% → {b16[5]}% against {f32[4]}% → {f32[5]}%") in readme
+
+
+def test_the_readme_gives_the_memory_estimate_of_its_gpu_commands():
+    """The README's table is what benchmarks/memory_estimate.py prints, and one row checks by hand: GRPO on
+    Qwen2.5-0.5B keeps 16 bytes a parameter for the policy and 2 for the reference."""
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import memory_estimate
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        assert memory_estimate.table() in f.read()
+    n = memory_estimate.parameters(memory_estimate.QWEN_05B)
+    assert n == 494_032_768  # Qwen2.5-0.5B's parameters, its embedding tied to the output layer
+    static, training, _, peak = memory_estimate.estimate(memory_estimate.COMMANDS[0])
+    assert abs(static - 18 * n / 2**30) < 1e-9 and peak == static + training
