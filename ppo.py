@@ -187,16 +187,6 @@ def whiten(x, mask, eps=1e-8):
     return torch.where(m, (x - mean) * torch.rsqrt(var + eps), 0.0)
 
 
-def adaptive_kl_coef(beta, kl, target, num_completions, horizon):
-    """Ziegler et al. 2019's proportional controller: the next beta after a batch whose mean KL was `kl`.
-
-    e = clip(kl / target - 1, -0.2, 0.2),   beta <- beta (1 + e n / horizon),   n = completions in the batch
-    beta = 0.1, kl = 12, target = 6, n = 100, horizon = 1000 -> e = 0.2 (clipped) -> 0.1 * 1.02 = 0.102
-    """
-    error = min(max(kl / target - 1, -0.2), 0.2)
-    return beta * (1 + error * num_completions / horizon)
-
-
 def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps):
     """PPO's clipped policy loss, the mean over real tokens; logprobs carries the gradient; all (B, T).
 
@@ -218,6 +208,16 @@ def ppo_value_loss(values, old_values, returns, mask, clip_value):
     unclipped_error, clipped_error = (values - returns) ** 2, (clipped_values - returns) ** 2
     loss = 0.5 * masked_mean(torch.max(unclipped_error, clipped_error), m)
     return loss, {"value_clip_frac": masked_mean((clipped_error > unclipped_error).float(), m).detach()}
+
+
+def adaptive_kl_coef(beta, kl, target, num_completions, horizon):
+    """Ziegler et al. 2019's proportional controller: the next beta after a batch whose mean KL was `kl`.
+
+    e = clip(kl / target - 1, -0.2, 0.2),   beta <- beta (1 + e n / horizon),   n = completions in the batch
+    beta = 0.1, kl = 12, target = 6, n = 100, horizon = 1000 -> e = 0.2 (clipped) -> 0.1 * 1.02 = 0.102
+    """
+    error = min(max(kl / target - 1, -0.2), 0.2)
+    return beta * (1 + error * num_completions / horizon)
 
 
 def main(args):
