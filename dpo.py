@@ -18,6 +18,7 @@ answer the starting policy itself samples, `chosen` the right one. See docs/dpo.
         --gradient-checkpointing  # a real model on a GPU
 """
 
+import contextlib
 import json
 import math
 import os
@@ -208,13 +209,15 @@ def main(args):
             tokens = pair_batch(tokenizer, pairs, device, args)  # tokenised once, for both models
             with torch.no_grad():
                 ref_chosen, ref_rejected = forward(tokens, ref_policy)  # (b,), (b,): constants
-            chosen, rejected = forward(tokens, policy)  # chosen and rejected through one forward pass
-            num_tokens += tokens[-1].sum().item()  # completion tokens of the 2b sequences
-            loss, stats = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
-                                   args.label_smoothing, rounding_tolerance(tokens[-1], unwrap(policy).compute_dtype))
-            if not torch.isfinite(loss):
-                fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the data")
-            (loss * len(pairs) / batch_size).backward()  # the micro-batches add up to the batch's mean
+            with gradient_sync(i + args.micro_batch_size >= batch_size, policy):  # one all-reduce per optimizer step
+                chosen, rejected = forward(tokens, policy)  # chosen and rejected through one forward pass
+                num_tokens += tokens[-1].sum().item()  # completion tokens of the 2b sequences
+                loss, stats = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
+                                       args.label_smoothing,
+                                       rounding_tolerance(tokens[-1], unwrap(policy).compute_dtype))
+                if not torch.isfinite(loss):
+                    fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the data")
+                (loss * len(pairs) / batch_size).backward()  # the micro-batches add up to the batch's mean
             step_stats.append({"loss": loss.detach(), **stats})
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
         optimizer.step()
@@ -943,6 +946,17 @@ def distribute(model, args):
 def unwrap(model):
     """The transformers model inside a DDP wrapper (an FSDP2 model is its own wrapper)."""
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def gradient_sync(last, *models):
+    """Under DDP, the micro-batches of an optimizer step average their gradients over the processes once, in the
+    last one's backward pass: the others run (forward and backward) under no_sync() and add up their gradients
+    locally. Use it as `with gradient_sync(last, model):`. FSDP2 and one process: it does nothing."""
+    stack = contextlib.ExitStack()
+    for model in models:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last:
+            stack.enter_context(model.no_sync())
+    return stack
 
 
 if __name__ == "__main__":

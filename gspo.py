@@ -18,6 +18,7 @@ from it: the std gets eps=1e-4 added (equal rewards give A=0). See docs/gspo.md.
         --learning-rate 1e-6 --num-eval 200 --eval-every 50 --gradient-checkpointing  # a real model on a GPU
 """
 
+import contextlib
 import json
 import math
 import os
@@ -194,25 +195,27 @@ def main(args):
 
         # 4. num_iterations passes over the batch, each num_minibatches optimizer steps
         policy.train()
-        step_stats, forward_backward_time = [], 0.0
+        step_stats, grad_norms, forward_backward_time = [], [], 0.0
         for _ in range(args.num_iterations):
             for mb in torch.randperm(batch_size, generator=shuffle_gen).to(device).split(minibatch_size):
                 optimizer.zero_grad()
-                for idx in mb.split(args.micro_batch_size):
+                micro_batches = mb.split(args.micro_batch_size)
+                for i, idx in enumerate(micro_batches):
                     forward_start = clock(device)
-                    logprobs = sequence_logprobs(policy, input_ids[idx], attention_mask[idx], prompt_len,
-                                                 args.temperature)  # (b, T)
-                    loss, stats = gspo_loss(
-                        logprobs, logprobs.detach() if old_logprobs is None else old_logprobs[idx],
-                        advantages[idx], mask[idx], args.clip_eps_low, args.clip_eps_high)
-                    if not torch.isfinite(loss):
-                        fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the rewards")
-                    # weigh each micro-batch so that the gradients add up to those of the minibatch's loss
-                    share = len(idx) / len(mb)
-                    (loss * share).backward()
+                    with gradient_sync(i == len(micro_batches) - 1, policy):  # one all-reduce per optimizer step
+                        logprobs = sequence_logprobs(policy, input_ids[idx], attention_mask[idx], prompt_len,
+                                                     args.temperature)  # (b, T)
+                        loss, stats = gspo_loss(
+                            logprobs, logprobs.detach() if old_logprobs is None else old_logprobs[idx],
+                            advantages[idx], mask[idx], args.clip_eps_low, args.clip_eps_high)
+                        if not torch.isfinite(loss):
+                            fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the rewards")
+                        # weigh each micro-batch so that the gradients add up to those of the minibatch's loss
+                        share = len(idx) / len(mb)
+                        (loss * share).backward()
                     forward_backward_time += clock(device) - forward_start
                     step_stats.append({"loss": loss.detach(), **stats})
-                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
                 optimizer.step()
 
         # 5. log, and evaluate on the held-out prompts
@@ -224,7 +227,8 @@ def main(args):
                 "charts/reward": rewards.mean().item(), "charts/reward_std": rewards.std().item(),
                 "charts/zero_std_groups": (rewards.view(-1, args.group_size).std(dim=1) == 0).float().mean().item(),
                 "charts/completion_length": mask.sum(dim=1).float().mean().item(),
-                "charts/learning_rate": optimizer.param_groups[0]["lr"], "losses/grad_norm": grad_norm.item(),
+                "charts/learning_rate": optimizer.param_groups[0]["lr"],
+                "losses/grad_norm": torch.stack(grad_norms).mean().item(),  # the mean over the optimizer steps
                 "charts/step_time": step_time, "charts/tokens_per_sec": mask.sum().item() / step_time,
                 "charts/generation_time": generation_time, "charts/logprob_time": logprob_time,
                 "charts/forward_backward_time": forward_backward_time,
@@ -883,6 +887,17 @@ def distribute(model, args):
 def unwrap(model):
     """The transformers model inside a DDP wrapper (an FSDP2 model is its own wrapper)."""
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def gradient_sync(last, *models):
+    """Under DDP, the micro-batches of an optimizer step average their gradients over the processes once, in the
+    last one's backward pass: the others run (forward and backward) under no_sync() and add up their gradients
+    locally. Use it as `with gradient_sync(last, model):`. FSDP2 and one process: it does nothing."""
+    stack = contextlib.ExitStack()
+    for model in models:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last:
+            stack.enter_context(model.no_sync())
+    return stack
 
 
 if __name__ == "__main__":

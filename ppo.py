@@ -29,6 +29,7 @@ et al.'s code). See docs/ppo.md.
         --eval-every 50 --gradient-checkpointing  # on a GPU
 """
 
+import contextlib
 import json
 import logging
 import math
@@ -329,31 +330,34 @@ def main(args):
         # 5. ppo_epochs passes over the batch, each num_minibatches optimizer steps on both losses
         policy.train()
         value_model.train()
-        step_stats, forward_backward_time = [], 0.0
+        step_stats, grad_norms, forward_backward_time = [], [], 0.0
         for _ in range(args.ppo_epochs):
             for mb in torch.randperm(batch_size, generator=shuffle_gen).to(device).split(minibatch_size):
                 optimizer.zero_grad()
-                for idx in mb.split(args.micro_batch_size):
+                micro_batches = mb.split(args.micro_batch_size)
+                for i, idx in enumerate(micro_batches):
                     forward_start = clock(device)
-                    logprobs, entropy = sequence_logprobs(policy, input_ids[idx], attention_mask[idx], prompt_len,
-                                                          args.temperature, with_entropy=True)  # (b, T), (b, T)
-                    values = token_values(value_model, input_ids[idx], attention_mask[idx], prompt_len)  # (b, T)
-                    pg_loss, pg_stats = ppo_policy_loss(logprobs, old_logprobs[idx], advantages[idx], mask[idx],
-                                                        args.clip_eps)
-                    vf_loss, vf_stats = ppo_value_loss(values, old_values[idx], returns[idx], mask[idx],
-                                                       args.clip_value)
-                    loss = pg_loss + args.vf_coef * vf_loss
-                    if not torch.isfinite(loss):
-                        fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the rewards")
-                    # both losses are token means: weigh each micro-batch by its share of the minibatch's tokens
-                    # (of all processes: they average their gradients, so divide by their mean token count)
-                    (loss * mask[idx].sum() / (all_sum(mask[mb].sum()) / world)).backward()
+                    # one all-reduce per optimizer step
+                    with gradient_sync(i == len(micro_batches) - 1, policy, value_model):
+                        logprobs, entropy = sequence_logprobs(policy, input_ids[idx], attention_mask[idx], prompt_len,
+                                                              args.temperature, with_entropy=True)  # (b, T), (b, T)
+                        values = token_values(value_model, input_ids[idx], attention_mask[idx], prompt_len)  # (b, T)
+                        pg_loss, pg_stats = ppo_policy_loss(logprobs, old_logprobs[idx], advantages[idx], mask[idx],
+                                                            args.clip_eps)
+                        vf_loss, vf_stats = ppo_value_loss(values, old_values[idx], returns[idx], mask[idx],
+                                                           args.clip_value)
+                        loss = pg_loss + args.vf_coef * vf_loss
+                        if not torch.isfinite(loss):
+                            fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the rewards")
+                        # both losses are token means: weigh each micro-batch by its share of the minibatch's tokens
+                        # (of all processes: they average their gradients, so divide by their mean token count)
+                        (loss * mask[idx].sum() / (all_sum(mask[mb].sum()) / world)).backward()
                     forward_backward_time += clock(device) - forward_start
                     step_stats.append({"loss": loss.detach(), "policy_loss": pg_loss.detach(),
                                        "value_loss": vf_loss.detach(), **pg_stats, **vf_stats,
                                        "entropy": masked_mean(entropy.detach(), mask[idx])})
-                grad_norm = torch.nn.utils.clip_grad_norm_([*policy.parameters(), *value_model.parameters()],
-                                                           args.max_grad_norm)
+                grad_norms.append(torch.nn.utils.clip_grad_norm_([*policy.parameters(), *value_model.parameters()],
+                                                                 args.max_grad_norm))
                 optimizer.step()
 
         # 6. the adaptive KL coefficient for the next batch, from this batch's KL per completion
@@ -375,7 +379,8 @@ def main(args):
                 "losses/explained_variance": (1 - masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
                                               / masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)).item(),
                 "charts/completion_length": mask.sum(dim=1).float().mean().item(),
-                "charts/learning_rate": optimizer.param_groups[0]["lr"], "losses/grad_norm": grad_norm.item(),
+                "charts/learning_rate": optimizer.param_groups[0]["lr"],
+                "losses/grad_norm": torch.stack(grad_norms).mean().item(),  # the mean over the optimizer steps
                 "charts/step_time": step_time, "charts/tokens_per_sec": mask.sum().item() / step_time,
                 "charts/generation_time": generation_time, "charts/logprob_time": logprob_time,
                 "charts/forward_backward_time": forward_backward_time,
@@ -1084,6 +1089,17 @@ def distribute(model, args):
 def unwrap(model):
     """The transformers model inside a DDP wrapper (an FSDP2 model is its own wrapper)."""
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def gradient_sync(last, *models):
+    """Under DDP, the micro-batches of an optimizer step average their gradients over the processes once, in the
+    last one's backward pass: the others run (forward and backward) under no_sync() and add up their gradients
+    locally. Use it as `with gradient_sync(last, model):`. FSDP2 and one process: it does nothing."""
+    stack = contextlib.ExitStack()
+    for model in models:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last:
+            stack.enter_context(model.no_sync())
+    return stack
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ docs/reward_model.md.
 """
 
 import itertools
+import contextlib
 import json
 import logging
 import math
@@ -190,13 +191,15 @@ def main(args):
         for i in range(0, batch_size, args.micro_batch_size):  # the same number of passes in every process
             pairs = [pair for group in batch[i : i + args.micro_batch_size] for pair in group]
             tokens = pair_batch(tokenizer, pairs, device, args)
-            chosen, rejected = scores(tokens)  # chosen and rejected through one forward pass
-            num_tokens += tokens[-1].sum().item()  # completion tokens of the 2b sequences
-            margin = torch.tensor([float(p["margin"]) for p in pairs], device=device) if "margin" in pairs[0] else None
-            loss, stats = bradley_terry_loss(chosen, rejected, margin)
-            if not torch.isfinite(loss):
-                fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the data")
-            (loss * len(pairs) / num_pairs).backward()  # the micro-batches add up to the mean over the batch's pairs
+            with gradient_sync(i + args.micro_batch_size >= batch_size, model):  # one all-reduce per optimizer step
+                chosen, rejected = scores(tokens)  # chosen and rejected through one forward pass
+                num_tokens += tokens[-1].sum().item()  # completion tokens of the 2b sequences
+                margin = (torch.tensor([float(p["margin"]) for p in pairs], device=device) if "margin" in pairs[0]
+                          else None)
+                loss, stats = bradley_terry_loss(chosen, rejected, margin)
+                if not torch.isfinite(loss):
+                    fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the data")
+                (loss * len(pairs) / num_pairs).backward()  # the micro-batches add up to the batch's pair mean
             step_stats.append({"loss": loss.detach(), **stats})
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
@@ -939,6 +942,17 @@ def distribute(model, args):
 def unwrap(model):
     """The transformers model inside a DDP wrapper (an FSDP2 model is its own wrapper)."""
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def gradient_sync(last, *models):
+    """Under DDP, the micro-batches of an optimizer step average their gradients over the processes once, in the
+    last one's backward pass: the others run (forward and backward) under no_sync() and add up their gradients
+    locally. Use it as `with gradient_sync(last, model):`. FSDP2 and one process: it does nothing."""
+    stack = contextlib.ExitStack()
+    for model in models:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last:
+            stack.enter_context(model.no_sync())
+    return stack
 
 
 if __name__ == "__main__":

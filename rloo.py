@@ -18,6 +18,7 @@ sequence's KL to the reference, as in the paper's RLHF reward. See docs/rloo.md.
         --learning-rate 1e-6 --num-eval 200 --eval-every 50 --gradient-checkpointing  # a real model on a GPU
 """
 
+import contextlib
 import json
 import math
 import os
@@ -184,14 +185,16 @@ def main(args):
         policy.train()
         optimizer.zero_grad()
         step_stats, forward_backward_time = [], 0.0
-        for idx in torch.arange(batch_size, device=device).split(args.micro_batch_size):
+        micro_batches = torch.arange(batch_size, device=device).split(args.micro_batch_size)
+        for i, idx in enumerate(micro_batches):
             forward_start = clock(device)
-            logprobs = sequence_logprobs(policy, input_ids[idx], attention_mask[idx], prompt_len,
-                                         args.temperature)  # (b, T)
-            loss, stats = rloo_loss(logprobs, advantages[idx], mask[idx])
-            if not torch.isfinite(loss):
-                fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the rewards")
-            (loss * len(idx) / batch_size).backward()  # the micro-batches add up to the batch's mean
+            with gradient_sync(i == len(micro_batches) - 1, policy):  # one all-reduce per optimizer step
+                logprobs = sequence_logprobs(policy, input_ids[idx], attention_mask[idx], prompt_len,
+                                             args.temperature)  # (b, T)
+                loss, stats = rloo_loss(logprobs, advantages[idx], mask[idx])
+                if not torch.isfinite(loss):
+                    fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the rewards")
+                (loss * len(idx) / batch_size).backward()  # the micro-batches add up to the batch's mean
             forward_backward_time += clock(device) - forward_start
             step_stats.append({"loss": loss.detach(), **stats})
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
@@ -865,6 +868,17 @@ def distribute(model, args):
 def unwrap(model):
     """The transformers model inside a DDP wrapper (an FSDP2 model is its own wrapper)."""
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def gradient_sync(last, *models):
+    """Under DDP, the micro-batches of an optimizer step average their gradients over the processes once, in the
+    last one's backward pass: the others run (forward and backward) under no_sync() and add up their gradients
+    locally. Use it as `with gradient_sync(last, model):`. FSDP2 and one process: it does nothing."""
+    stack = contextlib.ExitStack()
+    for model in models:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last:
+            stack.enter_context(model.no_sync())
+    return stack
 
 
 if __name__ == "__main__":

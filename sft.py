@@ -19,6 +19,7 @@ prompt/completion records. See docs/sft.md.
         --num-eval 100  # on a GPU
 """
 
+import contextlib
 import json
 import math
 import os
@@ -192,15 +193,17 @@ def main(args):
             tokenizer, [r["prompt"] for r in batch], [r["completion"] for r in batch], device, args.max_prompt_length,
             args.max_length)  # (B, P + T), (B, T)
         batch_loss = 0.0
-        for idx in torch.arange(batch_size).split(args.micro_batch_size):
-            logprobs = sequence_logprobs(model, input_ids[idx], attention_mask[idx], prompt_len)  # (b, T)
-            loss = sft_loss(logprobs, mask[idx])
-            if not torch.isfinite(loss):
-                fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the data")
-            # the micro-batches add up to the token mean of the batch (of all processes: they average their
-            # gradients, so divide by their mean token count)
-            share = mask[idx].sum() / (all_sum(mask.sum()) / world)
-            (loss * share).backward()
+        micro_batches = torch.arange(batch_size).split(args.micro_batch_size)
+        for i, idx in enumerate(micro_batches):
+            with gradient_sync(i == len(micro_batches) - 1, model):  # one all-reduce per optimizer step
+                logprobs = sequence_logprobs(model, input_ids[idx], attention_mask[idx], prompt_len)  # (b, T)
+                loss = sft_loss(logprobs, mask[idx])
+                if not torch.isfinite(loss):
+                    fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the data")
+                # the micro-batches add up to the token mean of the batch (of all processes: they average their
+                # gradients, so divide by their mean token count)
+                share = mask[idx].sum() / (all_sum(mask.sum()) / world)
+                (loss * share).backward()
             batch_loss += loss.item() * share.item()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
@@ -841,6 +844,17 @@ def distribute(model, args):
 def unwrap(model):
     """The transformers model inside a DDP wrapper (an FSDP2 model is its own wrapper)."""
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def gradient_sync(last, *models):
+    """Under DDP, the micro-batches of an optimizer step average their gradients over the processes once, in the
+    last one's backward pass: the others run (forward and backward) under no_sync() and add up their gradients
+    locally. Use it as `with gradient_sync(last, model):`. FSDP2 and one process: it does nothing."""
+    stack = contextlib.ExitStack()
+    for model in models:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last:
+            stack.enter_context(model.no_sync())
+    return stack
 
 
 if __name__ == "__main__":

@@ -297,3 +297,47 @@ def test_fsdp_generation_gathers_each_layer_once_per_rollout(chat_model_dir, tmp
         assert result["4"]["length"] == 4 and result["16"]["length"] == 16
         assert result["4"]["gathers"] == result["16"]["gathers"] == 3, result  # 2 decoder layers and the root
         assert result["4"]["same_tokens"] and result["16"]["same_tokens"], result
+
+
+# counts, in each process, the all-reduces that DDP's backward passes make (one a gradient bucket), with DDP's own
+# all-reduce still doing the work
+COUNT_HARNESS = """
+import json, os, runpy, sys
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+calls = [0]
+wrap = torch.nn.parallel.DistributedDataParallel.__init__
+
+def counting_init(self, *args, **kwargs):
+    wrap(self, *args, **kwargs)
+
+    def hook(state, bucket):
+        calls[0] += 1
+        with open(os.path.join(count_dir, f"allreduces{os.environ['RANK']}.json"), "w") as f:
+            json.dump(calls[0], f)
+        return allreduce_hook(None, bucket)
+
+    self.register_comm_hook(None, hook)
+
+torch.nn.parallel.DistributedDataParallel.__init__ = counting_init
+count_dir, sys.argv = sys.argv[1], sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_gradient_accumulation_all_reduces_once_per_optimizer_step(tmp_path):
+    """Under DDP the micro-batches of an optimizer step add up their gradients locally (no_sync) and all-reduce
+    once: 4 micro-batches a step make as many all-reduces as 1 micro-batch a step (without no_sync: 4 times as
+    many). The updates stay those of one process (test_two_processes_make_the_update_of_one...)."""
+    harness = tmp_path / "count.py"
+    harness.write_text(COUNT_HARNESS)
+    counts = {}
+    for micro in ("2", "8"):  # each process: 8 completions a step, in 4 micro-batches or in 1
+        out = tmp_path / f"micro{micro}"
+        os.makedirs(out)
+        torchrun(str(harness), str(out), "grpo.py", "--num-steps", "2", "--prompts-per-step", "4", "--group-size",
+                 "4", "--micro-batch-size", micro, "--num-eval", "4", "--eval-every", "2", "--output-dir",
+                 str(out / "run"))
+        counts[micro] = [json.loads((out / f"allreduces{rank}.json").read_text()) for rank in (0, 1)]
+    assert counts["2"] == counts["8"] and counts["8"][0] >= 2, counts  # 2 optimizer steps, >= 1 bucket each
