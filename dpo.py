@@ -60,8 +60,9 @@ class Args:
     # Model and data
     model_name_or_path: str = "tiny-adder"  # the starting policy, also the frozen reference: a folder or a hub id
     dataset: str | None = None
-    """None: pairs built from the addition task; a .jsonl file of prompt/chosen/rejected records;
-    or a hub dataset name with those fields (needs `pip install datasets`)"""
+    """None: pairs built from the addition task; a .jsonl file of prompt/chosen/rejected records (text, or
+    TRL's conversational forms: docs/your_own_task.md); or a hub dataset name with those fields (needs `pip install
+    datasets`)"""
     task: Literal["addition", "addition-question"] = "addition"
     """the built-in task when there is no --dataset: `addition` prompts `47+8=` (for the bundled model);
     `addition-question` asks `What is 47 + 8? Reply with the number only.` (for a chat model)"""
@@ -76,6 +77,7 @@ class Args:
     max_length: int | None = None
     """a longer prompt + completion keeps this many tokens, the completion losing its end (EOS too); needs
     --max-prompt-length below it; None: no limit"""
+    system_prompt: str | None = None  # a system message put before every plain-text prompt (needs a chat template)
     num_train_prompts: int = 9500  # addition prompts turned into training pairs (9500: all of them)
     pair_samples: int = 4  # completions sampled per addition prompt, to be judged right or wrong
     pair_temperature: float = 1.0  # the temperature those completions are sampled at
@@ -165,7 +167,8 @@ def main(args):
     train_pairs, eval_pairs = load_preferences(args, tokenizer, device, policy)  # policy: not trained yet
     if args.dataset is not None:  # with --max-prompt-length and --max-length: what they cut
         report_truncation(tokenizer, train_pairs + eval_pairs, args, ("chosen", "rejected"))
-    eval_records = addition_task(args.num_eval, args.task)[1] if args.dataset is None else None
+    eval_records = chat_prompts(tokenizer, args, addition_task(args.num_eval, args.task)[1])[0] if (
+        args.dataset is None) else None
     if not train_pairs or not eval_pairs:
         fail(f"no preference pairs to {'train' if not train_pairs else 'evaluate'} on; check --dataset")
     logger = Logger(args, output_dir)
@@ -302,21 +305,54 @@ def addition_pairs(policy, tokenizer, records, samples, max_new_tokens, device, 
 def load_preferences(args, tokenizer, device, policy=None):
     """(train, eval) lists of {'prompt', 'chosen', 'rejected'} pairs; the built-in task's also hold 'answer'.
 
-    The built-in pairs' negatives are sampled from `policy`, the starting policy (loaded here when not given).
+    The built-in pairs' negatives are sampled from `policy`, the starting policy (loaded here when not given). A
+    file's or hub dataset's records may be conversational (preference_pair).
     """
     if args.dataset is None:
         policy = policy or load_model(args.model_name_or_path, args, device, frozen=True)
-        train, held_out = addition_task(args.num_eval, args.task)  # held-out prompts never appear in training
+        # held-out prompts never appear in training
+        train, held_out = chat_prompts(tokenizer, args, *addition_task(args.num_eval, args.task))
         return [addition_pairs(policy, tokenizer, records, args.pair_samples, args.max_new_tokens, device,
                                args.pair_temperature, args.chosen, args.pairs)
                 for records in (train[: args.num_train_prompts], held_out)]
     if args.dataset.endswith(".jsonl"):
-        records = read_jsonl(args.dataset, ("prompt", "chosen", "rejected"))
+        records = read_jsonl(args.dataset, ("prompt", "chosen", "rejected"), ("chosen", "rejected"))
         if len(records) <= args.num_eval:
             fail(f"--dataset {args.dataset}: {len(records)} records, but --num-eval {args.num_eval} are held out")
-        return records[: -args.num_eval], records[-args.num_eval :]
-    train = load_hub_split(args.dataset, args.dataset_config, args.train_split)
-    return train, load_hub_split(args.dataset, args.dataset_config, args.eval_split)[: args.num_eval]
+        train, held_out = records[: -args.num_eval], records[-args.num_eval :]
+    else:
+        train = load_hub_split(args.dataset, args.dataset_config, args.train_split)
+        held_out = load_hub_split(args.dataset, args.dataset_config, args.eval_split)[: args.num_eval]
+    return chat_prompts(tokenizer, args, *([preference_pair(r, args.dataset) for r in rs] for rs in (train, held_out)))
+
+
+def preference_pair(record, dataset):
+    """{'prompt', 'chosen', 'rejected'} (and the record's other fields) with the completions as text, from a record
+    in any of the forms TRL reads: text completions after a prompt; conversational completions, each one assistant
+    message or the whole conversation (prompt messages first); or, with no 'prompt', two whole conversations whose
+    common beginning is the prompt.
+
+    {"chosen": [user "2+2?", assistant "4"], "rejected": [user "2+2?", assistant "5"]}
+      -> {"prompt": [user "2+2?"], "chosen": "4", "rejected": "5"}
+    """
+    chosen, rejected = record["chosen"], record["rejected"]
+    prompt = record.get("prompt")
+    if prompt is None:  # the implicit prompt: the messages both conversations begin with
+        if not (isinstance(chosen, list) and isinstance(rejected, list)):
+            fail(f"--dataset {dataset}: a record with text completions needs a 'prompt' field")
+        common = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
+        prompt = chosen[:common]
+    start = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+
+    def reply(completion):
+        if isinstance(completion, str):
+            return completion
+        rest = completion[len(start) :] if completion[: len(start)] == start else completion
+        if len(rest) != 1 or rest[0]["role"] != "assistant":
+            fail(f"--dataset {dataset}: a conversational completion must be one assistant message after the prompt")
+        return rest[0]["content"]
+
+    return {**record, "prompt": prompt, "chosen": reply(chosen), "rejected": reply(rejected)}
 
 
 def pair_batch(tokenizer, pairs, device, args):
@@ -434,9 +470,15 @@ def reward_fn(completion, record):
 
 
 # ---- Data ---------------------------------------------------------------------------------------
+def is_conversation(value):
+    """A list of {"role": ..., "content": ...} messages with text in both: a field in the conversational form."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+
+
 def read_jsonl(path, *schemas):
-    """The records of a JSONL file, each holding every field of one of `schemas` as text (an answer may also be a
-    number); a bad file stops the run with its line."""
+    """The records of a JSONL file, each holding every field of one of `schemas` as text or as a list of messages
+    (an answer may also be a number, not messages); a bad file stops the run with its line."""
     if not os.path.isfile(path):
         fail(f"--dataset {path}: no such file")
     records = []
@@ -456,9 +498,10 @@ def read_jsonl(path, *schemas):
             for k in schema:
                 value = record[k]
                 number_ok = k == "answer" and type(value) in (int, float) and math.isfinite(value)
-                if not (isinstance(value, str) or number_ok):
+                if not (isinstance(value, str) or number_ok or (k != "answer" and is_conversation(value))):
+                    needs = "text or a finite number" if k == "answer" else "text or a list of role/content messages"
                     fail(f"--dataset {path}: line {number}: field {k!r} holds {json.dumps(value)[:40]}, "
-                         f"where it needs {'text or a finite number' if k == 'answer' else 'text'}")
+                         f"where it needs {needs}")
             records.append(record)
     if not records:
         fail(f"--dataset {path}: the file holds no records")
@@ -486,6 +529,22 @@ def report_truncation(tokenizer, records, args, completion_keys=()):
     if max_length is not None:
         line += f"; --max-length {max_length}: {cut_completions} of {len(records)} records' completions cut"
     print(line)
+
+
+def chat_prompts(tokenizer, args, *record_lists):
+    """Each list of records with --system-prompt put before every plain-text prompt (a system message, then the
+    prompt as the user's); a prompt that is already a list of messages goes through the chat template as given.
+    Either needs a chat template: a tokenizer without one stops the run with a one-line error."""
+    records = [r for rs in record_lists for r in rs]
+    conversational = any(isinstance(r["prompt"], list) for r in records)
+    if (conversational or args.system_prompt is not None) and not tokenizer.chat_template:
+        what = f"--dataset {args.dataset}: conversational records" if conversational else "--system-prompt"
+        fail(f"{what} need a tokenizer with a chat template, and {args.model_name_or_path or 'the new model'} has none")
+    if args.system_prompt is None:
+        return list(record_lists)
+    system = {"role": "system", "content": args.system_prompt}
+    return [[{**r, "prompt": [system, {"role": "user", "content": r["prompt"]}]} if isinstance(r["prompt"], str) else r
+             for r in rs] for rs in record_lists]
 
 
 def load_hub_split(name, config, split):
@@ -572,15 +631,16 @@ def stop_token_ids(tokenizer, model):
 
 
 def tokenize_prompts(tokenizer, prompts, device, max_length=None):
-    """Left-padded prompt ids and mask, (B, P); the chat template is applied when there is one. A prompt of more
-    than max_length tokens (--max-prompt-length) keeps its last max_length: its end is what a completion follows.
+    """Left-padded prompt ids and mask, (B, P). With a chat template, a text prompt is one user message and a list of
+    messages goes through it as given, with the generation prompt added. A prompt of more than max_length tokens
+    (--max-prompt-length) keeps its last max_length: its end is what a completion follows.
 
     prompts = ["1+2=", "10+20="]  ->  ids = [[PAD, PAD, 1, +, 2, =], [1, 0, +, 2, 0, =]], mask = [[0, 0, 1, 1, 1, 1],
                                                                                                 [1, 1, 1, 1, 1, 1]]
     """
     if tokenizer.chat_template:
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                               add_generation_prompt=True) for p in prompts]
+        conversations = [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in prompts]
+        texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     else:
         ids = tokenizer(prompts)["input_ids"]

@@ -65,7 +65,7 @@ class Args:
     model_name_or_path: str = "tiny-adder"  # the starting policy: a local folder or a hub id
     dataset: str | None = None
     """None: the built-in addition task; a .jsonl file of prompt/answer (or GSM8K's question/answer)
-    records; or a hub dataset name (needs `pip install datasets`)"""
+    records, a prompt as text or a list of chat messages; or a hub dataset name (needs `pip install datasets`)"""
     task: Literal["addition", "addition-question"] = "addition"
     """the built-in task when there is no --dataset: `addition` prompts `47+8=` (for the bundled model);
     `addition-question` asks `What is 47 + 8? Reply with the number only.` (for a chat model)"""
@@ -77,6 +77,7 @@ class Args:
     max_new_tokens: int = 8  # the longest completion, in tokens
     max_prompt_length: int | None = None
     """a longer prompt (its chat template included) keeps its last this many tokens; None: no limit"""
+    system_prompt: str | None = None  # a system message put before every plain-text prompt (needs a chat template)
 
     # Optimisation
     num_steps: int = 300  # training steps (each: one batch of rollouts, then its updates)
@@ -184,7 +185,7 @@ def main(args):
     ref_policy = None if args.beta == 0 else distribute(
         load_model(args.model_name_or_path, args, device, frozen=True), args)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    train_records, eval_records = load_task(args)
+    train_records, eval_records = chat_prompts(tokenizer, args, *load_task(args))  # --system-prompt, if given
     report_truncation(tokenizer, train_records + eval_records, args)  # with --max-prompt-length: what it cuts
     logger = Logger(args, output_dir)
     data_rng, shuffle_gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
@@ -411,9 +412,15 @@ def reward_fn(completion, record):
 
 
 # ---- Data ---------------------------------------------------------------------------------------
+def is_conversation(value):
+    """A list of {"role": ..., "content": ...} messages with text in both: a field in the conversational form."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+
+
 def read_jsonl(path, *schemas):
-    """The records of a JSONL file, each holding every field of one of `schemas` as text (an answer may also be a
-    number); a bad file stops the run with its line."""
+    """The records of a JSONL file, each holding every field of one of `schemas` as text or as a list of messages
+    (an answer may also be a number, not messages); a bad file stops the run with its line."""
     if not os.path.isfile(path):
         fail(f"--dataset {path}: no such file")
     records = []
@@ -433,9 +440,10 @@ def read_jsonl(path, *schemas):
             for k in schema:
                 value = record[k]
                 number_ok = k == "answer" and type(value) in (int, float) and math.isfinite(value)
-                if not (isinstance(value, str) or number_ok):
+                if not (isinstance(value, str) or number_ok or (k != "answer" and is_conversation(value))):
+                    needs = "text or a finite number" if k == "answer" else "text or a list of role/content messages"
                     fail(f"--dataset {path}: line {number}: field {k!r} holds {json.dumps(value)[:40]}, "
-                         f"where it needs {'text or a finite number' if k == 'answer' else 'text'}")
+                         f"where it needs {needs}")
             records.append(record)
     if not records:
         fail(f"--dataset {path}: the file holds no records")
@@ -463,6 +471,22 @@ def report_truncation(tokenizer, records, args, completion_keys=()):
     if max_length is not None:
         line += f"; --max-length {max_length}: {cut_completions} of {len(records)} records' completions cut"
     print(line)
+
+
+def chat_prompts(tokenizer, args, *record_lists):
+    """Each list of records with --system-prompt put before every plain-text prompt (a system message, then the
+    prompt as the user's); a prompt that is already a list of messages goes through the chat template as given.
+    Either needs a chat template: a tokenizer without one stops the run with a one-line error."""
+    records = [r for rs in record_lists for r in rs]
+    conversational = any(isinstance(r["prompt"], list) for r in records)
+    if (conversational or args.system_prompt is not None) and not tokenizer.chat_template:
+        what = f"--dataset {args.dataset}: conversational records" if conversational else "--system-prompt"
+        fail(f"{what} need a tokenizer with a chat template, and {args.model_name_or_path or 'the new model'} has none")
+    if args.system_prompt is None:
+        return list(record_lists)
+    system = {"role": "system", "content": args.system_prompt}
+    return [[{**r, "prompt": [system, {"role": "user", "content": r["prompt"]}]} if isinstance(r["prompt"], str) else r
+             for r in rs] for rs in record_lists]
 
 
 def load_hub_split(name, config, split):
@@ -549,15 +573,16 @@ def stop_token_ids(tokenizer, model):
 
 
 def tokenize_prompts(tokenizer, prompts, device, max_length=None):
-    """Left-padded prompt ids and mask, (B, P); the chat template is applied when there is one. A prompt of more
-    than max_length tokens (--max-prompt-length) keeps its last max_length: its end is what a completion follows.
+    """Left-padded prompt ids and mask, (B, P). With a chat template, a text prompt is one user message and a list of
+    messages goes through it as given, with the generation prompt added. A prompt of more than max_length tokens
+    (--max-prompt-length) keeps its last max_length: its end is what a completion follows.
 
     prompts = ["1+2=", "10+20="]  ->  ids = [[PAD, PAD, 1, +, 2, =], [1, 0, +, 2, 0, =]], mask = [[0, 0, 1, 1, 1, 1],
                                                                                                 [1, 1, 1, 1, 1, 1]]
     """
     if tokenizer.chat_template:
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                               add_generation_prompt=True) for p in prompts]
+        conversations = [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in prompts]
+        texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     else:
         ids = tokenizer(prompts)["input_ids"]

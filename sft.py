@@ -61,7 +61,9 @@ class Args:
 
     # Model and data
     model_name_or_path: str | None = None  # a local folder or a hub id; None builds the tiny model from a config
-    dataset: str | None = None  # None: the built-in addition task; else a .jsonl file of prompt/completion records
+    dataset: str | None = None
+    """None: the built-in addition task; else a .jsonl file of prompt/completion records, or of {"messages": [...]}
+    conversations whose last message, the assistant's, is the completion"""
     task: Literal["addition", "addition-question"] = "addition"
     """the built-in task when there is no --dataset: `addition` prompts `47+8=` (for the bundled model);
     `addition-question` asks `What is 47 + 8? Reply with the number only.` (for a chat model)"""
@@ -73,6 +75,7 @@ class Args:
     max_length: int | None = None
     """a longer prompt + completion keeps this many tokens, the completion losing its end (EOS too); needs
     --max-prompt-length below it; None: no limit"""
+    system_prompt: str | None = None  # a system message put before every plain-text prompt (needs a chat template)
 
     # Optimisation
     num_steps: int = 300  # optimizer steps
@@ -154,11 +157,13 @@ def main(args):
         train_records, eval_records = addition_task(args.num_eval, args.task)
         train_records = [{"prompt": r["prompt"], "completion": r["answer"]} for r in train_records]
     else:
-        records = read_jsonl(args.dataset, ("prompt", "completion"))
+        records = [sft_record(r, args.dataset) for r in read_jsonl(args.dataset, ("prompt", "completion"),
+                                                                     ("messages",))]
         if len(records) <= args.num_eval:
             fail(f"--dataset {args.dataset}: {len(records)} records, but --num-eval {args.num_eval} are held out")
         train_records, eval_records = records[: -args.num_eval], records[-args.num_eval :]
         report_truncation(tokenizer, records, args, ("completion",))  # with --max-prompt-length and --max-length
+    train_records, eval_records = chat_prompts(tokenizer, args, train_records, eval_records)  # --system-prompt
     logger = Logger(args, output_dir)
     data_rng = random.Random(args.seed)
     print(f"{args.run_name}: {num_params} parameters, {len(train_records)} training records, device {device}")
@@ -225,6 +230,21 @@ def main(args):
 
 
 # ---- Helpers that only some of the files need: each is kept equal to its copy in the other files that have it ----
+def sft_record(record, dataset):
+    """{'prompt', 'completion'} (and the record's other fields), the completion as text, from a prompt/completion
+    record (the completion text or one assistant message; the prompt text or messages) or a {'messages'}
+    conversation, whose last message, an assistant's, is the completion and the messages before it the prompt."""
+    if "messages" in record:
+        prompt, completion = record["messages"][:-1], record["messages"][-1:]
+    else:
+        prompt, completion = record["prompt"], record["completion"]
+    if isinstance(completion, list):
+        if len(completion) != 1 or completion[0]["role"] != "assistant" or not prompt:
+            fail(f"--dataset {dataset}: a conversation must end with one assistant message, after the prompt's")
+        completion = completion[0]["content"]
+    return {**record, "prompt": prompt, "completion": completion}
+
+
 def completion_batch(tokenizer, prompts, completions, device, max_prompt_length=None, max_length=None):
     """Prompt (left-padded) then completion + EOS (right-padded): ids (B, P + T), mask (B, T). A prompt keeps its
     last max_prompt_length tokens, and a completion the tokens that fit in max_length with its prompt.
@@ -332,9 +352,15 @@ def reward_fn(completion, record):
 
 
 # ---- Data ---------------------------------------------------------------------------------------
+def is_conversation(value):
+    """A list of {"role": ..., "content": ...} messages with text in both: a field in the conversational form."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+
+
 def read_jsonl(path, *schemas):
-    """The records of a JSONL file, each holding every field of one of `schemas` as text (an answer may also be a
-    number); a bad file stops the run with its line."""
+    """The records of a JSONL file, each holding every field of one of `schemas` as text or as a list of messages
+    (an answer may also be a number, not messages); a bad file stops the run with its line."""
     if not os.path.isfile(path):
         fail(f"--dataset {path}: no such file")
     records = []
@@ -354,9 +380,10 @@ def read_jsonl(path, *schemas):
             for k in schema:
                 value = record[k]
                 number_ok = k == "answer" and type(value) in (int, float) and math.isfinite(value)
-                if not (isinstance(value, str) or number_ok):
+                if not (isinstance(value, str) or number_ok or (k != "answer" and is_conversation(value))):
+                    needs = "text or a finite number" if k == "answer" else "text or a list of role/content messages"
                     fail(f"--dataset {path}: line {number}: field {k!r} holds {json.dumps(value)[:40]}, "
-                         f"where it needs {'text or a finite number' if k == 'answer' else 'text'}")
+                         f"where it needs {needs}")
             records.append(record)
     if not records:
         fail(f"--dataset {path}: the file holds no records")
@@ -384,6 +411,22 @@ def report_truncation(tokenizer, records, args, completion_keys=()):
     if max_length is not None:
         line += f"; --max-length {max_length}: {cut_completions} of {len(records)} records' completions cut"
     print(line)
+
+
+def chat_prompts(tokenizer, args, *record_lists):
+    """Each list of records with --system-prompt put before every plain-text prompt (a system message, then the
+    prompt as the user's); a prompt that is already a list of messages goes through the chat template as given.
+    Either needs a chat template: a tokenizer without one stops the run with a one-line error."""
+    records = [r for rs in record_lists for r in rs]
+    conversational = any(isinstance(r["prompt"], list) for r in records)
+    if (conversational or args.system_prompt is not None) and not tokenizer.chat_template:
+        what = f"--dataset {args.dataset}: conversational records" if conversational else "--system-prompt"
+        fail(f"{what} need a tokenizer with a chat template, and {args.model_name_or_path or 'the new model'} has none")
+    if args.system_prompt is None:
+        return list(record_lists)
+    system = {"role": "system", "content": args.system_prompt}
+    return [[{**r, "prompt": [system, {"role": "user", "content": r["prompt"]}]} if isinstance(r["prompt"], str) else r
+             for r in rs] for rs in record_lists]
 
 
 def load_hub_split(name, config, split):
@@ -470,15 +513,16 @@ def stop_token_ids(tokenizer, model):
 
 
 def tokenize_prompts(tokenizer, prompts, device, max_length=None):
-    """Left-padded prompt ids and mask, (B, P); the chat template is applied when there is one. A prompt of more
-    than max_length tokens (--max-prompt-length) keeps its last max_length: its end is what a completion follows.
+    """Left-padded prompt ids and mask, (B, P). With a chat template, a text prompt is one user message and a list of
+    messages goes through it as given, with the generation prompt added. A prompt of more than max_length tokens
+    (--max-prompt-length) keeps its last max_length: its end is what a completion follows.
 
     prompts = ["1+2=", "10+20="]  ->  ids = [[PAD, PAD, 1, +, 2, =], [1, 0, +, 2, 0, =]], mask = [[0, 0, 1, 1, 1, 1],
                                                                                                 [1, 1, 1, 1, 1, 1]]
     """
     if tokenizer.chat_template:
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                               add_generation_prompt=True) for p in prompts]
+        conversations = [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in prompts]
+        texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     else:
         ids = tokenizer(prompts)["input_ids"]

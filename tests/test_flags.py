@@ -163,14 +163,17 @@ def test_flags_that_cannot_work_together_name_what_to_change(tmp_path):
         assert not os.path.exists(tmp_path / f"out{i}")
 
 
+TEXT = "text or a list of role/content messages"  # a field other than an answer
+
+
 @pytest.mark.parametrize("schema, record, field, needs", [
-    (("prompt", "answer"), {"prompt": None, "answer": "2"}, "prompt", "text"),
+    (("prompt", "answer"), {"prompt": None, "answer": "2"}, "prompt", TEXT),
     (("prompt", "answer"), {"prompt": "1+1=", "answer": None}, "answer", "text or a finite number"),
     (("prompt", "answer"), {"prompt": "1+1=", "answer": True}, "answer", "text or a finite number"),
-    (("prompt", "answer"), {"prompt": ["1+1="], "answer": 2}, "prompt", "text"),
-    (("question", "answer"), {"question": 7, "answer": "7"}, "question", "text"),
-    (("prompt", "completion"), {"prompt": "a", "completion": 3}, "completion", "text"),
-    (("prompt", "chosen", "rejected"), {"prompt": "a", "chosen": "b", "rejected": {"x": 1}}, "rejected", "text"),
+    (("prompt", "answer"), {"prompt": ["1+1="], "answer": 2}, "prompt", TEXT),
+    (("question", "answer"), {"question": 7, "answer": "7"}, "question", TEXT),
+    (("prompt", "completion"), {"prompt": "a", "completion": 3}, "completion", TEXT),
+    (("prompt", "chosen", "rejected"), {"prompt": "a", "chosen": "b", "rejected": {"x": 1}}, "rejected", TEXT),
 ])
 def test_a_record_of_the_wrong_type_names_the_file_the_line_and_the_field(schema, record, field, needs, tmp_path):
     path = tmp_path / "data.jsonl"
@@ -201,7 +204,7 @@ def test_a_script_stops_on_a_null_field_with_one_line(tmp_path):
                       expect_ok=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (f"error: --dataset {path}: line 4: field 'prompt' holds null, "
-                                                    "where it needs text")
+                                                    "where it needs " + TEXT)
 
 
 def test_a_failure_to_write_metrics_or_the_model_names_the_folder(tmp_path):
