@@ -709,22 +709,31 @@ def masked_mean(x, mask, dim=None):
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, max_prompt_length=None, batch_size=128):
-    """Greedy accuracy on held-out records: the mean reward of greedy completions.
+def greedy_completions(model, tokenizer, records, max_new_tokens, stop_ids, device, max_prompt_length=None,
+                       batch_size=128):
+    """This process's share of the held-out records, batch_size at a time, with their greedy completions: yields
+    (records, prompt ids (b, P), prompt mask (b, P), completion ids (b, T), completion mask (b, T)).
 
-    Under torchrun each process takes every N-th record and the totals are added up (a remainder of fewer
-    than N records is left out, so that every process runs as many batches).
+    Under torchrun each process takes every N-th record (a remainder of fewer than N records is left out, so that
+    every process runs as many batches); the caller adds up its totals over the processes.
     """
     model.eval()
     records = share_of(records)
-    total = 0.0
     for i in range(0, len(records), batch_size):
         chunk = records[i : i + batch_size]
         prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in chunk], device, max_prompt_length)
         completion_ids = generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, None, stop_ids)
-        texts = decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
-        total += sum(reward_fn(t, r) for t, r in zip(texts, chunk))
-    right, count = all_sum(torch.tensor([total, len(records)], dtype=torch.float64)).tolist()  # of all processes
+        yield chunk, prompt_ids, prompt_mask, completion_ids, completion_mask(completion_ids, stop_ids)
+
+
+def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, max_prompt_length=None):
+    """Greedy accuracy on held-out records: the mean reward of greedy completions (of all processes)."""
+    total = count = 0.0
+    for chunk, _, _, completion_ids, mask in greedy_completions(model, tokenizer, records, max_new_tokens, stop_ids,
+                                                                device, max_prompt_length):
+        total += sum(reward_fn(t, r) for t, r in zip(decode_completions(tokenizer, completion_ids, mask), chunk))
+        count += len(chunk)
+    right, count = all_sum(torch.tensor([total, count], dtype=torch.float64)).tolist()  # of all processes
     return right / count
 
 

@@ -442,25 +442,19 @@ def no_signal_note(step, rewards, group_size, history, first_steps=5):
 
 
 @torch.no_grad()
-def evaluate_with_reward_model(policy, reward_model, tokenizer, records, args, stop_ids, device, answers,
-                               batch_size=128):
+def evaluate_with_reward_model(policy, reward_model, tokenizer, records, args, stop_ids, device, answers):
     """{'eval/score': the reward model's mean score of the policy's greedy completions of the held-out records (its
-    raw output, before PPO's normalisation), 'eval/accuracy': their mean reward_fn, only when answers}. The same
-    completions, batches and totals as evaluate(), so the accuracy is the one evaluate() gives."""
-    policy.eval()
-    records = share_of(records)
-    score = right = 0.0
-    for i in range(0, len(records), batch_size):
-        chunk = records[i : i + batch_size]
-        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in chunk], device,
-                                                   args.max_prompt_length)  # (B, P)
-        completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, None, stop_ids)
-        mask = completion_mask(completion_ids, stop_ids)  # (B, T)
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    raw output, before PPO's normalisation), 'eval/accuracy': their mean reward_fn, only when answers}. The
+    completions and totals are evaluate()'s, so the accuracy is the one evaluate() gives."""
+    score = right = count = 0.0
+    for chunk, prompt_ids, prompt_mask, completion_ids, mask in greedy_completions(
+            policy, tokenizer, records, args.max_new_tokens, stop_ids, device, args.max_prompt_length):
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (b, P + T)
         score += last_token_scores(reward_model, input_ids, torch.cat([prompt_mask, mask.long()], dim=1)).sum().item()
         if answers:
             right += sum(reward_fn(t, r) for t, r in zip(decode_completions(tokenizer, completion_ids, mask), chunk))
-    score, right, count = all_sum(torch.tensor([score, right, len(records)], dtype=torch.float64)).tolist()
+        count += len(chunk)
+    score, right, count = all_sum(torch.tensor([score, right, count], dtype=torch.float64)).tolist()
     return {"eval/score": score / count, **({"eval/accuracy": right / count} if answers else {})}
 
 
@@ -911,22 +905,31 @@ def masked_mean(x, mask, dim=None):
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, max_prompt_length=None, batch_size=128):
-    """Greedy accuracy on held-out records: the mean reward of greedy completions.
+def greedy_completions(model, tokenizer, records, max_new_tokens, stop_ids, device, max_prompt_length=None,
+                       batch_size=128):
+    """This process's share of the held-out records, batch_size at a time, with their greedy completions: yields
+    (records, prompt ids (b, P), prompt mask (b, P), completion ids (b, T), completion mask (b, T)).
 
-    Under torchrun each process takes every N-th record and the totals are added up (a remainder of fewer
-    than N records is left out, so that every process runs as many batches).
+    Under torchrun each process takes every N-th record (a remainder of fewer than N records is left out, so that
+    every process runs as many batches); the caller adds up its totals over the processes.
     """
     model.eval()
     records = share_of(records)
-    total = 0.0
     for i in range(0, len(records), batch_size):
         chunk = records[i : i + batch_size]
         prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in chunk], device, max_prompt_length)
         completion_ids = generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, None, stop_ids)
-        texts = decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
-        total += sum(reward_fn(t, r) for t, r in zip(texts, chunk))
-    right, count = all_sum(torch.tensor([total, len(records)], dtype=torch.float64)).tolist()  # of all processes
+        yield chunk, prompt_ids, prompt_mask, completion_ids, completion_mask(completion_ids, stop_ids)
+
+
+def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, max_prompt_length=None):
+    """Greedy accuracy on held-out records: the mean reward of greedy completions (of all processes)."""
+    total = count = 0.0
+    for chunk, _, _, completion_ids, mask in greedy_completions(model, tokenizer, records, max_new_tokens, stop_ids,
+                                                                device, max_prompt_length):
+        total += sum(reward_fn(t, r) for t, r in zip(decode_completions(tokenizer, completion_ids, mask), chunk))
+        count += len(chunk)
+    right, count = all_sum(torch.tensor([total, count], dtype=torch.float64)).tolist()  # of all processes
     return right / count
 
 

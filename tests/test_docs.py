@@ -3,7 +3,8 @@
 import os
 import re
 
-from conftest import ROOT
+import pytest
+from conftest import ROOT, run_script
 
 
 def read(path):
@@ -79,4 +80,6 @@ def test_the_readme_gives_the_memory_estimate_of_its_gpu_commands():
     n = memory_estimate.parameters(memory_estimate.QWEN_05B)
     assert n == 494_032_768  # Qwen2.5-0.5B's parameters, its embedding tied to the output layer
     static, training, _, peak = memory_estimate.estimate(memory_estimate.COMMANDS[0])
-    assert abs(static - 18 * n / 2**30) < 1e-9 and peak == static + training
+    assert static == pytest.approx(18 * n / 2**30) and peak == pytest.approx(static + training)
+    # and the command the README gives prints that table
+    assert run_script("benchmarks/memory_estimate.py").stdout.strip() == memory_estimate.table()
