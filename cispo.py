@@ -217,7 +217,8 @@ def main(args):
                         share = mask[idx].sum() / (all_sum(mask[mb].sum()) / world)
                         (loss * share).backward()
                     forward_backward_time += clock(device) - forward_start
-                    step_stats.append({"loss": loss.detach(), **stats})
+                    # the loss as the optimizer weighed it; the token means (clip_frac, ratio) by tokens
+                    step_stats += [({"loss": loss.detach()}, share), (stats, mask[idx].sum())]
                 grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
                 optimizer.step()
 
@@ -225,7 +226,7 @@ def main(args):
         step_time = clock(device) - step_start
         evaluate_now = step % args.eval_every == 0 or step == args.num_steps
         if step % args.log_every == 0 or evaluate_now:
-            metrics = {f"losses/{k}": torch.stack([s[k] for s in step_stats]).mean().item() for k in step_stats[0]}
+            metrics = {f"losses/{k}": v for k, v in weighted_means(step_stats).items()}
             metrics.update({
                 "charts/reward": rewards.mean().item(), "charts/reward_std": rewards.std().item(),
                 "charts/zero_std_groups": (rewards.view(-1, args.group_size).std(dim=1) == 0).float().mean().item(),
@@ -706,6 +707,21 @@ def masked_mean(x, mask, dim=None):
     if dim is None:
         return x.sum() / mask.sum().clamp(min=1)
     return x.sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def weighted_means(records):
+    """{name: sum_i w_i x_i / sum_i w_i}: a step's statistics from its micro-batches' (statistics, w_i) records.
+
+    A token mean weighed by its micro-batch's token count gives the token mean of the whole step, where a plain
+    mean of the micro-batches' means counts a short micro-batch's tokens more:
+    [({"kl": 1.0}, 1), ({"kl": 0.0}, 3)] -> {"kl": 0.25}   (the plain mean: 0.5)
+    """
+    sums, totals = {}, {}
+    for stats, weight in records:
+        for name, value in stats.items():
+            sums[name] = sums.get(name, 0.0) + float(value) * float(weight)
+            totals[name] = totals.get(name, 0.0) + float(weight)
+    return {name: sums[name] / totals[name] for name in sums}
 
 
 @torch.no_grad()

@@ -800,6 +800,21 @@ def masked_mean(x, mask, dim=None):
     return x.sum(dim) / mask.sum(dim).clamp(min=1)
 
 
+def weighted_means(records):
+    """{name: sum_i w_i x_i / sum_i w_i}: a step's statistics from its micro-batches' (statistics, w_i) records.
+
+    A token mean weighed by its micro-batch's token count gives the token mean of the whole step, where a plain
+    mean of the micro-batches' means counts a short micro-batch's tokens more:
+    [({"kl": 1.0}, 1), ({"kl": 0.0}, 3)] -> {"kl": 0.25}   (the plain mean: 0.5)
+    """
+    sums, totals = {}, {}
+    for stats, weight in records:
+        for name, value in stats.items():
+            sums[name] = sums.get(name, 0.0) + float(value) * float(weight)
+            totals[name] = totals.get(name, 0.0) + float(weight)
+    return {name: sums[name] / totals[name] for name in sums}
+
+
 @torch.no_grad()
 def greedy_completions(model, tokenizer, records, max_new_tokens, stop_ids, device, max_prompt_length=None,
                        batch_size=128):

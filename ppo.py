@@ -270,7 +270,8 @@ def main(args):
     data_rng, shuffle_gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
     print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
 
-    beta, reward_bias = args.beta, None  # beta moves when --kl-target > 0; the first batch sets the bias
+    # beta moves when --kl-target > 0; a reward model's bias is set by the first batch (the verifier has none)
+    beta, reward_bias = args.beta, None if args.reward_model_path else 0.0
     start, no_signal = time.time(), []  # no_signal: no_signal_note's record of the first steps
     def held_out():
         """Greedy completions of the held-out prompts: the verifier's accuracy, or with a reward model its mean score
@@ -303,8 +304,8 @@ def main(args):
         if reward_model is None:
             scores = correct
         else:
-            with torch.no_grad():
-                scores = last_token_scores(reward_model, input_ids, attention_mask)  # (B,)
+            scores = reward_model_scores(reward_model, tokenizer, [r["prompt"] for r in batch], texts, device,
+                                         args.max_prompt_length)  # (B,)
             if reward_bias is None:  # the starting policy's mean score (of every process) is 0 from now on
                 reward_bias = all_sum(scores.sum()).item() / args.batch_size if args.normalize_reward else 0.0
             scores = scores - reward_bias
@@ -320,9 +321,10 @@ def main(args):
                                         args.micro_batch_size)  # (B, T)
         with torch.no_grad():
             value_model.eval()
+            # less the reward's bias: a critic that starts as the reward model then predicts the normalised score
             old_values = torch.cat([token_values(value_model, input_ids[i : i + args.micro_batch_size],
                                                  attention_mask[i : i + args.micro_batch_size], prompt_len)
-                                    for i in range(0, batch_size, args.micro_batch_size)])  # (B, T)
+                                    for i in range(0, batch_size, args.micro_batch_size)]) - reward_bias  # (B, T)
         logprob_time = clock(device) - logprob_start
 
         # 4. per-token rewards, GAE, returns (before whitening), whitened advantages
@@ -344,7 +346,8 @@ def main(args):
                     with gradient_sync(i == len(micro_batches) - 1, policy, value_model):
                         logprobs, entropy = sequence_logprobs(policy, input_ids[idx], attention_mask[idx], prompt_len,
                                                               args.temperature, with_entropy=True)  # (b, T), (b, T)
-                        values = token_values(value_model, input_ids[idx], attention_mask[idx], prompt_len)  # (b, T)
+                        values = token_values(value_model, input_ids[idx], attention_mask[idx],
+                                              prompt_len) - reward_bias  # (b, T)
                         pg_loss, pg_stats = ppo_policy_loss(logprobs, old_logprobs[idx], advantages[idx], mask[idx],
                                                             args.clip_eps)
                         vf_loss, vf_stats = ppo_value_loss(values, old_values[idx], returns[idx], mask[idx],
@@ -356,9 +359,10 @@ def main(args):
                         # (of all processes: they average their gradients, so divide by their mean token count)
                         (loss * mask[idx].sum() / (all_sum(mask[mb].sum()) / world)).backward()
                     forward_backward_time += clock(device) - forward_start
-                    step_stats.append({"loss": loss.detach(), "policy_loss": pg_loss.detach(),
-                                       "value_loss": vf_loss.detach(), **pg_stats, **vf_stats,
-                                       "entropy": masked_mean(entropy.detach(), mask[idx])})
+                    step_stats.append(({"loss": loss.detach(), "policy_loss": pg_loss.detach(),
+                                        "value_loss": vf_loss.detach(), **pg_stats, **vf_stats,
+                                        "entropy": masked_mean(entropy.detach(), mask[idx])},
+                                       mask[idx].sum()))  # all token means: weighed by the tokens
                 grad_norms.append(torch.nn.utils.clip_grad_norm_([*policy.parameters(), *value_model.parameters()],
                                                                  args.max_grad_norm))
                 optimizer.step()
@@ -374,7 +378,7 @@ def main(args):
         evaluate_now = step % args.eval_every == 0 or step == args.num_steps
         if step % args.log_every == 0 or evaluate_now:
             residual = torch.where(mask, returns - old_values, 0.0)
-            metrics = {f"losses/{k}": torch.stack([s[k] for s in step_stats]).mean().item() for k in step_stats[0]}
+            metrics = {f"losses/{k}": v for k, v in weighted_means(step_stats).items()}
             metrics.update({
                 "charts/score": scores.mean().item(), **({"charts/reward": correct.mean().item()} if answers else {}),
                 "losses/kl": kl.mean().item(), "charts/non_score_reward": (-kl_coef * kl).mean().item(),
@@ -449,13 +453,42 @@ def evaluate_with_reward_model(policy, reward_model, tokenizer, records, args, s
     score = right = count = 0.0
     for chunk, prompt_ids, prompt_mask, completion_ids, mask in greedy_completions(
             policy, tokenizer, records, args.max_new_tokens, stop_ids, device, args.max_prompt_length):
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (b, P + T)
-        score += last_token_scores(reward_model, input_ids, torch.cat([prompt_mask, mask.long()], dim=1)).sum().item()
+        texts = decode_completions(tokenizer, completion_ids, mask)
+        score += reward_model_scores(reward_model, tokenizer, [r["prompt"] for r in chunk], texts, device,
+                                     args.max_prompt_length).sum().item()
         if answers:
-            right += sum(reward_fn(t, r) for t, r in zip(decode_completions(tokenizer, completion_ids, mask), chunk))
+            right += sum(reward_fn(t, r) for t, r in zip(texts, chunk))
         count += len(chunk)
     score, right, count = all_sum(torch.tensor([score, right, count], dtype=torch.float64)).tolist()
     return {"eval/score": score / count, **({"eval/accuracy": right / count} if answers else {})}
+
+
+def completion_batch(tokenizer, prompts, completions, device, max_prompt_length=None, max_length=None):
+    """Prompt (left-padded) then completion + EOS (right-padded): ids (B, P + T), mask (B, T). A prompt keeps its
+    last max_prompt_length tokens, and a completion the tokens that fit in max_length with its prompt.
+
+    prompts = ["1+2=", "10+20="], completions = ["3", "30"]
+    input_ids = [[PAD, PAD, 1, +, 2, = | 3, EOS, PAD],       completion_mask = [[1, 1, 0],
+                 [1,   0,   +, 2, 0, = | 3, 0,   EOS]]                          [1, 1, 1]]
+    """
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device, max_prompt_length)  # (B, P)
+    ids = [tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for c in completions]
+    if max_length is not None:  # cut from the end: a completion cut short loses its EOS too
+        ids = [c[: max_length - n] for c, n in zip(ids, prompt_mask.sum(dim=1).tolist())]
+    length = max(len(c) for c in ids)
+    completion_ids = torch.tensor([c + [tokenizer.pad_token_id] * (length - len(c)) for c in ids], device=device)
+    mask = torch.tensor([[1] * len(c) + [0] * (length - len(c)) for c in ids], device=device)  # (B, T)
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
+    return input_ids, torch.cat([prompt_mask, mask], dim=1), prompt_ids.shape[1], mask
+
+
+@torch.no_grad()
+def reward_model_scores(reward_model, tokenizer, prompts, completions, device, max_prompt_length=None):
+    """The reward model's scores (B,) of the completions' texts, read as reward_model.py trains it: the prompt, the
+    text re-tokenised, then the tokenizer's EOS (completion_batch), whichever stop id ended the sampled ids (a chat
+    model's generation config may stop on another) and however the text splits into tokens."""
+    input_ids, attention_mask, _, _ = completion_batch(tokenizer, prompts, completions, device, max_prompt_length)
+    return last_token_scores(reward_model, input_ids, attention_mask)
 
 
 def load_scorer(path, args, device, what, tokenizer, flag="--model-name-or-path", frozen=False):
@@ -902,6 +935,21 @@ def masked_mean(x, mask, dim=None):
     if dim is None:
         return x.sum() / mask.sum().clamp(min=1)
     return x.sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def weighted_means(records):
+    """{name: sum_i w_i x_i / sum_i w_i}: a step's statistics from its micro-batches' (statistics, w_i) records.
+
+    A token mean weighed by its micro-batch's token count gives the token mean of the whole step, where a plain
+    mean of the micro-batches' means counts a short micro-batch's tokens more:
+    [({"kl": 1.0}, 1), ({"kl": 0.0}, 3)] -> {"kl": 0.25}   (the plain mean: 0.5)
+    """
+    sums, totals = {}, {}
+    for stats, weight in records:
+        for name, value in stats.items():
+            sums[name] = sums.get(name, 0.0) + float(value) * float(weight)
+            totals[name] = totals.get(name, 0.0) + float(weight)
+    return {name: sums[name] / totals[name] for name in sums}
 
 
 @torch.no_grad()

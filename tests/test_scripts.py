@@ -449,6 +449,109 @@ def test_ppo_with_a_reward_model_trains_on_prompts_alone(tmp_path):
     assert answers[0]["eval/score"] == pytest.approx(prompts[0]["eval/score"])  # the same start, the same prompts
 
 
+def test_ppo_critic_from_the_reward_model_predicts_the_normalised_score(tmp_path):
+    """The critic starts as the reward model; with the score normalised it must start from the normalised score too.
+    A reward model whose score is one constant K at every position (a huge first embedding coordinate makes every
+    hidden state the same direction; the head reads that coordinate) scores every completion K, so the normalised
+    score, the returns at step 1 (KL 0, no EOS penalty) and the right values are all 0. A critic left predicting
+    the raw score has a value loss of about K^2 / 2 (66 when measured, K = 12.2); normalised, about 0."""
+    from transformers import AutoTokenizer
+
+    rm = str(tmp_path / "rm")
+    scorer = AutoModelForSequenceClassification.from_pretrained(os.path.join(ROOT, "tiny-adder"), num_labels=1)
+    with torch.no_grad():
+        scorer.model.embed_tokens.weight[:, 0] += 1000.0
+        scorer.score.weight.zero_()
+        scorer.score.weight[0, 0] = 1.0
+    scorer.save_pretrained(rm)
+    AutoTokenizer.from_pretrained(os.path.join(ROOT, "tiny-adder")).save_pretrained(rm)
+    run_script("ppo.py", "--reward-model-path", rm, "--num-steps", "1", "--log-every", "1", "--num-eval", "4",
+               "--prompts-per-step", "16", "--micro-batch-size", "8", "--missing-eos-penalty", "0",
+               "--output-dir", str(tmp_path / "run"))
+    start, step = read_metrics(str(tmp_path / "run"))
+    assert start["eval/score"] > 10  # the raw score K
+    assert abs(step["charts/score"]) < 1e-5 and step["losses/value_loss"] < 1e-4, step
+
+
+def test_ppo_reward_model_reads_completions_as_reward_model_py_trained_it(tmp_path):
+    """reward_model.py trains on the prompt, the completion's text and the tokenizer's EOS. A generation config may
+    stop on other ids (Qwen's instruct models stop on <|endoftext|> as well as their EOS): here tiny-adder's stops
+    on "1" too. Every sequence that PPO's reward model scores, in training and in evaluation, is then the one that
+    reward_model.py's pair_batch makes of its prompt and decoded text, and ends in EOS, never in the other stop id."""
+    from transformers import AutoTokenizer
+
+    policy, rm = str(tmp_path / "policy"), str(tmp_path / "rm")
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "tiny-adder"))
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "tiny-adder"))
+    one = tokenizer.convert_tokens_to_ids("1")
+    assert one != tokenizer.eos_token_id
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, one]
+    model.save_pretrained(policy)
+    tokenizer.save_pretrained(policy)
+    AutoModelForSequenceClassification.from_pretrained(os.path.join(ROOT, "tiny-adder"), num_labels=1).save_pretrained(rm)
+    tokenizer.save_pretrained(rm)
+    harness = tmp_path / "harness.py"
+    harness.write_text("""
+import json, runpy, sys
+sys.argv = sys.argv[1:]
+found = runpy.run_path(sys.argv[0], run_name="harness")  # defines everything; main() is not called
+run, scored, caught = found["main"].__globals__, [], {}
+score, end = run["last_token_scores"], run["end_processes"]
+
+def recording(model, input_ids, attention_mask):  # ppo.py reads only the reward model with it
+    scored.extend(ids[m.bool()].tolist() for ids, m in zip(input_ids, attention_mask))
+    return score(model, input_ids, attention_mask)
+
+def catch_and_end():
+    caught.update(sys._getframe(1).f_locals)
+    end()
+
+run["last_token_scores"], run["end_processes"] = recording, catch_and_end
+run["main"](found["tyro"].cli(found["Args"]))
+json.dump({"scored": scored, "texts": caught["texts"], "prompts": [r["prompt"] for r in caught["batch"]],
+           "stop_ids": caught["stop_ids"]}, open(sys.argv[-1] + ".json", "w"))
+""")
+    out = str(tmp_path / "run")
+    run_script(str(harness), "ppo.py", "--model-name-or-path", policy, "--reward-model-path", rm,
+               "--num-steps", "1", "--num-eval", "8", "--prompts-per-step", "16", "--micro-batch-size", "8",
+               "--output-dir", out)
+    with open(out + ".json") as f:
+        got = json.load(f)
+    assert one in got["stop_ids"] and any(t.endswith("1") for t in got["texts"])  # the other stop id was sampled
+    assert all(ids[-1] == tokenizer.eos_token_id for ids in got["scored"])
+    assert len(got["scored"]) == 8 + 16 + 8  # the evaluation before and after the step, and the step's batch
+    import reward_model
+
+    class Args:
+        max_prompt_length = max_length = None
+
+    pairs = [{"prompt": p, "chosen": t, "rejected": t} for p, t in zip(got["prompts"], got["texts"])]
+    input_ids, attention_mask, _, _ = reward_model.pair_batch(tokenizer, pairs, "cpu", Args)
+    trained_form = [ids[m.bool()].tolist() for ids, m in zip(input_ids, attention_mask)][: len(pairs)]
+    assert got["scored"][8 : 8 + 16] == trained_form
+
+
+@pytest.mark.parametrize("script,flags", [
+    ("grpo.py", ["--prompts-per-step", "4", "--group-size", "4", "--num-iterations", "2", "--beta", "0.04",
+                 "--loss-agg", "token-mean"]),
+    ("cispo.py", ["--prompts-per-step", "4", "--group-size", "4", "--num-iterations", "2"]),
+    ("ppo.py", ["--prompts-per-step", "16", "--ppo-epochs", "2"])])
+def test_token_mean_metrics_do_not_depend_on_the_micro_batch(script, flags, tmp_path):
+    """losses/* that are token means are the token mean of the whole step: the same with 16 completions in one
+    micro-batch as in eight micro-batches of two, whose token counts differ (a plain mean of the micro-batches'
+    means does not give it). One step with two passes over the batch, so that the ratio moves from 1."""
+    logged = {}
+    for micro in ("16", "2"):
+        out = str(tmp_path / micro)
+        run_script(script, *flags, "--num-steps", "1", "--num-minibatches", "1", "--micro-batch-size", micro,
+                   "--num-eval", "2", "--max-new-tokens", "6", "--output-dir", out)
+        logged[micro] = {k: v for k, v in read_metrics(out)[1].items() if k.startswith("losses/")}
+    assert logged["16"].keys() == logged["2"].keys()
+    for k in logged["16"]:
+        if k != "losses/grad_norm":  # the gradients of 2 and of 16 completions are summed in another order
+            assert logged["2"][k] == pytest.approx(logged["16"][k], rel=1e-3, abs=1e-6), k
+
+
 def test_ppo_with_a_reward_model_normalises_the_score_and_adapts_beta(tmp_path):
     """--reward-model-path: the first batch's mean score is the bias (so it scores 0), and beta follows
     adaptive_kl_coef from the logged KL; the verifier keeps a fixed beta. The defaults differ by reward."""

@@ -257,10 +257,11 @@ def test_code_lines_leave_out_comments_and_docstrings_only():
 
 @pytest.mark.parametrize("other", ["gspo.py", "cispo.py"])
 def test_diffing_two_sibling_files_shows_only_the_algorithm(other):
-    """GSPO and CISPO change GRPO's loss (and a few flags): their code differs from grpo.py's in at most 60 lines,
-    comments and docstrings aside (measured when the layout was set: 58 and 57)."""
+    """GSPO and CISPO change GRPO's loss (and a few flags): their code differs from grpo.py's in at most 62 lines,
+    comments and docstrings aside (measured: 61 and 58, with the step's statistics weighed as each loss averages:
+    GSPO's by sequences, GRPO's and CISPO's token means by tokens)."""
     changed = changed_code_lines("grpo.py", other)
-    assert 0 < len(changed) <= 60, f"{other}: {len(changed)} changed code lines against grpo.py"
+    assert 0 < len(changed) <= 62, f"{other}: {len(changed)} changed code lines against grpo.py"
 
 
 def plain_logprobs(model, input_ids, attention_mask, prompt_len, temperature):
