@@ -24,17 +24,20 @@ import math
 import os
 import random
 import re
+import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 import torch
 import torch.distributed
+import torch.distributed.checkpoint
 import torch.utils.checkpoint
 import transformers
 import tyro
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -56,6 +59,9 @@ class Args:
     output_dir: str | None = None  # where the model, metrics.jsonl and args.json go (default runs/<run_name>); new
     trust_remote_code: bool = False  # let transformers run code shipped with a hub model you trust
     log_every: int = 5  # write metrics and a console line every this many steps
+    save_every: int = 0  # write a checkpoint into the run's folder every this many steps (0: none)
+    keep_checkpoints: int = 2  # keep the newest this many checkpoints; older ones are deleted
+    resume_from: str | None = None  # a run's folder (or checkpoint): go on from its last checkpoint, its flags
 
     # Model and data
     model_name_or_path: str = "tiny-adder"  # the starting policy, also the frozen reference: a folder or a hub id
@@ -184,7 +190,8 @@ def main(args):
 
     @torch.no_grad()
     def eval_metrics():
-        """Held-out preference accuracy of the implicit reward, and the task's greedy accuracy."""
+        """Held-out preference accuracy of the implicit reward, and the task's greedy accuracy; and a few held-out
+        pairs with their margins beta * h, for samples.jsonl."""
         policy.eval()
         margins, pairs = [], share_of(eval_pairs)  # this process's share of the held-out pairs
         for i in range(0, len(pairs), args.micro_batch_size):
@@ -197,11 +204,16 @@ def main(args):
         if eval_records is not None:
             metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids, device,
                                                 args.max_prompt_length)
-        return metrics
+        samples = [{"prompt": p["prompt"], "chosen": p["chosen"], "rejected": p["rejected"], "margin": m}
+                   for p, m in zip(pairs[:4], torch.cat(margins).tolist())]
+        return metrics, samples
 
     start = time.time()
-    logger.log(0, eval_metrics())
-    for step in range(1, args.num_steps + 1):
+    # a new run starts at 1; --resume-from puts back its checkpoint's weights and states, and goes on after it
+    first_step, _ = resume(args, {"policy": policy}, optimizer, [data_rng])
+    if first_step == 1:
+        logger.log(0, *eval_metrics())
+    for step in range(first_step, args.num_steps + 1):
         step_start = clock(device)
         batch = data_rng.choices(train_pairs, k=args.batch_size)[rank * batch_size : (rank + 1) * batch_size]
         policy.train()
@@ -233,9 +245,13 @@ def main(args):
                             "losses/grad_norm": grad_norm.item(), "charts/step_time": step_time,
                             "charts/tokens_per_sec": num_tokens / step_time,
                             "charts/elapsed_time": time.time() - start})
+            samples = []
             if evaluate_now:
-                metrics.update(eval_metrics())
-            logger.log(step, metrics)
+                held_out, samples = eval_metrics()
+                metrics.update(held_out)
+            logger.log(step, metrics, samples)
+        # every --save-every steps
+        save_checkpoint(args, output_dir, step, tokenizer, {"policy": policy}, optimizer, [data_rng])
 
     save(policy, tokenizer, output_dir)
     logger.close()
@@ -399,7 +415,8 @@ def exact_div(a, b, what):
 # the valid range of the numeric flags that every file has; each file adds its own (check_ranges)
 COMMON_RANGES = {"seed": "in [0, 4294967295]", "log_every": "> 0", "num_eval": "> 0", "eval_every": "> 0",
                  "max_new_tokens": "> 0", "num_steps": "> 0", "learning_rate": "> 0", "weight_decay": ">= 0",
-                 "max_grad_norm": "> 0", "micro_batch_size": "> 0", "max_prompt_length": "> 0"}
+                 "max_grad_norm": "> 0", "micro_batch_size": "> 0", "max_prompt_length": "> 0",
+                 "save_every": ">= 0", "keep_checkpoints": "> 0"}
 
 
 def check_ranges(args, ranges):
@@ -833,12 +850,18 @@ def greedy_completions(model, tokenizer, records, max_new_tokens, stop_ids, devi
         yield chunk, prompt_ids, prompt_mask, completion_ids, completion_mask(completion_ids, stop_ids)
 
 
-def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, max_prompt_length=None):
-    """Greedy accuracy on held-out records: the mean reward of greedy completions (of all processes)."""
+def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, max_prompt_length=None, samples=None):
+    """Greedy accuracy on held-out records: the mean reward of greedy completions (of all processes). A list given
+    as samples gets this process's first 4 records as {prompt, completion, answer, reward} (for samples.jsonl)."""
     total = count = 0.0
     for chunk, _, _, completion_ids, mask in greedy_completions(model, tokenizer, records, max_new_tokens, stop_ids,
                                                                 device, max_prompt_length):
-        total += sum(reward_fn(t, r) for t, r in zip(decode_completions(tokenizer, completion_ids, mask), chunk))
+        texts = decode_completions(tokenizer, completion_ids, mask)
+        rewards = [reward_fn(t, r) for t, r in zip(texts, chunk)]
+        if samples is not None and count == 0:
+            samples += [{"prompt": r["prompt"], "completion": t, "answer": r["answer"], "reward": reward}
+                        for r, t, reward in zip(chunk[:4], texts, rewards)]
+        total += sum(rewards)
         count += len(chunk)
     right, count = all_sum(torch.tensor([total, count], dtype=torch.float64)).tolist()  # of all processes
     return right / count
@@ -869,7 +892,8 @@ class Logger:
             wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
                        config=vars(args), dir=output_dir)
 
-    def log(self, step, metrics):
+    def log(self, step, metrics, samples=()):
+        """samples: a few held-out records with the model's completions (rank 0's), for samples.jsonl."""
         rank, world = rank_and_world()
         values = all_sum(torch.tensor([float(v) for v in metrics.values()], dtype=torch.float64)) / world
         metrics = dict(zip(metrics, values.tolist()))
@@ -878,12 +902,20 @@ class Logger:
         try:
             with open(self.path, "a") as f:
                 f.write(json.dumps({"step": step, **metrics}) + "\n")
+            with open(os.path.join(os.path.dirname(self.path), "samples.jsonl"), "a") as f:
+                f.writelines(json.dumps({"step": step, **row}) + "\n" for row in samples)
         except OSError as e:
-            fail(f"--output-dir {os.path.dirname(self.path)}: cannot write metrics.jsonl ({e.strerror or e})")
+            fail(f"--output-dir {os.path.dirname(self.path)}: cannot write its metrics ({e.strerror or e})")
         if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
+            columns = list(samples[0]) if samples else []
+            rows = [[row.get(c) for c in columns] for row in samples]
+            tables = {"samples": self.wandb.Table(columns=columns, data=rows)} if samples else {}
+            self.wandb.log({**metrics, **tables}, step=step)
         shown = ["charts/reward", "losses/loss", "eval/loss", "eval/accuracy", "eval/pair_accuracy", "charts/step_time"]
         print(f"step {step:5d}  " + "  ".join(f"{k} {metrics[k]:.4f}" for k in shown if k in metrics), flush=True)
+        if samples:  # one of them, shortened
+            print("  sample  " + "  ".join(f"{k} {v if isinstance(v, float) else repr(v)[:80]}"
+                                           for k, v in samples[0].items()), flush=True)
 
     def close(self):
         if self.wandb is not None:
@@ -891,7 +923,10 @@ class Logger:
 
 
 def make_output_dir(args):
-    """The run's new folder with its args.json, made before any model is loaded; a one-line error if it cannot be."""
+    """The run's new folder with its args.json, made before any model is loaded; a one-line error if it cannot be.
+    With --resume-from: the folder of the run it continues (resume_dir)."""
+    if args.resume_from is not None:
+        return resume_dir(args)
     path = args.output_dir or os.path.join("runs", args.run_name)
     if os.path.exists(path):
         fail(f"--output-dir {path} already exists; a run never overwrites another, choose a new folder")
@@ -924,6 +959,157 @@ def save(model, tokenizer, output_dir):
             tokenizer.save_pretrained(output_dir)
         except OSError as e:
             fail(f"--output-dir {output_dir}: cannot save the model there ({e.strerror or e})")
+
+
+# ---- Checkpoints: --save-every writes them, --resume-from continues a run from one ------------------
+# run/checkpoints/step_000040/ holds the trained models (each loadable with from_pretrained, in a folder of its
+# name), state/ (their weights and the optimizer's state, written by torch.distributed.checkpoint: each process
+# writes its own shards, so FSDP gathers nothing), rng_<rank>.pt (each process's random states) and
+# trainer_state.json (the file, the step, the number of processes and the loop's own state), written last.
+RESUME_MAY_CHANGE = {"num_steps", "log_every", "eval_every", "save_every", "keep_checkpoints", "resume_from",
+                     "output_dir", "track", "wandb_project_name", "wandb_entity", "exp_name", "run_name"}
+
+
+def complete_checkpoints(run_dir):
+    """{step: folder} of the run's whole checkpoints (a folder is renamed into place only once it is whole)."""
+    root = os.path.join(run_dir, "checkpoints")
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return {int(n[len("step_"):]): os.path.join(root, n) for n in names if re.fullmatch(r"step_\d+", n)}
+
+
+def find_checkpoint(path):
+    """(the run's folder, the checkpoint to resume from, its trainer_state) for --resume-from, or a one-line error."""
+    path = os.path.normpath(path)
+    if not os.path.isdir(path):
+        fail(f"--resume-from {path}: no such folder; give a run's folder or one of its checkpoints")
+    if os.path.basename(os.path.dirname(path)) == "checkpoints":  # one checkpoint of a run
+        run_dir, checkpoint = os.path.dirname(os.path.dirname(path)), path
+    else:
+        run_dir, steps = path, complete_checkpoints(path)
+        if not os.path.exists(os.path.join(run_dir, "args.json")):
+            fail(f"--resume-from {path}: not a run's folder (no args.json) nor one of its checkpoints")
+        if not steps:
+            fail(f"--resume-from {path}: the run has no complete checkpoint (a run writes them with --save-every)")
+        checkpoint = steps[max(steps)]
+    rank_files = [f"rng_{r}.pt" for r in range(rank_and_world()[1])]
+    needed = ["trainer_state.json", os.path.join("state", ".metadata"), *rank_files]
+    missing = [name for name in needed if not os.path.exists(os.path.join(checkpoint, name))]
+    if missing or not re.fullmatch(r"step_\d+", os.path.basename(checkpoint)):
+        fail(f"--resume-from {checkpoint}: an incomplete checkpoint (its save was cut short"
+             + (f": no {missing[0]}" if missing else "") + "); resume from the run's folder, which takes its last "
+             "complete checkpoint")
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        state = json.load(f)
+    this = os.path.basename(__file__)
+    if state["file"] != this:
+        fail(f"--resume-from {checkpoint}: a checkpoint of {state['file']}, not of {this}; resume it with that file")
+    if state["world_size"] != rank_and_world()[1]:
+        fail(f"--resume-from {checkpoint}: written by {state['world_size']} processes, resumed by "
+             f"{rank_and_world()[1]}; start as many (torchrun --nproc-per-node {state['world_size']})")
+    later = [s for s in complete_checkpoints(run_dir) if s > state["step"]]
+    if later:
+        fail(f"--resume-from {checkpoint}: the run has a later checkpoint (step {max(later)}), which resuming from "
+             "here would overwrite; resume from the run's folder, or delete the later checkpoints first")
+    return run_dir, checkpoint, state
+
+
+def resume_dir(args):
+    """The folder of the run that --resume-from continues, checked before anything in it changes: the same file,
+    number of processes and flags (but those of RESUME_MAY_CHANGE). Then its metrics.jsonl and samples.jsonl keep
+    the lines up to the checkpoint's step; the later ones, which the resumed run writes again, move to
+    metrics.discarded.jsonl and samples.discarded.jsonl."""
+    run_dir, checkpoint, state = find_checkpoint(args.resume_from)
+    with open(os.path.join(run_dir, "args.json")) as f:
+        saved, given = json.load(f), asdict(args)
+    differ = [k for k in sorted(set(saved) | set(given)) if k not in RESUME_MAY_CHANGE and saved.get(k) != given.get(k)]
+    if differ:
+        fail(f"--resume-from {run_dir}: flags differ from the run's args.json: " + ", ".join(
+            f"--{k.replace('_', '-')} {given.get(k)} (the run's: {saved.get(k)})" for k in differ))
+    if args.output_dir is not None and os.path.abspath(args.output_dir) != os.path.abspath(run_dir):
+        fail(f"--output-dir {args.output_dir}: a resumed run stays in its own folder ({run_dir}); leave it out")
+    if args.num_steps <= state["step"]:
+        fail(f"--num-steps {args.num_steps}: the checkpoint is at step {state['step']}; ask for more steps")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every process has checked before rank 0 changes the folder
+    if rank_and_world()[0] == 0:
+        for name in ("metrics", "samples"):
+            path = os.path.join(run_dir, f"{name}.jsonl")
+            lines = open(path).readlines() if os.path.exists(path) else []
+            after = [json.loads(line)["step"] > state["step"] for line in lines]
+            with open(os.path.join(run_dir, f"{name}.discarded.jsonl"), "a") as f:
+                f.writelines(line for line, later in zip(lines, after) if later)
+            with open(path, "w") as f:
+                f.writelines(line for line, later in zip(lines, after) if not later)
+        for name in os.listdir(os.path.join(run_dir, "checkpoints")):  # the parts of a save cut short
+            if name.endswith(".partial"):
+                shutil.rmtree(os.path.join(run_dir, "checkpoints", name))
+    args.run_name = saved["run_name"]
+    print(f"resuming {run_dir} from {checkpoint} (step {state['step']})")
+    return run_dir
+
+
+def random_states(generators):
+    states = {"python": random.getstate(), "torch": torch.get_rng_state(),
+              "generators": [g.getstate() if isinstance(g, random.Random) else g.get_state() for g in generators]}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def save_checkpoint(args, output_dir, step, tokenizer, models, optimizer, generators, **loop_state):
+    """Every --save-every steps: a checkpoint of `models` ({name: model}), the optimizer, the random states of this
+    process, of torch and of `generators` (random.Random or torch.Generator), and loop_state (JSON), in a folder
+    that gets its name once all is written; then only the newest --keep-checkpoints stay."""
+    if args.save_every == 0 or step % args.save_every != 0:
+        return
+    rank, world = rank_and_world()
+    root = os.path.join(output_dir, "checkpoints")
+    final = os.path.join(root, f"step_{step:06d}")
+    partial = final + ".partial"
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    model_state, optimizer_state = get_state_dict(torch.nn.ModuleDict(models), optimizer)
+    torch.distributed.checkpoint.save({"models": model_state, "optimizer": optimizer_state},
+                                      checkpoint_id=os.path.join(partial, "state"))
+    for name, model in models.items():
+        save(model, tokenizer, os.path.join(partial, name))
+    torch.save(random_states(generators), os.path.join(partial, f"rng_{rank}.pt"))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every process has written its part
+    if rank == 0:
+        with open(os.path.join(partial, "trainer_state.json"), "w") as f:
+            json.dump({"file": os.path.basename(__file__), "step": step, "world_size": world,
+                       "state": loop_state}, f, indent=2)
+        os.replace(partial, final)
+        steps = complete_checkpoints(output_dir)
+        for old in sorted(steps)[: -args.keep_checkpoints]:
+            shutil.rmtree(steps[old])
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def resume(args, models, optimizer, generators):
+    """(the first step to run, the loop state saved with the checkpoint): (1, {}) for a new run. With
+    --resume-from, the checkpoint's weights, optimizer state and random states are put back first."""
+    if args.resume_from is None:
+        return 1, {}
+    _, checkpoint, state = find_checkpoint(args.resume_from)
+    model_state, optimizer_state = get_state_dict(torch.nn.ModuleDict(models), optimizer)  # what to load into
+    saved = {"models": model_state, "optimizer": optimizer_state}
+    torch.distributed.checkpoint.load(saved, checkpoint_id=os.path.join(checkpoint, "state"))
+    set_state_dict(torch.nn.ModuleDict(models), optimizer, model_state_dict=saved["models"],
+                   optim_state_dict=saved["optimizer"])
+    states = torch.load(os.path.join(checkpoint, f"rng_{rank_and_world()[0]}.pt"))
+    random.setstate(states["python"])
+    torch.set_rng_state(states["torch"])
+    if torch.cuda.is_available() and "cuda" in states:
+        torch.cuda.set_rng_state_all(states["cuda"])
+    for generator, value in zip(generators, states["generators"]):
+        generator.setstate(value) if isinstance(generator, random.Random) else generator.set_state(value)
+    return state["step"] + 1, state["state"]
 
 
 def setup(args):
@@ -1043,5 +1229,21 @@ def gradient_sync(last, *models):
     return stack
 
 
+def parse_args():
+    """The command line's flags; with --resume-from, a flag left out takes the run's own value (its args.json)."""
+    args = sys.argv[1:]
+    given = [a.split("=", 1)[1] if "=" in a else args[i + 1] if i + 1 < len(args) else ""
+             for i, a in enumerate(args) if a.split("=", 1)[0] in ("--resume-from", "--resume_from")]
+    path = os.path.normpath(given[-1]) if given and given[-1] else None
+    if path is not None and os.path.basename(os.path.dirname(path)) == "checkpoints":  # one checkpoint of the run
+        path = os.path.dirname(os.path.dirname(path))
+    if path is None or not os.path.exists(os.path.join(path, "args.json")):
+        return tyro.cli(Args)  # a new run; or a --resume-from that make_output_dir will say is wrong
+    with open(os.path.join(path, "args.json")) as f:
+        saved = json.load(f)
+    known = {field.name for field in fields(Args)} - {"output_dir"}  # (another file's args.json has others)
+    return tyro.cli(Args, default=Args(**{k: v for k, v in saved.items() if k in known}))
+
+
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(parse_args())

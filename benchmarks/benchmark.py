@@ -12,7 +12,7 @@ reads every run's metrics.jsonl and writes, from nothing:
                                KL over training, the old setting against today's default
 
     pip install -r requirements.txt -r benchmarks/requirements.txt
-    python benchmarks/benchmark.py                      # 3 seeds of every row: 37 runs, 69 min on 2 CPU cores
+    python benchmarks/benchmark.py                      # 3 seeds of every row: 37 runs, 68 min on 2 CPU cores
     python benchmarks/benchmark.py --seeds 1 2 3 4 5    # more seeds
     python benchmarks/benchmark.py --quick --runs-dir /tmp/quick --out-dir /tmp/quick   # a check: 3.4 min on 2 idle
                                                         # cores, with the real model's conversion; 6.7 min busy

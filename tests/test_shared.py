@@ -207,7 +207,7 @@ def test_every_file_puts_the_algorithm_first_and_the_shared_part_below_one_banne
         assert above.index("\nclass Args:") < algo < above.index("\ndef main(args):"), name
         loss_line = source[: source.index(f"\ndef {LOSSES[name]}(")].count("\n") + 2
         assert loss_line <= 200, f"{name}: {LOSSES[name]} starts at line {loss_line}"
-        assert order[-1] == "If" and source.endswith('\n\nif __name__ == "__main__":\n    main(tyro.cli(Args))\n')
+        assert order[-1] == "If" and source.endswith('\n\nif __name__ == "__main__":\n    main(parse_args())\n')
     for name in ALGORITHM_FILES:
         assert below[name] == below["grpo.py"], f"below the banner, {name} differs from grpo.py"
 

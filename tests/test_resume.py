@@ -1,0 +1,202 @@
+"""Checkpoints and resume: a run killed (SIGKILL) after its checkpoint and resumed ends where an uninterrupted run
+ends, in every file; bad --resume-from input stops with one line and leaves the run's folder as it was."""
+
+import json
+import os
+import re
+import shlex
+import shutil
+
+import pytest
+import torch
+from conftest import ROOT, read_metrics, run_script
+from safetensors.torch import load_file
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from test_scripts import TIMING_KEYS
+
+# runs a file's main() as `python file ...` does, and kills its own process (SIGKILL: no clean-up, no flush) right
+# after the step KILL_AFTER_STEP is logged: every process of a torchrun run does, after that step's collectives
+KILLED = """
+import os, runpy, signal, sys
+sys.argv = sys.argv[1:]
+found = runpy.run_path(sys.argv[0], run_name="harness")  # defines everything; main() is not called
+run = found["main"].__globals__
+log = run["Logger"].log
+
+def log_then_die(self, step, *logged):
+    log(self, step, *logged)
+    if step == int(os.environ["KILL_AFTER_STEP"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+run["Logger"].log = log_then_die
+run["main"](found["tyro"].cli(found["Args"]))
+"""
+
+# 4 steps, a checkpoint every 2, evaluations at 0, 2 and 4; the killed run dies after step 3 is logged
+STEPS = ["--num-steps", "4", "--save-every", "2", "--log-every", "1", "--eval-every", "2"]
+RL = ["--prompts-per-step", "4", "--micro-batch-size", "8", "--num-eval", "20", "--max-new-tokens", "6"]
+PAIRS = ["--batch-size", "4", "--micro-batch-size", "2", "--num-train-prompts", "16", "--pair-samples", "2",
+         "--num-eval", "20"]
+FLAGS = {  # several optimizer steps per batch where the file has them: the AdamW state must come back too
+    "grpo.py": RL + ["--group-size", "4", "--num-iterations", "2", "--num-minibatches", "2"],
+    "rloo.py": RL + ["--group-size", "4"],
+    "gspo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],
+    "cispo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],
+    # a reward model: the KL coefficient adapts and the score's bias is set at step 1, loop state to bring back
+    "ppo.py": RL + ["--num-minibatches", "2", "--micro-batch-size", "2", "--reward-model-path", "{rm}"],
+    "sft.py": ["--batch-size", "4", "--micro-batch-size", "2", "--num-eval", "4", "--max-new-tokens", "6"],
+    "dpo.py": PAIRS,
+    "reward_model.py": PAIRS,
+}
+
+
+SAMPLE_KEYS = {"rl": ["prompt", "completion", "answer", "reward"],  # sft.py's too: the addition task has answers
+               "ppo.py": ["prompt", "completion", "score", "answer", "reward"],
+               "dpo.py": ["prompt", "chosen", "rejected", "margin"],
+               "reward_model.py": ["prompt", "chosen", "rejected", "chosen_score", "rejected_score"]}
+
+
+def scorer(path):
+    """A reward model with a random head on the bundled model, with its tokenizer."""
+    start = os.path.join(ROOT, "tiny-adder")
+    AutoModelForSequenceClassification.from_pretrained(start, num_labels=1).save_pretrained(path)
+    AutoTokenizer.from_pretrained(start).save_pretrained(path)
+    return path
+
+
+def untimed(metrics):
+    return [{k: v for k, v in m.items() if k not in TIMING_KEYS} for m in metrics]
+
+
+def assert_resumed_exactly(whole, resumed):
+    """The resumed run's folder ends as the uninterrupted one's: the same weights, the same metrics."""
+    a, b = (load_file(os.path.join(path, "model.safetensors")) for path in (whole, resumed))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert (a[name] - b[name]).abs().max().item() <= 1e-6, name
+    assert untimed(read_metrics(resumed)) == untimed(read_metrics(whole))
+
+
+@pytest.mark.parametrize("script", list(FLAGS))
+def test_a_killed_run_resumes_exactly(script, tmp_path):
+    """4 steps without a stop, against a run killed after step 3 and resumed from its step-2 checkpoint with
+    `--resume-from <run>` alone: the same weights (to 1e-6) and the same metrics, timings aside. Up to its death the
+    killed run logged what the whole run logged (the same seed gives the same metrics in a new process); its
+    step-3 line, which the resume writes again, is moved to metrics.discarded.jsonl."""
+    flags = [str(tmp_path / "rm") if f == "{rm}" else f for f in FLAGS[script]] + STEPS
+    if script == "ppo.py":
+        scorer(str(tmp_path / "rm"))
+    whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
+    run_script(script, *flags, "--output-dir", whole)
+    harness = tmp_path / "killed.py"
+    harness.write_text(KILLED)
+    proc = run_script(str(harness), script, *flags, "--output-dir", killed, env={"KILL_AFTER_STEP": "3"},
+                      expect_ok=False)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    # the README's determinism claim: a second run with the same seed, in a new process, logs the same metrics
+    assert untimed(read_metrics(killed)) == untimed(read_metrics(whole))[:4]  # steps 0 to 3
+    assert sorted(os.listdir(os.path.join(killed, "checkpoints"))) == ["step_000002"]
+    assert not os.path.exists(os.path.join(killed, "model.safetensors"))
+    proc = run_script(script, "--resume-from", killed)
+    assert f"resuming {killed} from {killed}/checkpoints/step_000002 (step 2)" in proc.stdout
+    assert_resumed_exactly(whole, killed)
+    assert [m["step"] for m in read_metrics(killed)] == [0, 1, 2, 3, 4]
+    with open(os.path.join(killed, "metrics.discarded.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == [3]
+    # at each evaluation (0, 2, 4), up to four held-out prompts or pairs with what the model makes of them, the same as
+    # the whole run's; the console showed one
+    samples = [json.loads(line) for line in open(os.path.join(killed, "samples.jsonl"))]
+    steps = [s["step"] for s in samples]
+    assert sorted(set(steps)) == [0, 2, 4] and 1 <= steps.count(0) == steps.count(2) == steps.count(4) <= 4
+    assert all(set(s) == {"step", *SAMPLE_KEYS.get(script, SAMPLE_KEYS["rl"])} for s in samples), samples[0]
+    assert samples == [json.loads(line) for line in open(os.path.join(whole, "samples.jsonl"))]
+    assert "\n  sample  prompt " in proc.stdout
+    # the newest two checkpoints stay, each with the trained model(s) loadable on their own
+    assert sorted(os.listdir(os.path.join(killed, "checkpoints"))) == ["step_000002", "step_000004"]
+    trained = {"ppo.py": ["policy", "value_model"], "sft.py": ["model"], "reward_model.py": ["model"]}
+    for name in trained.get(script, ["policy"]):
+        assert os.path.exists(os.path.join(killed, "checkpoints", "step_000004", name, "model.safetensors"))
+    # the checkpoint's policy is the final model: the run ended at the checkpoint's step
+    final = load_file(os.path.join(killed, "model.safetensors"))
+    saved = load_file(os.path.join(killed, "checkpoints", "step_000004", trained.get(script, ["policy"])[0],
+                                   "model.safetensors"))
+    assert all(torch.equal(final[k], saved[k]) for k in final)
+    # and steps 3 and 4 trained it by far more than the 1e-6 the comparison allows: a resume that lost the
+    # optimizer state or the weights would show
+    earlier = load_file(os.path.join(killed, "checkpoints", "step_000002", trained.get(script, ["policy"])[0],
+                                     "model.safetensors"))
+    assert max((final[k] - earlier[k]).abs().max().item() for k in final) > 1e-5
+
+
+def test_bad_resume_input_stops_with_one_line_and_changes_nothing(tmp_path):
+    """A flag that differs from the run's, another file's checkpoint, an incomplete checkpoint, a later checkpoint
+    than the one named, a missing path, fewer steps than done: each one line, status 1, and the folder unchanged."""
+    save, resume = readme_checkpoint_commands()
+    run = str(tmp_path / "run")
+    argv = [run if a == "runs/long" else a for a in shlex.split(save)[1:]]
+    run_script(*argv, "--num-steps", "3", "--save-every", "1", "--keep-checkpoints", "3", "--log-every", "1",
+               *FLAGS["rloo.py"])
+    # a checkpoint cut short: its folder never got its final name
+    checkpoints = os.path.join(run, "checkpoints")
+    shutil.copytree(os.path.join(checkpoints, "step_000003"), os.path.join(checkpoints, "step_000004.partial"))
+    os.remove(os.path.join(checkpoints, "step_000004.partial", "trainer_state.json"))
+    before = {os.path.join(d, f): os.path.getmtime(os.path.join(d, f)) for d, _, fs in os.walk(run) for f in fs}
+    cases = [
+        ("grpo.py", ["--resume-from", run, "--num-steps", "6", "--learning-rate", "0.5"],
+         f"--resume-from {run}: flags differ from the run's args.json: --learning-rate 0.5 (the run's: 0.0001)"),
+        ("rloo.py", ["--resume-from", run, "--num-steps", "6"],
+         f"--resume-from {os.path.join(checkpoints, 'step_000003')}: a checkpoint of grpo.py, not of rloo.py"),
+        ("grpo.py", ["--resume-from", os.path.join(checkpoints, "step_000004.partial"), "--num-steps", "6"],
+         f"--resume-from {os.path.join(checkpoints, 'step_000004.partial')}: an incomplete checkpoint (its save was "
+         "cut short: no trainer_state.json)"),
+        ("grpo.py", ["--resume-from", os.path.join(checkpoints, "step_000002"), "--num-steps", "6"],
+         f"--resume-from {os.path.join(checkpoints, 'step_000002')}: the run has a later checkpoint (step 3)"),
+        ("grpo.py", ["--resume-from", str(tmp_path / "nowhere")], f"--resume-from {tmp_path / 'nowhere'}: no such"),
+        ("grpo.py", ["--resume-from", run], "--num-steps 3: the checkpoint is at step 3; ask for more steps"),
+        ("grpo.py", ["--resume-from", run, "--num-steps", "6", "--output-dir", str(tmp_path / "elsewhere")],
+         f"--output-dir {tmp_path / 'elsewhere'}: a resumed run stays in its own folder"),
+    ]
+    for script, argv, message in cases:
+        proc = run_script(script, *argv, expect_ok=False)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and lines[-1].startswith(f"error: {message}"), (argv, proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr
+    after = {os.path.join(d, f): os.path.getmtime(os.path.join(d, f)) for d, _, fs in os.walk(run) for f in fs}
+    assert after == before
+    assert not os.path.exists(tmp_path / "elsewhere")
+    # and the README's resume command, given more steps, goes on from step 3 (the cut-short save is cleared away)
+    run_script(*[run if a == "runs/long" else a for a in shlex.split(resume)[1:]], "--num-steps", "4")
+    assert [m["step"] for m in read_metrics(run)] == [0, 1, 2, 3, 4]
+    assert sorted(os.listdir(checkpoints)) == ["step_000002", "step_000003", "step_000004"]
+
+
+def readme_checkpoint_commands():
+    """The README's command pair under "Checkpoints and resume": a run that saves, and its resume."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        section = f.read().split("### Checkpoints and resume")[1]
+    (block,) = re.findall(r"```bash\n(.*?)```", section.split("\n## ")[0].split("\n### ")[0], flags=re.S)
+    commands = [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
+    assert len(commands) == 2 and "--save-every" in commands[0] and "--resume-from" in commands[1], commands
+    return commands
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("script", ["grpo.py", "dpo.py"])
+def test_a_killed_torchrun_run_resumes_exactly(script, mode, tmp_path):
+    """The same under torchrun, two gloo processes, with DDP and with --fsdp (each process writes its own shards of
+    the weights and AdamW state, and its own random states): both processes die after step 3, and the resume
+    (its flags, --fsdp included, from args.json) ends as the whole run does."""
+    from test_torchrun import torchrun
+
+    flags = FLAGS[script] + STEPS + (["--fsdp"] if mode == "fsdp" else [])
+    whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
+    torchrun(script, *flags, "--output-dir", whole)
+    harness = tmp_path / "killed.py"
+    harness.write_text(KILLED.replace('int(os.environ["KILL_AFTER_STEP"])', "3"))
+    proc = torchrun(str(harness), script, *flags, "--output-dir", killed, expect_ok=False)
+    assert proc.returncode != 0 and [m["step"] for m in read_metrics(killed)] == [0, 1, 2, 3]
+    torchrun(script, "--resume-from", killed)
+    assert_resumed_exactly(whole, killed)
+    state = os.path.join(killed, "checkpoints", "step_000004", "state")
+    assert len([f for f in os.listdir(state) if f.endswith(".distcp")]) == 2  # one file of shards per process
