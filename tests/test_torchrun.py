@@ -192,9 +192,11 @@ if torch.distributed.get_rank() == 0:
                                                 torch.ones_like(input_ids), 5), atol=1e-4)
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py"])
+@pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
 def test_two_processes_learn(script, tmp_path):
-    """A short 2-process run from the bundled model raises held-out accuracy clearly, as one process does."""
+    """A short 2-process run from the bundled model raises held-out accuracy clearly, as one process does. (GRPO,
+    and PPO with its four models; rloo, gspo and cispo make the update of one process on the same rollouts, above,
+    and learn in one process, test_scripts.)"""
     out = tmp_path / "run"
     steps = "20" if script == "ppo.py" else "30"  # the default flags otherwise, as in test_scripts' test_learns
     torchrun(script, "--num-steps", steps, "--eval-every", steps, "--output-dir", str(out))
@@ -341,3 +343,35 @@ def test_gradient_accumulation_all_reduces_once_per_optimizer_step(tmp_path):
                  str(out / "run"))
         counts[micro] = [json.loads((out / f"allreduces{rank}.json").read_text()) for rank in (0, 1)]
     assert counts["2"] == counts["8"] and counts["8"][0] >= 2, counts  # 2 optimizer steps, >= 1 bucket each
+
+
+# a torchrun entry that records, per process, when the process group is destroyed, and whether the interpreter's
+# own exit-time teardown runs after the script (an atexit handler registered before it writes a file if it does)
+EXIT_CHECK = """
+import atexit, os, runpy, sys
+import torch.distributed
+out, rank = sys.argv[1], os.environ["RANK"]
+atexit.register(lambda: open(os.path.join(out, f"teardown_{rank}"), "w").close())
+destroy = torch.distributed.destroy_process_group
+
+def recorded_destroy(*args, **kwargs):
+    destroy(*args, **kwargs)
+    open(os.path.join(out, f"destroyed_{rank}"), "w").close()
+
+torch.distributed.destroy_process_group = recorded_destroy
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_finished_process_leaves_without_the_teardown_that_can_abort_it(tmp_path):
+    """A finished two-process run exits 0 on both processes having destroyed the group and skipped the exit-time
+    teardown, in which a done process aborted (SIGABRT) about once in 20 to 40 runs (end_processes). The abort
+    itself is too rare for a test to catch in a few runs; this catches the fix going away."""
+    harness, marks = tmp_path / "exit_check.py", tmp_path / "marks"
+    harness.write_text(EXIT_CHECK)
+    marks.mkdir()
+    proc = torchrun(str(harness), str(marks), "sft.py", "--num-steps", "1", "--batch-size", "4", "--micro-batch-size",
+                    "2", "--num-eval", "4", "--output-dir", str(tmp_path / "run"))
+    assert proc.returncode == 0 and os.path.exists(tmp_path / "run" / "model.safetensors")
+    assert sorted(os.listdir(marks)) == ["destroyed_0", "destroyed_1"]
