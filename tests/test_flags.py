@@ -26,7 +26,8 @@ SCRIPTS = ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "dpo.py", "rew
 POSITIVE, NON_NEGATIVE, UNIT = (0, False, None, False), (0, True, None, False), (0, True, 1, True)
 COMMON = {"seed": (0, True, 2**32 - 1, True), "log_every": POSITIVE, "num_eval": POSITIVE, "eval_every": POSITIVE,
           "max_new_tokens": POSITIVE, "num_steps": POSITIVE, "learning_rate": POSITIVE, "weight_decay": NON_NEGATIVE,
-          "max_grad_norm": POSITIVE, "micro_batch_size": POSITIVE, "max_prompt_length": POSITIVE}
+          "max_grad_norm": POSITIVE, "micro_batch_size": POSITIVE, "max_prompt_length": POSITIVE,
+          "save_every": NON_NEGATIVE, "keep_checkpoints": POSITIVE}
 GROUP = {"prompts_per_step": POSITIVE, "group_size": (2, True, None, False), "temperature": POSITIVE}
 CLIPPED = {"num_iterations": POSITIVE, "num_minibatches": POSITIVE, "clip_eps_low": UNIT,
            "clip_eps_high": NON_NEGATIVE}
@@ -215,7 +216,7 @@ def test_a_failure_to_write_metrics_or_the_model_names_the_folder(tmp_path):
     logger.log(0, {"eval/accuracy": 0.5})
     os.remove(out / "metrics.jsonl")
     os.mkdir(out / "metrics.jsonl")  # the file cannot be opened for writing now
-    with pytest.raises(SystemExit, match=rf"^error: --output-dir {out}: cannot write metrics.jsonl \(Is a directory\)"):
+    with pytest.raises(SystemExit, match=rf"^error: --output-dir {out}: cannot write its metrics \(Is a directory\)"):
         logger.log(1, {"eval/accuracy": 0.5})
     model = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "tiny-adder"))
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "tiny-adder"))
