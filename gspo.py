@@ -61,7 +61,7 @@ class Args:
     log_every: int = 5  # write metrics and a console line every this many steps
     save_every: int = 0  # write a checkpoint into the run's folder every this many steps (0: none)
     keep_checkpoints: int = 2  # keep the newest this many checkpoints; older ones are deleted
-    resume_from: str | None = None  # a run's folder (or checkpoint): go on from its last checkpoint, its flags
+    resume_from: str | None = None  # continue the run in this folder (from its last checkpoint, or this one)
 
     # Model and data
     model_name_or_path: str = "tiny-adder"  # the starting policy: a local folder or a hub id
@@ -807,8 +807,9 @@ class Logger:
         try:
             with open(self.path, "a") as f:
                 f.write(json.dumps({"step": step, **metrics}) + "\n")
-            with open(os.path.join(os.path.dirname(self.path), "samples.jsonl"), "a") as f:
-                f.writelines(json.dumps({"step": step, **row}) + "\n" for row in samples)
+            if samples:
+                with open(os.path.join(os.path.dirname(self.path), "samples.jsonl"), "a") as f:
+                    f.writelines(json.dumps({"step": step, **row}) + "\n" for row in samples)
         except OSError as e:
             fail(f"--output-dir {os.path.dirname(self.path)}: cannot write its metrics ({e.strerror or e})")
         if self.wandb is not None:
@@ -882,13 +883,19 @@ def complete_checkpoints(run_dir):
     return {int(n[len("step_"):]): os.path.join(root, n) for n in names if re.fullmatch(r"step_\d+", n)}
 
 
+def run_folder(path):
+    """The run that --resume-from PATH names: PATH itself, or the run whose checkpoints/ folder holds PATH."""
+    path = os.path.normpath(path)
+    return os.path.dirname(os.path.dirname(path)) if os.path.basename(os.path.dirname(path)) == "checkpoints" else path
+
+
 def find_checkpoint(path):
     """(the run's folder, the checkpoint to resume from, its trainer_state) for --resume-from, or a one-line error."""
     path = os.path.normpath(path)
     if not os.path.isdir(path):
         fail(f"--resume-from {path}: no such folder; give a run's folder or one of its checkpoints")
-    if os.path.basename(os.path.dirname(path)) == "checkpoints":  # one checkpoint of a run
-        run_dir, checkpoint = os.path.dirname(os.path.dirname(path)), path
+    if run_folder(path) != path:  # one checkpoint of a run
+        run_dir, checkpoint = run_folder(path), path
     else:
         run_dir, steps = path, complete_checkpoints(path)
         if not os.path.exists(os.path.join(run_dir, "args.json")):
@@ -940,9 +947,9 @@ def resume_dir(args):
         for name in ("metrics", "samples"):
             path = os.path.join(run_dir, f"{name}.jsonl")
             lines = open(path).readlines() if os.path.exists(path) else []
-            after = [json.loads(line)["step"] > state["step"] for line in lines]
+            after = [logged_step(line) > state["step"] for line in lines]
             with open(os.path.join(run_dir, f"{name}.discarded.jsonl"), "a") as f:
-                f.writelines(line for line, later in zip(lines, after) if later)
+                f.writelines(line if line.endswith("\n") else line + "\n" for line, later in zip(lines, after) if later)
             with open(path, "w") as f:
                 f.writelines(line for line, later in zip(lines, after) if not later)
         for name in os.listdir(os.path.join(run_dir, "checkpoints")):  # the parts of a save cut short
@@ -951,6 +958,14 @@ def resume_dir(args):
     args.run_name = saved["run_name"]
     print(f"resuming {run_dir} from {checkpoint} (step {state['step']})")
     return run_dir
+
+
+def logged_step(line):
+    """The step of a line of metrics.jsonl or samples.jsonl; a line that a crash cut short counts as after any."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return math.inf
 
 
 def random_states(generators):
@@ -1142,9 +1157,7 @@ def parse_args():
     args = sys.argv[1:]
     given = [a.split("=", 1)[1] if "=" in a else args[i + 1] if i + 1 < len(args) else ""
              for i, a in enumerate(args) if a.split("=", 1)[0] in ("--resume-from", "--resume_from")]
-    path = os.path.normpath(given[-1]) if given and given[-1] else None
-    if path is not None and os.path.basename(os.path.dirname(path)) == "checkpoints":  # one checkpoint of the run
-        path = os.path.dirname(os.path.dirname(path))
+    path = run_folder(given[-1]) if given and given[-1] else None
     if path is None or not os.path.exists(os.path.join(path, "args.json")):
         return tyro.cli(Args)  # a new run; or a --resume-from that make_output_dir will say is wrong
     with open(os.path.join(path, "args.json")) as f:
