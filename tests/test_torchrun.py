@@ -164,6 +164,7 @@ def test_fsdp_online_run_saves_the_full_model_it_trained(tmp_path):
     harness.write_text(HARNESS)
     # after the run, both processes score a batch with the sharded policy; rank 0 compares with the saved one
     check_harness.write_text(HARNESS.replace('runpy.run_path(sys.argv[0], run_name="__main__")', RUN_MAIN + """
+destroy, leave = torch.distributed.destroy_process_group, os._exit
 torch.distributed.destroy_process_group = lambda: None  # keep the group for the check below
 os._exit = lambda status: None  # and the process (end_processes)
 run = run_main(sys.argv[0])
@@ -176,6 +177,10 @@ if torch.distributed.get_rank() == 0:
     with torch.no_grad():
         loaded = run["sequence_logprobs"](saved, input_ids, mask, 5)
     torch.save({"in_memory": in_memory, "loaded": loaded}, os.path.join(run["output_dir"], "check.pt"))
+torch.distributed.barrier()
+destroy()  # then leave as end_processes does (without the exit-time teardown, which can abort)
+sys.stdout.flush()
+leave(0)
 """))
     flags = ["--num-steps", "2", "--prompts-per-step", "8", "--group-size", "4", "--micro-batch-size", "4",
              "--num-eval", "20", "--eval-every", "2", *SGD, "--loss-agg", "token-mean"]
@@ -288,6 +293,7 @@ for n in (4, 16):
 rank = torch.distributed.get_rank()
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(result, f)
+grpo.end_processes()  # as the scripts leave: the interpreter's exit-time teardown can abort a torchrun process
 """.replace("REPOSITORY", repr(ROOT))
 
 
