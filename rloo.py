@@ -93,6 +93,9 @@ class Args:
     group_size: int = 8  # completions sampled per prompt (K in the paper)
     temperature: float = 1.0  # sampling temperature; log-probs are computed at the same temperature
     beta: float = 0.04  # weight of the KL penalty in the sequence reward (0: no reference model is loaded)
+    vllm: bool = False  # sample the rollouts with a vLLM engine in this process (README: installing vLLM)
+    vllm_kv_cache_gib: float = 1.0  # the engine's KV cache, in GiB (beside its copy of the weights)
+    vllm_is_cap: float = 2.0  # truncate the engine-to-trainer importance weights at this (TIS; TRL's default)
 
     # to be filled in at runtime (not flags: the command line cannot set them)
     batch_size: tyro.conf.Suppress[int] = 0  # completions per batch of rollouts (prompts_per_step * group_size)
@@ -111,20 +114,24 @@ def rloo_advantages(rewards, group_size):
     return (grouped - others_mean).view(-1)  # (B,)
 
 
-def rloo_loss(logprobs, advantages, mask):
+def rloo_loss(logprobs, advantages, mask, is_weights=None):
     """REINFORCE with the whole completion as one action, to be minimised.
 
     logprobs (B, T) carries the gradient; advantages (B,) are constants; mask (B, T) marks
     completion tokens.  loss = -1/B sum_i [sum_t logprobs_it] A_i
+    is_weights (B, T), with --vllm: loss = -1/B sum_i [sum_t w_it logprobs_it] A_i (truncated_is_weights).
     """
     seq_logprobs = torch.where(mask.bool(), logprobs, 0.0).sum(dim=1)  # (B,), padding masked out
+    if is_weights is not None:  # the engine sampled the tokens, not pi_old: each token's term weighed
+        seq_logprobs = torch.where(mask.bool(), logprobs * is_weights, 0.0).sum(dim=1)
     loss = -(seq_logprobs * advantages).mean()
     return loss, {"seq_logprob": seq_logprobs.mean().detach()}
 
 
 def main(args):
     check_ranges(args, {**COMMON_RANGES, "prompts_per_step": "> 0", "temperature": "> 0",
-                        "group_size": ">= 2 (RLOO's baseline is the mean of the other completions)", "beta": ">= 0"})
+                        "group_size": ">= 2 (RLOO's baseline is the mean of the other completions)", "beta": ">= 0",
+                        "vllm_kv_cache_gib": "> 0", "vllm_is_cap": "> 0"})
     args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     device = setup(args)
     rank, world = rank_and_world()
@@ -144,6 +151,7 @@ def main(args):
     ref_policy = None if args.beta == 0 else distribute(
         load_model(args.model_name_or_path, args, device, frozen=True), args)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    engine = load_engine(args, device) if args.vllm else None
     train_records, eval_records = chat_prompts(tokenizer, args, *load_task(args))  # --system-prompt, if given
     report_truncation(tokenizer, train_records + eval_records, args)  # with --max-prompt-length: what it cuts
     logger = Logger(args, output_dir)
@@ -167,8 +175,13 @@ def main(args):
         policy.eval()
         prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device,
                                                    args.max_prompt_length)  # (B, P)
-        completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature,
-                                  stop_ids)  # (B, T)
+        if engine is None:
+            completion_ids = generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens,
+                                      args.temperature, stop_ids)  # (B, T)
+        else:  # --vllm: the engine takes the policy's weights, samples, and gives each token's log-prob (B, T)
+            completion_ids, engine_logprobs = sample_with_engine(engine, policy, prompt_ids, prompt_mask,
+                                                                 args.max_new_tokens, args.temperature, stop_ids,
+                                                                 tokenizer.pad_token_id)
         generation_time = clock(device) - step_start
         mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
@@ -197,14 +210,19 @@ def main(args):
         # 4. one on-policy optimizer step over the whole batch, accumulated over micro-batches
         policy.train()
         optimizer.zero_grad()
-        step_stats, forward_backward_time = [], 0.0
+        step_stats, rollout_stats, forward_backward_time = [], [], 0.0
         micro_batches = torch.arange(batch_size, device=device).split(args.micro_batch_size)
         for i, idx in enumerate(micro_batches):
             forward_start = clock(device)
             with gradient_sync(i == len(micro_batches) - 1, policy):  # one all-reduce per optimizer step
                 logprobs = sequence_logprobs(policy, input_ids[idx], attention_mask[idx], prompt_len,
                                              args.temperature)  # (b, T)
-                loss, stats = rloo_loss(logprobs, advantages[idx], mask[idx])
+                is_weights = None
+                if engine is not None:  # the engine's sampling distribution, corrected towards pi_old's
+                    is_weights, is_stats = truncated_is_weights(logprobs.detach(), engine_logprobs[idx], mask[idx],
+                                                                args.vllm_is_cap)
+                    rollout_stats.append((is_stats, mask[idx].sum()))
+                loss, stats = rloo_loss(logprobs, advantages[idx], mask[idx], is_weights)
                 if not torch.isfinite(loss):
                     fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the rewards")
                 (loss * len(idx) / batch_size).backward()  # the micro-batches add up to the batch's mean
@@ -218,6 +236,7 @@ def main(args):
         evaluate_now = step % args.eval_every == 0 or step == args.num_steps
         if step % args.log_every == 0 or evaluate_now:
             metrics = {f"losses/{k}": torch.stack([s[k] for s in step_stats]).mean().item() for k in step_stats[0]}
+            metrics.update({f"rollout/{k}": v for k, v in weighted_means(rollout_stats).items()})  # --vllm
             metrics.update({
                 "charts/reward": rewards.mean().item(), "charts/reward_std": rewards.std().item(),
                 "charts/zero_std_groups": (rewards.view(-1, args.group_size).std(dim=1) == 0).float().mean().item(),
@@ -282,6 +301,82 @@ def no_signal_note(step, rewards, group_size, history, first_steps=5):
         print(f"note: in the first {first_steps} steps every group of completions got equal rewards, so there is no"
               " learning signal; likely cause: reward_fn scores every completion alike on your records (see"
               " docs/your_own_task.md), or the task is too hard or too easy for this model within --max-new-tokens")
+
+
+# ---- vLLM (--vllm): an engine in this process samples the rollouts; the trainer scores and trains on them ----
+def load_engine(args, device):
+    """A vLLM engine for the rollouts, in this process (under torchrun: one per process, vLLM's external launcher).
+
+    It holds its own copy of the weights, in the compute dtype; sample_with_engine copies the trained ones into it
+    before every rollout. It returns each sampled token's log-prob after the temperature, as sequence_logprobs
+    computes it. On a GPU it sleeps (its weights moved to the CPU, its KV cache freed) while the trainer works.
+    """
+    try:
+        import vllm
+    except ImportError:
+        fail("--vllm: vLLM is not installed; pip install -r requirements-vllm.txt (CUDA) or "
+             "requirements-vllm-cpu.txt (CPU), see the README")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its weights in reach
+    launcher = {"distributed_executor_backend": "external_launcher"} if torch.distributed.is_initialized() else {}
+    try:
+        return vllm.LLM(model=args.model_name_or_path, dtype=str(compute_dtype(args, device))[len("torch."):],
+                        seed=args.seed + rank_and_world()[0], skip_tokenizer_init=True,
+                        logprobs_mode="processed_logprobs", kv_cache_memory_bytes=int(args.vllm_kv_cache_gib * 2**30),
+                        enforce_eager=device.type != "cuda", enable_sleep_mode=device.type == "cuda",
+                        trust_remote_code=args.trust_remote_code, **launcher)
+    except Exception as e:  # an architecture vLLM lacks, too little KV cache for one sequence, ...
+        fail(f"--vllm: vLLM cannot serve --model-name-or-path {args.model_name_or_path}: "
+             f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+
+
+def sample_with_engine(engine, policy, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, pad_id):
+    """generate()'s completion ids (B, T), sampled by the engine after it takes the policy's weights, and the
+    engine's log-prob of each sampled token (B, T), 0 after the completion. Each prompt gets its own seed, drawn
+    from torch's generator: the same run samples the same completions, after a resume too."""
+    from vllm import SamplingParams
+    sync_engine(engine, policy)
+    seeds = torch.randint(2**31 - 1, (len(prompt_ids),)).tolist()
+    params = [SamplingParams(n=1, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+                             max_tokens=max_new_tokens, stop_token_ids=stop_ids, ignore_eos=True, logprobs=0,
+                             detokenize=False, seed=seed) for seed in seeds]
+    prompts = [{"prompt_token_ids": ids[m.bool()].tolist()} for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+    outputs = [out.outputs[0] for out in engine.generate(prompts, params, use_tqdm=False)]
+    if policy.device.type == "cuda":
+        engine.sleep(level=1)  # its weights to the CPU, its KV cache freed: the memory is the trainer's again
+    length = max(len(o.token_ids) for o in outputs)
+    completion_ids = torch.full((len(outputs), length), pad_id, dtype=torch.long)
+    logprobs = torch.zeros(len(outputs), length)
+    for i, o in enumerate(outputs):
+        completion_ids[i, : len(o.token_ids)] = torch.tensor(o.token_ids)
+        logprobs[i, : len(o.token_ids)] = torch.tensor([lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)])
+    return completion_ids.to(prompt_ids.device), logprobs.to(prompt_ids.device)
+
+
+def sync_engine(engine, policy):
+    """Copy the policy's weights into the engine, in place (cast to its dtype). Under FSDP every process gathers
+    the full tensors from the shards; a tied output embedding comes under both names, and vLLM keeps the one."""
+    if policy.device.type == "cuda":
+        engine.wake_up()
+    if any(isinstance(m, FSDPModule) for m in policy.modules()):
+        state_dict = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))
+    else:
+        state_dict = unwrap(policy).state_dict()
+    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items())})
+
+
+def truncated_is_weights(old_logprobs, engine_logprobs, mask, cap):
+    """Truncated importance sampling (TIS): the engine sampled the tokens, the loss assumes pi_old did, so each
+    token's policy-gradient term is weighed by w_t = min(pi_old(o_t) / pi_engine(o_t), cap), a constant.
+
+    old_logprobs, engine_logprobs, mask: (B, T); 0 at padding.
+    old = log [0.5, 0.3, 0.1], engine = log [0.5, 0.6, 0.01], cap = 2 -> w = [1, 0.5, 2 (10, truncated)]
+    Also the step's statistics: logprob_diff, the mean |old - engine| over the tokens, and the weights' mean.
+    """
+    m = mask.bool()
+    log_ratio = torch.where(m, old_logprobs - engine_logprobs, 0.0).detach()  # padding never reaches exp()
+    weights = torch.where(m, torch.exp(log_ratio).clamp(max=cap), 0.0)
+    return weights, {"logprob_diff": masked_mean(log_ratio.abs(), m), "is_weight": masked_mean(weights, m),
+                     "is_truncated": masked_mean((log_ratio > math.log(cap)).float(), m)}
 
 
 # ==== Everything below this line is the same in every file, byte for byte (tests/test_shared.py checks it) ====

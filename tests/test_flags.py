@@ -34,12 +34,13 @@ CLIPPED = {"num_iterations": POSITIVE, "num_minibatches": POSITIVE, "clip_eps_lo
 PAIRS = {"num_train_prompts": POSITIVE, "pair_samples": POSITIVE, "pair_temperature": POSITIVE,
          "batch_size": POSITIVE}
 LENGTH = {"max_length": (2, True, None, False)}  # with --max-prompt-length below it
+VLLM = {"vllm_kv_cache_gib": POSITIVE, "vllm_is_cap": POSITIVE}  # the files that sample
 RANGES = {
-    "grpo.py": {**COMMON, **GROUP, **CLIPPED, "beta": NON_NEGATIVE},
-    "rloo.py": {**COMMON, **GROUP, "beta": NON_NEGATIVE},
-    "gspo.py": {**COMMON, **GROUP, **CLIPPED},
-    "cispo.py": {**COMMON, **GROUP, **CLIPPED},
-    "ppo.py": {**COMMON, "prompts_per_step": POSITIVE, "temperature": POSITIVE, "ppo_epochs": POSITIVE,
+    "grpo.py": {**COMMON, **GROUP, **CLIPPED, **VLLM, "beta": NON_NEGATIVE},
+    "rloo.py": {**COMMON, **GROUP, **VLLM, "beta": NON_NEGATIVE},
+    "gspo.py": {**COMMON, **GROUP, **CLIPPED, **VLLM},
+    "cispo.py": {**COMMON, **GROUP, **CLIPPED, **VLLM},
+    "ppo.py": {**COMMON, **VLLM, "prompts_per_step": POSITIVE, "temperature": POSITIVE, "ppo_epochs": POSITIVE,
                "num_minibatches": POSITIVE, "beta": NON_NEGATIVE, "kl_target": NON_NEGATIVE, "kl_horizon": POSITIVE,
                "clip_eps": (0, False, 1, True), "clip_value": NON_NEGATIVE, "vf_coef": NON_NEGATIVE, "gamma": UNIT,
                "lam": UNIT, "missing_eos_penalty": NON_NEGATIVE},

@@ -218,7 +218,8 @@ ALLOWED_IMPORTS = {"torch", "transformers", "tyro", "wandb"} | set(sys.stdlib_mo
 @pytest.mark.parametrize("name", ALGORITHM_FILES)
 def test_a_file_imports_nothing_of_this_repository(name):
     """So that it runs when copied alone into an empty folder: every import, also inside a function, is the
-    standard library, torch, transformers, tyro or wandb (datasets only where a hub dataset is asked for)."""
+    standard library, torch, transformers, tyro or wandb (datasets only where a hub dataset is asked for, vllm
+    only with --vllm, in the files that sample)."""
     modules = set()
     for node in ast.walk(ast.parse(read(name))):
         if isinstance(node, ast.Import):
@@ -226,7 +227,8 @@ def test_a_file_imports_nothing_of_this_repository(name):
         elif isinstance(node, ast.ImportFrom):
             assert node.level == 0, f"{name}: a relative import"
             modules.add(node.module.split(".")[0])
-    assert modules - {"datasets"} <= ALLOWED_IMPORTS, f"{name} imports {sorted(modules - ALLOWED_IMPORTS)}"
+    optional = {"datasets", "vllm"} if name in ("grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py") else {"datasets"}
+    assert modules - optional <= ALLOWED_IMPORTS, f"{name} imports {sorted(modules - ALLOWED_IMPORTS)}"
 
 
 def code_lines(source):
@@ -257,11 +259,12 @@ def test_code_lines_leave_out_comments_and_docstrings_only():
 
 @pytest.mark.parametrize("other", ["gspo.py", "cispo.py"])
 def test_diffing_two_sibling_files_shows_only_the_algorithm(other):
-    """GSPO and CISPO change GRPO's loss (and a few flags): their code differs from grpo.py's in at most 62 lines,
-    comments and docstrings aside (measured: 61 and 58, with the step's statistics weighed as each loss averages:
-    GSPO's by sequences, GRPO's and CISPO's token means by tokens)."""
+    """GSPO and CISPO change GRPO's loss (and a few flags): their code differs from grpo.py's in at most 65 lines,
+    comments and docstrings aside (measured: 64 and 60, with the step's statistics weighed as each loss averages:
+    GSPO's by sequences, GRPO's and CISPO's token means by tokens, and --vllm's importance weights applied as each
+    loss is written: per token, or per sequence in GSPO)."""
     changed = changed_code_lines("grpo.py", other)
-    assert 0 < len(changed) <= 62, f"{other}: {len(changed)} changed code lines against grpo.py"
+    assert 0 < len(changed) <= 65, f"{other}: {len(changed)} changed code lines against grpo.py"
 
 
 def plain_logprobs(model, input_ids, attention_mask, prompt_len, temperature):
