@@ -366,11 +366,7 @@ def load_engine(args, device):
     before every rollout. It returns each sampled token's log-prob after the temperature, as sequence_logprobs
     computes it. On a GPU it sleeps (its weights moved to the CPU, its KV cache freed) while the trainer works.
     """
-    try:
-        import vllm
-    except ImportError:
-        fail("--vllm: vLLM is not installed; pip install -r requirements-vllm.txt (CUDA) or "
-             "requirements-vllm-cpu.txt (CPU), see the README")
+    import vllm  # setup() has checked that it is installed
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its weights in reach
     launcher = {"distributed_executor_backend": "external_launcher"} if torch.distributed.is_initialized() else {}
     try:
@@ -378,10 +374,10 @@ def load_engine(args, device):
                         seed=args.seed + rank_and_world()[0], skip_tokenizer_init=True,
                         logprobs_mode="processed_logprobs", kv_cache_memory_bytes=int(args.vllm_kv_cache_gib * 2**30),
                         enforce_eager=device.type != "cuda", enable_sleep_mode=device.type == "cuda",
-                        trust_remote_code=args.trust_remote_code, **launcher)
+                        trust_remote_code=args.trust_remote_code, model_impl="vllm", **launcher)
     except Exception as e:  # an architecture vLLM lacks, too little KV cache for one sequence, ...
         fail(f"--vllm: vLLM cannot serve --model-name-or-path {args.model_name_or_path}: "
-             f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+             f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
 
 
 def sample_with_engine(engine, policy, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, pad_id):
@@ -1183,6 +1179,12 @@ def setup(args):
     torch.manual_seed(args.seed + rank)
     torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)  # warn where CUDA has no such kernel
     compute_dtype(args, device)  # a --dtype that cannot train here stops the run now
+    if getattr(args, "vllm", False):  # the files that sample have --vllm; a missing vLLM stops the run now
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            fail("--vllm: vLLM is not installed; install requirements-vllm.txt (CUDA) or requirements-vllm-cpu.txt "
+                 "(CPU) in a virtual environment of their own (README: Fast rollouts with vLLM)")
     return device
 
 
@@ -1286,6 +1288,9 @@ def gradient_sync(last, *models):
 def parse_args():
     """The command line's flags; with --resume-from, a flag left out takes the run's own value (its args.json)."""
     args = sys.argv[1:]
+    if "vllm" not in {field.name for field in fields(Args)} and any(a.startswith("--vllm") for a in args):
+        fail(f"--vllm: {os.path.basename(__file__)} samples nothing while it trains; the files that do (grpo.py, "
+             "rloo.py, gspo.py, cispo.py, ppo.py) take --vllm")
     given = [a.split("=", 1)[1] if "=" in a else args[i + 1] if i + 1 < len(args) else ""
              for i, a in enumerate(args) if a.split("=", 1)[0] in ("--resume-from", "--resume_from")]
     path = run_folder(given[-1]) if given and given[-1] else None

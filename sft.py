@@ -1034,6 +1034,12 @@ def setup(args):
     torch.manual_seed(args.seed + rank)
     torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)  # warn where CUDA has no such kernel
     compute_dtype(args, device)  # a --dtype that cannot train here stops the run now
+    if getattr(args, "vllm", False):  # the files that sample have --vllm; a missing vLLM stops the run now
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            fail("--vllm: vLLM is not installed; install requirements-vllm.txt (CUDA) or requirements-vllm-cpu.txt "
+                 "(CPU) in a virtual environment of their own (README: Fast rollouts with vLLM)")
     return device
 
 
@@ -1137,6 +1143,9 @@ def gradient_sync(last, *models):
 def parse_args():
     """The command line's flags; with --resume-from, a flag left out takes the run's own value (its args.json)."""
     args = sys.argv[1:]
+    if "vllm" not in {field.name for field in fields(Args)} and any(a.startswith("--vllm") for a in args):
+        fail(f"--vllm: {os.path.basename(__file__)} samples nothing while it trains; the files that do (grpo.py, "
+             "rloo.py, gspo.py, cispo.py, ppo.py) take --vllm")
     given = [a.split("=", 1)[1] if "=" in a else args[i + 1] if i + 1 < len(args) else ""
              for i, a in enumerate(args) if a.split("=", 1)[0] in ("--resume-from", "--resume_from")]
     path = run_folder(given[-1]) if given and given[-1] else None

