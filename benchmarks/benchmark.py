@@ -40,7 +40,7 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUNDLED = ("sft", "grpo", "rloo", "gspo", "cispo", "ppo", "dpo", "reward_model", "ppo-learned-rm",
-           "reward_model-one-pair", "ppo-learned-rm-one-pair")
+           "reward_model-one-pair", "ppo-learned-rm-one-pair", "grpo-vllm")
 # the learned-reward pipeline as it was before its defaults changed (one pair per prompt, raw score, fixed beta):
 # the over-optimisation figure compares it with today's defaults
 ONE_PAIR_FLAGS = {"reward_model-one-pair": ["--pairs", "first", "--chosen", "answer"],
@@ -62,9 +62,11 @@ REAL_FLAGS = {
 # the same GRPO run with its forward passes in bfloat16 (weights and optimizer state stay float32): what bfloat16
 # compute costs and saves on this CPU
 REAL_FLAGS["grpo-smollm2-bf16"] = REAL_FLAGS["grpo-smollm2"] + ["--dtype", "bfloat16"]
+# a name ending in -vllm is its row without the suffix, with --vllm, run by --vllm-python (vLLM's own environment)
+REAL_FLAGS["grpo-smollm2-vllm"] = REAL_FLAGS["grpo-smollm2"]
 ALGORITHMS = BUNDLED + tuple(REAL_FLAGS)
 ONLINE = ("grpo", "rloo", "gspo", "cispo", "ppo", "ppo-learned-rm", "ppo-learned-rm-one-pair", "grpo-smollm2",
-          "rloo-smollm2", "grpo-smollm2-bf16")  # they sample
+          "rloo-smollm2", "grpo-smollm2-bf16", "grpo-vllm", "grpo-smollm2-vllm")  # they sample
 # --quick: a few steps of each, on few prompts: checks the whole pipeline, measures nothing worth reading
 QUICK_FLAGS = {
     "sft": ["--num-steps", "4", "--batch-size", "8", "--micro-batch-size", "8"],
@@ -79,6 +81,7 @@ QUICK_FLAGS = {
 }
 QUICK_FLAGS["reward_model-one-pair"] = QUICK_FLAGS["reward_model"]
 QUICK_FLAGS["ppo-learned-rm-one-pair"] = QUICK_FLAGS["ppo-learned-rm"]
+QUICK_FLAGS["grpo-vllm"] = QUICK_FLAGS["grpo"]
 QUICK_FLAGS.update({name: ["--num-steps", "4", "--micro-batch-size", "4", "--max-new-tokens", "8"]
                     + (["--batch-size", "4", "--num-train-prompts", "8"] if name.startswith("dpo") else
                        ["--prompts-per-step", "2", "--group-size", "2"]) for name in REAL_FLAGS})
@@ -98,6 +101,9 @@ class Args:
     measure_memory: bool = True  # measure the log-prob memory cases (--no-measure-memory: the runs' tables only)
     memory_batch_size: int = 4  # sequences in the log-prob memory measurement
     memory_seq_len: int = 1024  # tokens per sequence in the log-prob memory measurement (64 of them prompt)
+    vllm_python: str | None = None
+    """the Python of vLLM's own environment (.ci/vllm-cpu-venv makes .ci-venv-vllm/bin/python): runs the -vllm rows,
+    which are left out without it"""
     run_timeout: float | None = None
     """seconds that any one process (a run, the real model's conversion, a memory case) may take before it is
     stopped and the benchmark fails with its name; default: no limit, and 600 with --quick"""
@@ -136,8 +142,10 @@ def run_algorithm(name, seed, args):
     out = os.path.join(args.runs_dir, f"{name}__{seed}")
     record_path = out + ".json"
     script = name.split("-")[0]  # ppo-learned-rm runs ppo.py, grpo-smollm2 and grpo-smollm2-bf16 grpo.py
-    command = [sys.executable, f"{script}.py", "--seed", str(seed), "--output-dir", os.path.abspath(out)]
+    python = args.vllm_python if name.endswith("-vllm") else sys.executable
+    command = [python, f"{script}.py", "--seed", str(seed), "--output-dir", os.path.abspath(out)]
     command += REAL_COMMON + REAL_FLAGS[name] if name in REAL_FLAGS else []
+    command += ["--vllm"] if name.endswith("-vllm") else []
     command += ONE_PAIR_FLAGS.get(name, [])
     if name in REWARD_MODEL_OF:
         rm_name = REWARD_MODEL_OF[name]
@@ -403,7 +411,9 @@ def write_results(runs, memory, args, path):
         " `reward_model-one-pair` is `python reward_model.py " + " ".join(ONE_PAIR_FLAGS["reward_model-one-pair"])
         + "` (one pair per prompt, the answer as chosen) and `ppo-learned-rm-one-pair` is `python ppo.py"
         " --reward-model-path <that run> " + " ".join(ONE_PAIR_FLAGS["ppo-learned-rm-one-pair"]) + "` (the raw"
-        " score, a fixed beta of 0.05, the verifier's learning rate).",
+        " score, a fixed beta of 0.05, the verifier's learning rate)."
+        + (" `grpo-vllm` is `python grpo.py --seed S --vllm`, in vLLM's own environment (below)."
+           if "grpo-vllm" in runs else ""),
         "",
         "## Every algorithm on the bundled task",
         "",
@@ -453,6 +463,36 @@ def write_results(runs, memory, args, path):
                 "step_time", "generation_time", "logprob_time", "forward_backward_time"))
                 + f" | {mean_std(summary[name]['peak'], digits=2)} | {mean_std(summary[name]['wall'], digits=0)} |"
                 f" {mean_std(acc[0], 100)} → {mean_std(acc[1], 100)} |")
+    engines = [(name[: -len("-vllm")], name) for name in runs if name.endswith("-vllm") and name[:-5] in runs]
+    if engines:
+        versions = subprocess.run([args.vllm_python, "-c", "import torch, transformers, vllm; print(f'vllm "
+                                   "{vllm.__version__}, torch {torch.__version__}, transformers "
+                                   "{transformers.__version__}')"], capture_output=True, text=True).stdout.strip()
+        lines += ["", "## Rollouts from a vLLM engine (`--vllm`) against `generate()`", "",
+                  "The same command with `--vllm`, run in vLLM's own environment (`requirements-vllm-cpu.txt`: "
+                  f"{versions}; the `generate()` rows ran with torch {torch.__version__}, transformers"
+                  f" {transformers.__version__}). The engine runs in"
+                  " the training process in float32, takes the policy's weights before every rollout (that copy is in"
+                  " its generation time) and samples; the trainer then scores the samples as before. Seconds are the"
+                  " mean over the logged steps of every seed, evaluations (greedy `generate()` in both) excluded;"
+                  " generated tokens/s is the step's completion tokens over its generation time;"
+                  " `rollout/logprob_diff` is the mean |engine − trainer| log-prob of the sampled tokens.", "",
+                  "| run | sampler | s / step | generation (s) | generated tokens/s | rollout/logprob_diff |"
+                  " wall time (s) | held-out accuracy, start → end (%) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        summary = {row["name"]: row for row in rows}
+        for name in (n for pair in engines for n in pair):
+            mean, _ = time_breakdown(runs[name])
+            steps = [m for r in runs[name] for m in r["metrics"] if "charts/generation_time" in m]
+            speed = statistics.mean(m["charts/tokens_per_sec"] * m["charts/step_time"] / m["charts/generation_time"]
+                                    for m in steps)
+            diffs = [m["rollout/logprob_diff"] for m in steps if "rollout/logprob_diff" in m]
+            acc = summary[name]["accuracy"]
+            lines.append(f"| {name} | {'vLLM' if name.endswith('-vllm') else 'generate()'} |"
+                         f" {mean['step_time']:.2f} | {mean['generation_time']:.2f} | {speed:.0f} |"
+                         f" {f'{statistics.mean(diffs):.1e}' if diffs else '—'} |"
+                         f" {mean_std(summary[name]['wall'], digits=0)} |"
+                         f" {mean_std(acc[0], 100)} → {mean_std(acc[1], 100)} |")
     lines += ["", "![held-out accuracy against step and wall-clock time](learning_curves.png)", ""]
     if all(name in runs for name in REWARD_MODEL_OF):
         lines += ["## Over-optimisation: PPO against a learned reward model", "",
@@ -575,6 +615,11 @@ if __name__ == "__main__":
     start = time.perf_counter()
 
     order = [a for a in ALGORITHMS if a in args.algorithms]  # reward_model runs before ppo-learned-rm
+    if args.vllm_python is None:
+        order = [a for a in order if not a.endswith("-vllm")]
+    elif subprocess.run([args.vllm_python, "-c", "import vllm"], capture_output=True).returncode != 0:
+        fail(f"--vllm-python {args.vllm_python}: cannot import vllm there; make that environment with "
+             ".ci/vllm-cpu-venv (or leave the flag out: no -vllm rows)")
     if any(name in REAL_FLAGS for name in order):
         build_real_model(args)
     runs = {name: [] for name in order}
