@@ -12,7 +12,8 @@ reads every run's metrics.jsonl and writes, from nothing:
                                KL over training, the old setting against today's default
 
     pip install -r requirements.txt -r benchmarks/requirements.txt
-    python benchmarks/benchmark.py                      # 3 seeds of every row: 37 runs, 68 min on 2 CPU cores
+    python benchmarks/benchmark.py --vllm-python .venv-vllm/bin/python   # 3 seeds of every row: 41 runs, 78 min
+                                                        # on 2 CPU cores (without --vllm-python: no -vllm rows)
     python benchmarks/benchmark.py --seeds 1 2 3 4 5    # more seeds
     python benchmarks/benchmark.py --quick --runs-dir /tmp/quick --out-dir /tmp/quick   # a check: 3.4 min on 2 idle
                                                         # cores, with the real model's conversion; 6.7 min busy

@@ -67,6 +67,26 @@ def test_the_readme_quotes_the_bfloat16_comparison():
             f" held-out accuracy {b16[4]}% → {b16[5]}% against {f32[4]}% → {f32[5]}%") in readme
 
 
+def test_the_readme_quotes_the_vllm_comparison():
+    readme, page, rows = read("README.md"), read("docs/results.md"), results_rows()
+    cells = {}
+    for name in ("grpo", "grpo-vllm", "grpo-smollm2", "grpo-smollm2-vllm"):
+        row = re.search(rf"\| {name} \| (generate\(\)|vLLM) \| ([\d.]+) \| ([\d.]+) \| (\d+) \| ([\d.e-]+|—) \|"
+                        rf" ([\d ±]+) \| ([\d.]+)(?: ± [\d.]+)? → ([\d.± ]+?) \|", page)
+        assert row, f"no {name} row in the vLLM section of docs/results.md"
+        cells[name] = row.groups()
+    hf, vl, hf2, vl2 = (cells[n] for n in ("grpo", "grpo-vllm", "grpo-smollm2", "grpo-smollm2-vllm"))
+    assert (f"{vl[2]} s of generation a step against {hf[2]} s ({vl[3]} generated tokens/s against {hf[3]}), the"
+            f" default run {vl[5]} s against {hf[5]} s") in readme
+    assert f"held-out accuracy still climbs from {vl[6]}% to {vl[7]}% (`generate()`: {hf[7]}%)" in readme
+    assert (f"generation takes {vl2[2]} s a step against {hf2[2]} s ({vl2[3]} generated tokens/s against {hf2[3]},"
+            f" the weight copy included), a step {vl2[1]} s against {hf2[1]} s and the run {vl2[5]} s against"
+            f" {hf2[5]} s, with {rows['grpo-smollm2-vllm'][5]} GiB of peak memory against"
+            f" {rows['grpo-smollm2'][5]}") in readme
+    assert (f"held-out accuracy {vl2[6]}% → {vl2[7]}% (one seed; `generate()`: {hf2[6]}% → {hf2[7]}%)."
+            f" `rollout/logprob_diff` stays at {vl[4]} and {vl2[4]}") in readme
+
+
 def test_the_readme_gives_the_memory_estimate_of_its_gpu_commands():
     """The README's table is what benchmarks/memory_estimate.py prints, and one row checks by hand: GRPO on
     Qwen2.5-0.5B keeps 16 bytes a parameter for the policy and 2 for the reference."""
