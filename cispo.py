@@ -335,13 +335,16 @@ def load_engine(args, device):
     """
     import vllm  # setup() has checked that it is installed
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its weights in reach
-    launcher = {"distributed_executor_backend": "external_launcher"} if torch.distributed.is_initialized() else {}
+    options = {"distributed_executor_backend": "external_launcher"} if torch.distributed.is_initialized() else {}
+    if device.type == "cuda":  # vLLM checks that this share of the GPU is free (the KV cache is sized below)
+        free, total = torch.cuda.mem_get_info(device)
+        options["gpu_memory_utilization"] = 0.9 * free / total
     try:
         return vllm.LLM(model=args.model_name_or_path, dtype=str(compute_dtype(args, device))[len("torch."):],
                         seed=args.seed + rank_and_world()[0], skip_tokenizer_init=True,
                         logprobs_mode="processed_logprobs", kv_cache_memory_bytes=int(args.vllm_kv_cache_gib * 2**30),
                         enforce_eager=device.type != "cuda", enable_sleep_mode=device.type == "cuda",
-                        trust_remote_code=args.trust_remote_code, model_impl="vllm", **launcher)
+                        trust_remote_code=args.trust_remote_code, model_impl="vllm", **options)
     except Exception as e:  # an architecture vLLM lacks, too little KV cache for one sequence, ...
         fail(f"--vllm: vLLM cannot serve --model-name-or-path {args.model_name_or_path}: "
              f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
@@ -373,7 +376,7 @@ def sample_with_engine(engine, policy, prompt_ids, prompt_mask, max_new_tokens, 
 def sync_engine(engine, policy):
     """Copy the policy's weights into the engine, in place (cast to its dtype). Under FSDP every process gathers
     the full tensors from the shards; a tied output embedding comes under both names, and vLLM keeps the one."""
-    if policy.device.type == "cuda":
+    if engine.llm_engine.is_sleeping():
         engine.wake_up()
     if any(isinstance(m, FSDPModule) for m in policy.modules()):
         state_dict = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))
