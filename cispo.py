@@ -98,9 +98,9 @@ class Args:
     clip_eps_low: float = 1.0  # the weight is clipped below at 1 - clip_eps_low (1.0: no lower bound)
     clip_eps_high: float = 0.2  # the weight is clipped above at 1 + clip_eps_high
     scale_rewards: bool = True  # divide by the group's std (`--no-scale-rewards`: Dr. GRPO)
-    vllm: bool = False  # sample the rollouts with a vLLM engine in this process (README: installing vLLM)
+    vllm: bool = False  # sample the rollouts with a vLLM engine in this process (README: Fast rollouts with vLLM)
     vllm_kv_cache_gib: float = 1.0  # the engine's KV cache, in GiB (beside its copy of the weights)
-    vllm_is_cap: float = 2.0  # truncate the engine-to-trainer importance weights at this (TIS; TRL's default)
+    vllm_is_cap: float = 2.0  # truncate the pi_old / engine importance weights at this (TIS, as TRL introduced it)
 
     # to be filled in at runtime (not flags: the command line cannot set them)
     batch_size: tyro.conf.Suppress[int] = 0  # completions per batch of rollouts (prompts_per_step * group_size)
@@ -346,8 +346,9 @@ def load_engine(args, device):
                         enforce_eager=device.type != "cuda", enable_sleep_mode=device.type == "cuda",
                         trust_remote_code=args.trust_remote_code, model_impl="vllm", **options)
     except Exception as e:  # an architecture vLLM lacks, too little KV cache for one sequence, ...
-        fail(f"--vllm: vLLM cannot serve --model-name-or-path {args.model_name_or_path}: "
-             f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
+        hint = f" (the engine's KV cache: --vllm-kv-cache-gib {args.vllm_kv_cache_gib:g})" if "cache" in str(e) else ""
+        fail(f"--vllm: vLLM cannot serve --model-name-or-path {args.model_name_or_path}: {type(e).__name__}: "
+             f"{' '.join(str(e).split())[:300]}{hint}")
 
 
 def sample_with_engine(engine, policy, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, pad_id):

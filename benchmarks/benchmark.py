@@ -613,6 +613,7 @@ if __name__ == "__main__":
         args.seeds, args.real_seeds = args.seeds[:1], args.real_seeds[:1]
         args.run_timeout = 600 if args.run_timeout is None else args.run_timeout
     args.runs_dir, args.out_dir = os.path.abspath(args.runs_dir), os.path.abspath(args.out_dir)
+    args.vllm_python = args.vllm_python and os.path.abspath(args.vllm_python)  # the runs start in the repository
     os.makedirs(args.runs_dir, exist_ok=True)
     os.makedirs(args.out_dir, exist_ok=True)
     start = time.perf_counter()
@@ -620,7 +621,8 @@ if __name__ == "__main__":
     order = [a for a in ALGORITHMS if a in args.algorithms]  # reward_model runs before ppo-learned-rm
     if args.vllm_python is None:
         order = [a for a in order if not a.endswith("-vllm")]
-    elif subprocess.run([args.vllm_python, "-c", "import vllm"], capture_output=True).returncode != 0:
+    elif not os.path.isfile(args.vllm_python) or subprocess.run([args.vllm_python, "-c", "import vllm"],
+                                                                 capture_output=True).returncode != 0:
         fail(f"--vllm-python {args.vllm_python}: cannot import vllm there; make that environment with "
              ".ci/vllm-cpu-venv (or leave the flag out: no -vllm rows)")
     if any(name in REAL_FLAGS for name in order):

@@ -195,3 +195,14 @@ def test_the_readmes_vllm_commands(tmp_path):
     out = tmp_path / "run"
     run_script("grpo.py", "--vllm", *SMALL, *GROUPS, "--num-steps", "2", "--output-dir", str(out))
     assert [m["step"] for m in read_metrics(out)] == [0, 1, 2]
+
+
+@needs_vllm
+def test_a_kv_cache_too_small_for_one_sequence_is_one_line(tmp_path):
+    """vLLM's own message names its gpu_memory_utilization; the line also names the flag that sizes the cache."""
+    proc = run_script("grpo.py", "--vllm", "--vllm-kv-cache-gib", "0.0001", "--output-dir", str(tmp_path / "run"),
+                      expect_ok=False)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert last.startswith("error: --vllm: vLLM cannot serve --model-name-or-path tiny-adder: "), last
+    assert last.endswith("(the engine's KV cache: --vllm-kv-cache-gib 0.0001)"), last
