@@ -672,8 +672,9 @@ def tokenize_prompts(tokenizer, prompts, device, max_length=None):
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids):
-    """Completion ids (B, T), T <= max_new_tokens; `temperature=None` decodes greedily.
+def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, processors=()):
+    """Completion ids (B, T), T <= max_new_tokens; `temperature=None` decodes greedily. `processors`: logits
+    processors that see each step's logits before the temperature divides them (async_grpo.py's SampledLogprobs).
 
     Sampling is plain temperature sampling (no top-k, top-p or repetition penalty, whatever the
     model's own generation config says), so the tokens come from exactly the distribution that
@@ -691,6 +692,7 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
         model.set_reshard_after_forward(False)
     try:
         out = unwrap(model).generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
+                                     logits_processor=transformers.LogitsProcessorList(processors),
                                      synced_gpus=torch.distributed.is_initialized())  # FSDP: every process to the end
     finally:
         for module in sharded:  # then free the gathered layers, and go back to FSDP's own setting: every layer
@@ -1260,8 +1262,8 @@ def parse_args():
     """The command line's flags; with --resume-from, a flag left out takes the run's own value (its args.json)."""
     args = sys.argv[1:]
     if "vllm" not in {field.name for field in fields(Args)} and any(a.startswith("--vllm") for a in args):
-        fail(f"--vllm: {os.path.basename(__file__)} samples nothing while it trains; the files that do (grpo.py, "
-             "rloo.py, gspo.py, cispo.py, ppo.py) take --vllm")
+        fail(f"--vllm: {os.path.basename(__file__)} has no vLLM engine; the files that do (grpo.py, rloo.py, gspo.py, "
+             "cispo.py, ppo.py) take --vllm")
     given = [a.split("=", 1)[1] if "=" in a else args[i + 1] if i + 1 < len(args) else ""
              for i, a in enumerate(args) if a.split("=", 1)[0] in ("--resume-from", "--resume_from")]
     path = run_folder(given[-1]) if given and given[-1] else None

@@ -40,6 +40,9 @@ PAIRS = ["--batch-size", "4", "--micro-batch-size", "2", "--num-train-prompts", 
          "--num-eval", "20"]
 FLAGS = {  # several optimizer steps per batch where the file has them: the AdamW state must come back too
     "grpo.py": RL + ["--group-size", "4", "--num-iterations", "2", "--num-minibatches", "2"],
+    # the batches sampled ahead (3 and 4, by versions 0 and 1) are kept in the step-2 checkpoint
+    "async_grpo.py": RL + ["--group-size", "4", "--num-iterations", "2", "--num-minibatches", "2",
+                           "--max-staleness", "2"],
     "rloo.py": RL + ["--group-size", "4"],
     "gspo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],
     "cispo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],

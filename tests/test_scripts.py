@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 ALL_SCRIPTS = ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "sft.py", "dpo.py", "reward_model.py"]
 # the metrics that measure time, which no two runs share
 TIMING_KEYS = ("charts/step_time", "charts/elapsed_time", "charts/tokens_per_sec", "charts/generation_time",
-               "charts/logprob_time", "charts/forward_backward_time")
+               "charts/logprob_time", "charts/forward_backward_time", "charts/wait_time")
 
 # flags that make a README command small enough for the test suite (later flags win in tyro)
 RL_SMALL = ["--num-steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--micro-batch-size", "2",

@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 from grpo import (addition_task, completion_mask, generate, last_number, masked_mean, prompt_answer, reward_fn,
                   sequence_logprobs)
 
-ALGORITHM_FILES = ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "dpo.py", "reward_model.py", "sft.py"]
+ALGORITHM_FILES = ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "dpo.py", "reward_model.py", "sft.py",
+                   "async_grpo.py"]
 
 
 @pytest.mark.parametrize("completion, answer, expected", [
@@ -180,7 +181,7 @@ BANNER = ("# ==== Everything below this line is the same in every file, byte for
           "checks it) ====\n")
 LOSSES = {"grpo.py": "grpo_loss", "rloo.py": "rloo_loss", "gspo.py": "gspo_loss", "cispo.py": "cispo_loss",
           "ppo.py": "ppo_policy_loss", "dpo.py": "dpo_loss", "reward_model.py": "bradley_terry_loss",
-          "sft.py": "sft_loss"}
+          "sft.py": "sft_loss", "async_grpo.py": "decoupled_loss"}
 
 
 def read(name):

@@ -63,12 +63,13 @@ def test_vllm_without_vllm_installed_is_one_line(tmp_path):
     assert not (tmp_path / "run").exists()  # stopped before its output folder was made
 
 
-def test_vllm_in_a_file_that_samples_nothing_is_one_line():
-    """parse_args(), the same in every file, refuses it: dpo.py stands for sft.py and reward_model.py too."""
-    script = "dpo.py"
+@pytest.mark.parametrize("script", ["dpo.py", "async_grpo.py"])
+def test_vllm_in_a_file_without_an_engine_is_one_line(script):
+    """parse_args(), the same in every file, refuses it: dpo.py stands for sft.py and reward_model.py too;
+    async_grpo.py samples with generate() in a thread of its own."""
     proc = run_script(script, "--vllm", expect_ok=False)
     assert proc.returncode == 1 and proc.stderr.strip() == (
-        f"error: --vllm: {script} samples nothing while it trains; the files that do (grpo.py, rloo.py, gspo.py, "
+        f"error: --vllm: {script} has no vLLM engine; the files that do (grpo.py, rloo.py, gspo.py, "
         "cispo.py, ppo.py) take --vllm"), proc.stderr[-2000:]
 
 
