@@ -1,0 +1,187 @@
+"""Asynchronous GRPO on the bundled task: synchronous training against a generator that runs eta = 1, 2, 4 versions
+ahead, each with and without the decoupled objective, over several seeds; grpo.py's default beside them.
+
+Each run is `python async_grpo.py --seed S --output-dir ...` (or grpo.py), one at a time, as a user runs it. The
+script then reads every run's metrics.jsonl and writes, from nothing, the block between the two `results` marker
+lines of docs/async_grpo.md (the table) and docs/async_grpo.png (held-out accuracy against step and against
+wall-clock seconds).
+
+    pip install -r requirements.txt -r benchmarks/requirements.txt
+    python benchmarks/async_grpo.py                        # 8 rows x 3 seeds: 24 runs, about 30 min on 2 CPU cores
+    python benchmarks/async_grpo.py --seeds 1 --rows sync eta2 --num-steps 20 --runs-dir /tmp/a --out-dir /tmp/a
+
+A run that already finished in --runs-dir with the same command is read, not run again (delete its folder to
+run it again).
+"""
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import tyro
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# name: (file, flags). "sync" is async_grpo.py with eta 0: the generator never runs ahead (the same metrics as
+# grpo.py with the same seed, tests/test_async_grpo.py); "-coupled" centres the clip on pi_behav (--no-decoupled)
+ROWS = {"grpo.py": ("grpo.py", []),
+        "sync": ("async_grpo.py", ["--max-staleness", "0"]),
+        **{f"eta{eta}{suffix}": ("async_grpo.py", ["--max-staleness", str(eta), *flags])
+           for eta in (1, 2, 4) for suffix, flags in (("", []), ("-coupled", ["--no-decoupled"]))}}
+MARK_START, MARK_END = "<!-- results: written by benchmarks/async_grpo.py -->", "<!-- end of results -->"
+
+
+@dataclass
+class Args:
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])  # a run of every row for each seed
+    rows: list[str] = field(default_factory=lambda: list(ROWS))  # which rows (see ROWS)
+    num_steps: int | None = None  # None: the files' default (300)
+    runs_dir: str = os.path.join(ROOT, "runs", "async-benchmark")  # where the runs go (and are found again)
+    out_dir: str = os.path.join(ROOT, "docs")  # where async_grpo.md's results and async_grpo.png are written
+
+
+def fail(message):
+    raise SystemExit(f"error: {message}")
+
+
+def run(name, seed, args):
+    """The run's metrics (a list of dicts) and wall seconds, running it unless it finished with this command."""
+    script, flags = ROWS[name]
+    out = os.path.join(os.path.abspath(args.runs_dir), f"{name}__{seed}")
+    steps = [] if args.num_steps is None else ["--num-steps", str(args.num_steps)]
+    command = [script, "--seed", str(seed), *flags, *steps, "--output-dir", out]
+    record_path = out + ".json"
+    if os.path.exists(record_path):
+        with open(record_path) as f:
+            record = json.load(f)
+        if record["command"] == command:
+            print(f"{name} seed {seed}: read from {out}", flush=True)
+            return read_metrics(out), record["wall_seconds"]
+    if os.path.exists(out):
+        subprocess.run(["rm", "-rf", out], check=True)
+    print(f"{name} seed {seed}: {' '.join(command)}", flush=True)
+    start = time.perf_counter()
+    with open(out + ".log", "w") as log:
+        proc = subprocess.run([sys.executable, *command], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        fail(f"{name} seed {seed} failed (exit {proc.returncode}); see {out}.log")
+    with open(record_path, "w") as f:
+        json.dump({"command": command, "wall_seconds": wall}, f)
+    return read_metrics(out), wall
+
+
+def read_metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def mean_std(values, digits=1):
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def row_cells(name, runs):
+    """One table row from the runs of the seeds: each number the mean (± std) over the seeds of a per-run value."""
+    first = [100 * [m for m in r if "eval/accuracy" in m][0]["eval/accuracy"] for r, _ in runs]
+    last = [100 * [m for m in r if "eval/accuracy" in m][-1]["eval/accuracy"] for r, _ in runs]
+    steps = [[m for m in r if "charts/step_time" in m] for r, _ in runs]  # the logged training steps
+
+    def per_run(key, reduce=statistics.mean):
+        return [reduce([m[key] for m in s]) for s in steps] if all(key in s[0] for s in steps) else None
+
+    stale, stale_max = per_run("charts/staleness"), per_run("charts/staleness_max", max)
+    weight, capped, wait = per_run("losses/behav_weight"), per_run("losses/behav_capped"), per_run("charts/wait_time")
+    return [name, f"{mean_std(first)} → {mean_std(last)}",
+            "—" if stale is None else f"{statistics.mean(stale):.2f} / {max(stale_max):.0f}",
+            "—" if weight is None else f"{statistics.mean(weight):.4f} / {100 * statistics.mean(capped):.2f}%",
+            mean_std(per_run("charts/step_time"), 3), mean_std(per_run("charts/generation_time"), 3),
+            "—" if wait is None else mean_std(wait, 3), mean_std([w for _, w in runs], 0)]
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")  # no screen needed
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    colors, markers = plt.get_cmap("tab10"), "os^vDP*X"  # every line its own colour and marker
+    for i, (name, runs) in enumerate(results.items()):
+        curves = [[m for m in r if "eval/accuracy" in m] for r, _ in runs]
+        n = min(len(c) for c in curves)
+        steps = [c["step"] for c in curves[0][:n]]
+        accuracy = [statistics.mean(100 * c[j]["eval/accuracy"] for c in curves) for j in range(n)]
+        seconds = [statistics.mean(c[j].get("charts/elapsed_time", 0.0) for c in curves) for j in range(n)]
+        style = {"marker": markers[i % len(markers)], "markersize": 4, "color": colors(i % 10), "label": name,
+                 "linestyle": "--" if name.endswith("-coupled") else "-"}
+        axes[0].plot(steps, accuracy, **style)
+        axes[1].plot(seconds, accuracy, **style)
+    for ax, xlabel in zip(axes, ("training step", "wall-clock seconds of training (evaluations included)")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("held-out greedy accuracy (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"async_grpo.py on the addition task, the mean over {len(next(iter(results.values())))} seed(s): "
+                 "eta = versions the generator may run ahead; -coupled: --no-decoupled")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def machine_line():
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    return (f"{cpu}, {os.cpu_count()} cores, no GPU; Python {platform.python_version()}, torch {torch.__version__}, "
+            f"transformers {transformers.__version__}")
+
+
+def main(args):
+    unknown = [r for r in args.rows if r not in ROWS]
+    if unknown:
+        fail(f"--rows {' '.join(unknown)}: no such row; the rows are {' '.join(ROWS)}")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        fail("matplotlib is missing: pip install -r benchmarks/requirements.txt")
+    os.makedirs(args.runs_dir, exist_ok=True)
+    start = time.time()
+    results = {name: [run(name, seed, args) for seed in args.seeds] for name in args.rows}
+    header = ["row", "held-out accuracy, step 0 → last (%)", "staleness mean / max (versions)",
+              "pi_prox/pi_behav mean / left out", "s per step", "generation s per batch", "trainer wait s per step",
+              "wall s"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row_cells(name, runs)) + " |" for name, runs in results.items()]
+    total = sum(w for runs in results.values() for _, w in runs)
+    block = "\n".join([
+        MARK_START, "",
+        f"Measured by `python benchmarks/async_grpo.py` ({len(args.seeds)} seed(s): {' '.join(map(str, args.seeds))};"
+        f" {sum(len(r) for r in results.values())} runs, {total / 60:.0f} min of runs, one at a time) on "
+        f"{machine_line()}. Mean ± std over the seeds; staleness, weights and times are the means over the logged "
+        "steps of each run (the max: the largest lag any logged step saw).", "", *lines, "",
+        "![held-out accuracy against step and wall-clock time](async_grpo.png)", "", MARK_END])
+    os.makedirs(args.out_dir, exist_ok=True)
+    page = os.path.join(args.out_dir, "async_grpo.md")
+    text = open(page).read() if os.path.exists(page) else f"# async_grpo.py\n\n{MARK_START}\n{MARK_END}\n"
+    if MARK_START not in text or MARK_END not in text:
+        fail(f"{page}: the results marker lines are missing; put them back where the results go")
+    before, rest = text.split(MARK_START, 1)
+    with open(page, "w") as f:
+        f.write(before + block + rest.split(MARK_END, 1)[1])
+    plot(results, os.path.join(args.out_dir, "async_grpo.png"))
+    print("\n".join(lines))
+    print(f"wrote {page} and async_grpo.png in {(time.time() - start) / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
