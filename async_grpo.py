@@ -221,6 +221,9 @@ def main(args):
                         "clip_eps_low": "in [0, 1] (the ratio's lower clip is 1 - clip_eps_low)",
                         "clip_eps_high": ">= 0", "max_staleness": ">= 0",
                         "behav_imp_cap": ">= 1 (a token whose pi_prox / pi_behav exceeds it is left out)"})
+    if not args.decoupled and args.behav_imp_cap != Args.behav_imp_cap:
+        fail(f"--behav-imp-cap {args.behav_imp_cap} with --no-decoupled: the cap limits the decoupled objective's "
+             "weights pi_prox / pi_behav, which --no-decoupled does not use; drop one of the two")
     if "LOCAL_RANK" in os.environ:
         fail("torchrun: async_grpo.py runs on one process (its generator is a thread beside the trainer); "
              "start it with python, or use grpo.py under torchrun")

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 import grpo
 import ppo
 
-SCRIPTS = ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "dpo.py", "reward_model.py", "sft.py"]
+SCRIPTS = ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "dpo.py", "reward_model.py", "sft.py", "async_grpo.py"]
 
 # (low, low included, high, high included); None: no bound on that side
 POSITIVE, NON_NEGATIVE, UNIT = (0, False, None, False), (0, True, None, False), (0, True, 1, True)
@@ -37,6 +37,8 @@ LENGTH = {"max_length": (2, True, None, False)}  # with --max-prompt-length belo
 VLLM = {"vllm_kv_cache_gib": POSITIVE, "vllm_is_cap": POSITIVE}  # the files that sample
 RANGES = {
     "grpo.py": {**COMMON, **GROUP, **CLIPPED, **VLLM, "beta": NON_NEGATIVE},
+    "async_grpo.py": {**COMMON, **GROUP, **CLIPPED, "beta": NON_NEGATIVE, "max_staleness": NON_NEGATIVE,
+                      "behav_imp_cap": (1, True, None, False)},
     "rloo.py": {**COMMON, **GROUP, **VLLM, "beta": NON_NEGATIVE},
     "gspo.py": {**COMMON, **GROUP, **CLIPPED, **VLLM},
     "cispo.py": {**COMMON, **GROUP, **CLIPPED, **VLLM},

@@ -13,7 +13,8 @@ import torch
 from conftest import FIXTURES, ROOT, read_metrics, run_script
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-ALL_SCRIPTS = ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "sft.py", "dpo.py", "reward_model.py"]
+ALL_SCRIPTS = ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "sft.py", "dpo.py", "reward_model.py",
+               "async_grpo.py"]
 # the metrics that measure time, which no two runs share
 TIMING_KEYS = ("charts/step_time", "charts/elapsed_time", "charts/tokens_per_sec", "charts/generation_time",
                "charts/logprob_time", "charts/forward_backward_time", "charts/wait_time")
@@ -23,6 +24,7 @@ RL_SMALL = ["--num-steps", "2", "--prompts-per-step", "2", "--group-size", "2", 
             "--num-eval", "2", "--eval-every", "2", "--max-new-tokens", "6"]
 SMALL = {
     "grpo.py": RL_SMALL,
+    "async_grpo.py": RL_SMALL + ["--max-staleness", "1"],
     "rloo.py": RL_SMALL,
     "gspo.py": RL_SMALL + ["--num-minibatches", "2"],
     "cispo.py": RL_SMALL + ["--num-minibatches", "2"],

@@ -1,0 +1,119 @@
+"""async_grpo.py: the decoupled objective against numbers worked out by hand, eta 0 against grpo.py, the staleness
+bound and learning at eta 2, and the flags it refuses."""
+
+import math
+
+import pytest
+import torch
+from conftest import read_metrics, run_script
+
+from async_grpo import behaviour_weights, decoupled_loss
+from test_resume import assert_same_records, untimed
+
+L = math.log
+PAD = 1e4  # a large sentinel at the padded positions: it must reach neither the loss nor the gradient
+
+
+def hand_worked_batch():
+    """Two completions, eps 0.2, cap 2; the second line of each is pi_theta, the policy being trained.
+
+    completion 0, A = +1, three tokens and a pad:
+      t0  prox 0.5  behav 0.5  w = 1               pi 0.75  u = 1.5 > 1.2: clipped, term min(1.5, 1.2) = 1.2
+      t1  prox 0.4  behav 0.8  w = 0.5             pi 0.2   u = 0.5 < 0.8, but A > 0: min(0.5, 0.8) = 0.5
+      t2  prox 0.6  behav 0.2  w = 3 > 2: left out  pi 0.6   u = 1
+      l = -[1 * 1.2, 0.5 * 0.5, 0] = [-1.2, -0.25, 0]; its mean over 3 tokens -1.45 / 3 = -0.483333
+    completion 1, A = -1, two tokens and two pads:
+      t0  prox 0.6  behav 0.4  w = 1.5             pi 0.36  u = 0.6 < 0.8 and A < 0: clipped, min(-0.6, -0.8) = -0.8
+      t1  prox 0.5  behav 0.5  w = 1               pi 0.55  u = 1.1: min(-1.1, -1.1) = -1.1
+      l = -[1.5 * -0.8, 1 * -1.1] = [1.2, 1.1]; its mean 1.15
+    loss (seq-mean-token-mean) = (-0.483333 + 1.15) / 2 = 0.333333
+    """
+    prox = torch.tensor([[L(0.5), L(0.4), L(0.6), -PAD], [L(0.6), L(0.5), -PAD, -PAD]])
+    behav = torch.tensor([[L(0.5), L(0.8), L(0.2), PAD], [L(0.4), L(0.5), PAD, PAD]])
+    logprobs = torch.tensor([[L(0.75), L(0.2), L(0.6), PAD], [L(0.36), L(0.55), PAD, PAD]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    return logprobs, prox, behav, torch.tensor([1.0, -1.0]), mask
+
+
+def test_decoupled_loss_value_and_gradient_by_hand():
+    logprobs, prox, behav, advantages, mask = hand_worked_batch()
+    loss, stats = decoupled_loss(logprobs, prox, behav, None, advantages, mask, clip_eps_low=0.2, clip_eps_high=0.2,
+                                 beta=0.0, behav_imp_cap=2.0)
+    assert loss.item() == pytest.approx(1 / 3, rel=1e-5)
+    loss.backward()
+    # d loss / d log pi_t = 1/B 1/|o_i| * (-w_t u_t A) where the term is not clipped (and the token not left out):
+    # completion 0, t1: 1/2 * 1/3 * -(0.5 * 0.5 * 1) = -0.0416667; completion 1, t1: 1/2 * 1/2 * -(1 * 1.1 * -1) = 0.275
+    expected = torch.tensor([[0.0, -0.25 / 6, 0.0, 0.0], [0.0, 0.275, 0.0, 0.0]])
+    assert torch.allclose(logprobs.grad, expected, atol=1e-6), logprobs.grad
+    # the weights' mean over the 5 tokens (1 + 0.5 + 0 + 1.5 + 1) / 5 = 0.8, one of 5 left out, two of 5 clipped
+    assert stats["behav_weight"].item() == pytest.approx(0.8, rel=1e-6)
+    assert stats["behav_capped"].item() == pytest.approx(0.2, rel=1e-6)
+    assert stats["clip_frac"].item() == pytest.approx(0.4, rel=1e-6)
+
+
+def test_the_coupled_objective_centres_the_clip_on_the_behaviour_policy():
+    """--no-decoupled passes pi_behav as pi_prox: w = 1 and u = pi / pi_behav.
+    completion 0, A = +1: u = [0.75/0.5, 0.2/0.8, 0.6/0.2] = [1.5, 0.25, 3] -> terms [1.2, 0.25, 1.2], mean -2.65/3
+    completion 1, A = -1: u = [0.36/0.4, 0.55/0.5] = [0.9, 1.1] -> l = [0.9, 1.1], mean 1.0
+    loss = (-0.883333 + 1.0) / 2 = 0.058333"""
+    logprobs, _, behav, advantages, mask = hand_worked_batch()
+    loss, stats = decoupled_loss(logprobs, behav, behav, None, advantages, mask, beta=0.0, behav_imp_cap=2.0)
+    assert loss.item() == pytest.approx(0.35 / 6, rel=1e-5)
+    assert stats["behav_weight"].item() == 1.0 and stats["behav_capped"].item() == 0.0
+
+
+def test_behaviour_weights_by_hand():
+    """The docstring's example: w = [1, 0.5, 0 (6 > 5: left out)], a padded position 0."""
+    prox = torch.tensor([[L(0.5), L(0.3), L(0.6), -PAD]])
+    behav = torch.tensor([[L(0.5), L(0.6), L(0.1), PAD]])
+    weights, stats = behaviour_weights(prox, behav, torch.tensor([[1, 1, 1, 0]]), cap=5.0)
+    assert torch.allclose(weights, torch.tensor([[1.0, 0.5, 0.0, 0.0]]), atol=1e-6)
+    assert stats["behav_weight"].item() == pytest.approx(0.5, rel=1e-6)
+    assert stats["behav_capped"].item() == pytest.approx(1 / 3, rel=1e-6)
+
+
+RL = ["--prompts-per-step", "8", "--group-size", "4", "--num-eval", "50", "--log-every", "1", "--eval-every", "2"]
+
+
+def test_eta_0_is_grpo(tmp_path):
+    """With --max-staleness 0 the generator samples batch k with version k - 1, the policy about to be trained: no
+    lag, every weight exactly 1, and the run is grpo.py's. grpo.py is the reference, not an eta-0 run of this file,
+    because it is the synchronous algorithm written independently of the generator: the same seed gives the same
+    metrics (their shared keys; float rounding aside), with two passes per batch so that pi_prox is recomputed."""
+    flags = RL + ["--num-steps", "4", "--num-iterations", "2"]
+    run_script("async_grpo.py", *flags, "--max-staleness", "0", "--output-dir", str(tmp_path / "async"))
+    run_script("grpo.py", *flags, "--output-dir", str(tmp_path / "grpo"))
+    asynchronous, synchronous = read_metrics(str(tmp_path / "async")), read_metrics(str(tmp_path / "grpo"))
+    steps = [m for m in asynchronous if m["step"] > 0]
+    assert len(steps) == 4 and all(m["charts/staleness_max"] == 0 and m["charts/staleness"] == 0 for m in steps)
+    assert all(m["losses/behav_weight"] == 1.0 and m["losses/behav_capped"] == 0.0 for m in steps)
+    shared = [{k: v for k, v in m.items() if k in s} for m, s in zip(untimed(asynchronous), untimed(synchronous))]
+    assert_same_records(shared, untimed(synchronous))
+    assert len(shared[1]) >= 10  # rewards, losses, accuracy ...
+
+
+def test_eta_2_stays_within_its_staleness_and_learns(tmp_path):
+    """40 steps at eta 2 from the bundled model: from step 3 on every batch is exactly 2 versions old (the generator
+    ran ahead as far as it may), none more; the decoupled weights stay near 1; held-out accuracy rises by 20 points."""
+    out = str(tmp_path / "run")
+    run_script("async_grpo.py", "--max-staleness", "2", "--num-steps", "40", "--log-every", "1", "--eval-every",
+               "40", "--output-dir", out)
+    steps = [m for m in read_metrics(out) if m["step"] > 0]
+    assert [m["charts/staleness_max"] for m in steps] == [0, 1] + [2] * 38
+    assert all(m["charts/staleness"] == min(m["step"] - 1, 2) for m in steps)
+    assert all(0.9 < m["losses/behav_weight"] < 1.1 for m in steps)
+    accuracy = [m["eval/accuracy"] for m in read_metrics(out) if "eval/accuracy" in m]
+    assert accuracy[-1] >= accuracy[0] + 0.20, accuracy
+
+
+# a negative --max-staleness and a --behav-imp-cap below 1: tests/test_flags.py, with every numeric flag's edges
+@pytest.mark.parametrize("flags, env, message", [
+    (["--no-decoupled", "--behav-imp-cap", "3"], {}, "--behav-imp-cap 3.0 with --no-decoupled: the cap limits"),
+    ([], {"LOCAL_RANK": "0"}, "torchrun: async_grpo.py runs on one process"),
+])
+def test_bad_input_is_one_line(flags, env, message, tmp_path):
+    out = tmp_path / "run"
+    proc = run_script("async_grpo.py", *flags, "--output-dir", str(out), env=env, expect_ok=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"error: {message}"), proc.stderr[-2000:]
+    assert not out.exists()
