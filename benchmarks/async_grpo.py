@@ -99,7 +99,8 @@ def row_cells(name, runs):
     weight, capped, wait = per_run("losses/behav_weight"), per_run("losses/behav_capped"), per_run("charts/wait_time")
     return [name, f"{mean_std(first)} → {mean_std(last)}",
             "—" if stale is None else f"{statistics.mean(stale):.2f} / {max(stale_max):.0f}",
-            "—" if weight is None else f"{statistics.mean(weight):.4f} / {100 * statistics.mean(capped):.2f}%",
+            "—" if weight is None or name.endswith("-coupled") else  # the coupled objective weighs nothing
+            f"{statistics.mean(weight):.4f} / {100 * statistics.mean(capped):.2f}%",
             mean_std(per_run("charts/step_time"), 3), mean_std(per_run("charts/generation_time"), 3),
             "—" if wait is None else mean_std(wait, 3), mean_std([w for _, w in runs], 0)]
 

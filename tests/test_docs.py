@@ -103,3 +103,24 @@ def test_the_readme_gives_the_memory_estimate_of_its_gpu_commands():
     assert static == pytest.approx(18 * n / 2**30) and peak == pytest.approx(static + training)
     # and the command the README gives prints that table
     assert run_script("benchmarks/memory_estimate.py").stdout.strip() == memory_estimate.table()
+
+
+def test_the_readme_quotes_the_async_grpo_page():
+    """The README's paragraph on async_grpo.py gives the numbers of docs/async_grpo.md's table (which
+    benchmarks/async_grpo.py writes): the lowest and highest final accuracy of the rows with eta > 0, grpo.py's,
+    the runs' wall seconds at eta 0 and their range with eta > 0."""
+    readme, rows = read("README.md"), {}
+    with open(os.path.join(ROOT, "docs", "async_grpo.md")) as f:
+        for line in f:
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if line.startswith("| ") and len(cells) == 8 and not set(cells[1]) <= set("- "):
+                rows[cells[0]] = cells
+    ahead = [cells for name, cells in rows.items() if name.startswith("eta")]
+    assert len(ahead) == 6 and {"grpo.py", "sync"} <= set(rows)
+    ends = sorted((start_end(cells[1])[1] for cells in ahead), key=lambda end: float(end.split(" ± ")[0]))
+    walls = sorted(int(cells[7].split(" ± ")[0]) for cells in ahead)
+    quoted = [f"34.8% → {ends[0]}% to {ends[-1]}%", f"grpo.py {start_end(rows['grpo.py'][1])[1]}%",
+              f"a run takes {walls[0]} to {walls[-1]} s against {rows['sync'][7].split(' ± ')[0]} s at η = 0",
+              f"grpo.py: {rows['grpo.py'][7]} s"]
+    for text in quoted:
+        assert text in readme, text
