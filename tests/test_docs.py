@@ -107,7 +107,7 @@ def test_the_readme_gives_the_memory_estimate_of_its_gpu_commands():
 
 def test_the_readme_quotes_the_async_grpo_page():
     """The README's paragraph on async_grpo.py gives the numbers of docs/async_grpo.md's table (which
-    benchmarks/async_grpo.py writes): the lowest and highest final accuracy of the rows with eta > 0, grpo.py's,
+    benchmarks/async_benchmark.py writes): the lowest and highest final accuracy of the rows with eta > 0, grpo.py's,
     the runs' wall seconds at eta 0 and their range with eta > 0."""
     readme, rows = read("README.md"), {}
     with open(os.path.join(ROOT, "docs", "async_grpo.md")) as f:

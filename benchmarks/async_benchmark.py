@@ -7,8 +7,8 @@ lines of docs/async_grpo.md (the table) and docs/async_grpo.png (held-out accura
 wall-clock seconds).
 
     pip install -r requirements.txt -r benchmarks/requirements.txt
-    python benchmarks/async_grpo.py                        # 8 rows x 3 seeds: 24 runs, about 30 min on 2 CPU cores
-    python benchmarks/async_grpo.py --seeds 1 --rows sync eta2 --num-steps 20 --runs-dir /tmp/a --out-dir /tmp/a
+    python benchmarks/async_benchmark.py                        # 8 rows x 3 seeds: 24 runs, 23 min on 2 CPU cores
+    python benchmarks/async_benchmark.py --seeds 1 --rows sync eta2 --num-steps 20 --runs-dir /tmp/a --out-dir /tmp/a
 
 A run that already finished in --runs-dir with the same command is read, not run again (delete its folder to
 run it again).
@@ -32,7 +32,7 @@ ROWS = {"grpo.py": ("grpo.py", []),
         "sync": ("async_grpo.py", ["--max-staleness", "0"]),
         **{f"eta{eta}{suffix}": ("async_grpo.py", ["--max-staleness", str(eta), *flags])
            for eta in (1, 2, 4) for suffix, flags in (("", []), ("-coupled", ["--no-decoupled"]))}}
-MARK_START, MARK_END = "<!-- results: written by benchmarks/async_grpo.py -->", "<!-- end of results -->"
+MARK_START, MARK_END = "<!-- results: written by benchmarks/async_benchmark.py -->", "<!-- end of results -->"
 
 
 @dataclass
@@ -166,7 +166,7 @@ def main(args):
     total = sum(w for runs in results.values() for _, w in runs)
     block = "\n".join([
         MARK_START, "",
-        f"Measured by `python benchmarks/async_grpo.py` ({len(args.seeds)} seed(s): {' '.join(map(str, args.seeds))};"
+        f"Measured by `python benchmarks/async_benchmark.py` ({len(args.seeds)} seed(s): {' '.join(map(str, args.seeds))};"
         f" {sum(len(r) for r in results.values())} runs, {total / 60:.0f} min of runs, one at a time) on "
         f"{machine_line()}. Mean ± std over the seeds; staleness, weights and times are the means over the logged "
         "steps of each run (the max: the largest lag any logged step saw).", "", *lines, "",
