@@ -83,7 +83,7 @@ QUICK_FLAGS = {
 QUICK_FLAGS["reward_model-one-pair"] = QUICK_FLAGS["reward_model"]
 QUICK_FLAGS["ppo-learned-rm-one-pair"] = QUICK_FLAGS["ppo-learned-rm"]
 QUICK_FLAGS["grpo-vllm"] = QUICK_FLAGS["grpo"]
-QUICK_FLAGS.update({name: ["--num-steps", "4", "--micro-batch-size", "4", "--max-new-tokens", "8"]
+QUICK_FLAGS.update({name: ["--num-steps", "2", "--micro-batch-size", "4", "--max-new-tokens", "8"]
                     + (["--batch-size", "4", "--num-train-prompts", "8"] if name.startswith("dpo") else
                        ["--prompts-per-step", "2", "--group-size", "2"]) for name in REAL_FLAGS})
 QUICK_COMMON = ["--eval-every", "2", "--log-every", "1", "--num-eval", "20"]

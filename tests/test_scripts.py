@@ -7,6 +7,8 @@ import os
 import re
 import shlex
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -174,19 +176,47 @@ def test_bfloat16_on_the_cpu(tmp_path):
     assert len(moved) == len(saved), f"only {moved} changed"
 
 
-@pytest.mark.parametrize("script", ALL_SCRIPTS)
-def test_help_works_when_copied_alone(script, tmp_path):
-    shutil.copy(os.path.join(ROOT, script), tmp_path / script)
-    proc = run_script(script, "--help", cwd=str(tmp_path))
-    assert "--seed" in proc.stdout and "--model-name-or-path" in proc.stdout
-    # the fields filled in at run time are no flags: --help does not offer them, and setting one is refused
-    assert "--run-name" not in proc.stdout and "--minibatch-size" not in proc.stdout
-    if script not in ("sft.py", "dpo.py", "reward_model.py"):  # there --batch-size is a flag
-        assert "--batch-size" not in proc.stdout
-    refused = run_script(script, "--run-name", "mine", "--output-dir", str(tmp_path / "o"), cwd=str(tmp_path),
-                         expect_ok=False)
-    assert refused.returncode != 0 and "--run-name" in refused.stderr + refused.stdout
-    assert not os.path.exists(tmp_path / "o")
+# each file alone in a folder of its own, run there as `python <file> ...` runs it (the repository is not on the
+# path): --help, then a runtime field given as a flag; every file in one process, to spare the start-up of eight
+ALONE = """
+import contextlib, io, json, os, runpy, sys
+results = {}
+for folder in sys.argv[1:]:
+    script = os.listdir(folder)[0]
+    os.chdir(folder)
+    sys.path[0] = folder
+    for case, argv in (("help", ["--help"]), ("refused", ["--run-name", "mine", "--output-dir", "o"])):
+        sys.argv, out, err = [script, *argv], io.StringIO(), io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                runpy.run_path(script, run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        results[f"{script} {case}"] = [code, out.getvalue(), err.getvalue(), os.path.exists("o")]
+print(json.dumps(results))
+"""
+
+
+def test_help_works_when_copied_alone(tmp_path):
+    folders = []
+    for script in ALL_SCRIPTS:
+        (tmp_path / script[:-3]).mkdir()
+        shutil.copy(os.path.join(ROOT, script), tmp_path / script[:-3] / script)
+        folders.append(str(tmp_path / script[:-3]))
+    proc = subprocess.run([sys.executable, "-c", ALONE, *folders], cwd=str(tmp_path), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    for script in ALL_SCRIPTS:
+        code, help_text, _, _ = results[f"{script} help"]
+        assert code == 0 and "--seed" in help_text and "--model-name-or-path" in help_text, script
+        # the fields filled in at run time are no flags: --help does not offer them, and setting one is refused
+        assert "--run-name" not in help_text and "--minibatch-size" not in help_text, script
+        if script not in ("sft.py", "dpo.py", "reward_model.py"):  # there --batch-size is a flag
+            assert "--batch-size" not in help_text, script
+        code, out, err, made = results[f"{script} refused"]
+        assert code != 0 and "--run-name" in err + out and not made, script
 
 
 @pytest.fixture(scope="module")
@@ -378,7 +408,7 @@ def test_dpo_learns(tmp_path):
 
 def test_reward_model_learns(tmp_path):
     out = str(tmp_path / "run")
-    proc = run_script("reward_model.py", "--num-steps", "500", "--eval-every", "500", "--output-dir", out)
+    proc = run_script("reward_model.py", "--num-steps", "400", "--eval-every", "400", "--output-dir", out)
     # the new score head is said in one line, not in transformers' load report
     assert "the reward model: a new score head on tiny-adder" in proc.stdout and "LOAD REPORT" not in proc.stderr
     first, last = read_metrics(out)[0], read_metrics(out)[-1]
