@@ -16,7 +16,7 @@ reads every run's metrics.jsonl and writes, from nothing:
                                                         # on 2 CPU cores (without --vllm-python: no -vllm rows)
     python benchmarks/benchmark.py --seeds 1 2 3 4 5    # more seeds
     python benchmarks/benchmark.py --quick --runs-dir /tmp/quick --out-dir /tmp/quick   # a check: 2.9 min on 2 idle
-                                                        # cores, with the real model's conversion; 6.7 min busy
+                                                        # cores, with the real model's conversion
 
 Runs go to --runs-dir; a run that already finished there with the same command is read, not run
 again (delete its folder to run it again). `ppo-learned-rm` is the RLHF pipeline: PPO against the reward model that the
