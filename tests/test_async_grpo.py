@@ -2,12 +2,14 @@
 bound and learning at eta 2, and the flags it refuses."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import read_metrics, run_script
 
-from async_grpo import behaviour_weights, decoupled_loss
+from async_grpo import SampledLogprobs, behaviour_weights, completion_mask, decoupled_loss, generate
+from test_shared import tiny_model
 from test_resume import assert_same_records, untimed
 
 L = math.log
@@ -72,6 +74,37 @@ def test_behaviour_weights_by_hand():
     assert stats["behav_capped"].item() == pytest.approx(1 / 3, rel=1e-6)
 
 
+def test_the_behaviour_logprobs_are_those_of_the_distribution_sampled():
+    """SampledLogprobs, given to generate(), records for each sampled token the log-prob that transformers sampled
+    it with: the log_softmax of the scores after every processor (temperature 0.7 here), captured from the same
+    call. Left padding, and completions that stop early (their positions after the stop are masked)."""
+    model = tiny_model("llama")
+    prompt_ids = torch.tensor([[0, 0, 0, 11, 12], [0, 21, 22, 23, 24], [31, 32, 33, 34, 35]])  # left-padded
+    prompt_mask = (prompt_ids != 0).long()
+    captured, original = {}, model.generate
+
+    def spy(**kwargs):  # the same call, asked to return its scores too
+        kwargs["generation_config"].output_scores = True
+        kwargs["generation_config"].return_dict_in_generate = True
+        out = original(**kwargs)
+        captured["scores"] = out.scores
+        return out.sequences
+
+    model.generate = spy
+    torch.manual_seed(1)
+    behaviour = SampledLogprobs(0.7)
+    completion = generate(model, SimpleNamespace(pad_token_id=0), prompt_ids, prompt_mask, 6, 0.7, [2], [behaviour])
+    mask = completion_mask(completion, [2])
+    sampled = torch.stack(captured["scores"], dim=1).log_softmax(-1).gather(-1, completion[:, :, None])[..., 0]
+    recorded = behaviour.logprobs(completion)
+    assert recorded.shape == completion.shape and torch.isfinite(recorded[mask]).all()
+    torch.testing.assert_close(recorded[mask], sampled[mask], atol=1e-6, rtol=0)
+    # the log-probs without the temperature (scores x 0.7: the logits) are far off: the check can tell them apart
+    logits = torch.stack(captured["scores"], dim=1) * 0.7
+    untempered = logits.log_softmax(-1).gather(-1, completion[:, :, None])[..., 0]
+    assert (recorded[mask] - untempered[mask]).abs().max() > 1e-2
+
+
 RL = ["--prompts-per-step", "8", "--group-size", "4", "--num-eval", "50", "--log-every", "1", "--eval-every", "2"]
 
 
@@ -117,3 +150,26 @@ def test_bad_input_is_one_line(flags, env, message, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"error: {message}"), proc.stderr[-2000:]
     assert not out.exists()
+
+
+def test_the_async_benchmark_writes_its_table_and_figure_from_the_runs(tmp_path):
+    """benchmarks/async_benchmark.py, one row for 2 steps: its page gets the results block with that row, whose
+    cells are the run's own numbers, and the figure; the page's text outside the markers stays."""
+    out = tmp_path / "out"
+    out.mkdir()
+    page = out / "async_grpo.md"
+    marks = ("<!-- results: written by benchmarks/async_benchmark.py -->", "<!-- end of results -->")
+    page.write_text(f"# kept\n\n{marks[0]}\nold\n{marks[1]}\nkept too\n")
+    run_script("benchmarks/async_benchmark.py", "--seeds", "1", "--rows", "eta1", "--num-steps", "2",
+               "--runs-dir", str(tmp_path / "runs"), "--out-dir", str(out))
+    text = page.read_text()
+    assert text.startswith("# kept\n\n" + marks[0]) and text.endswith(marks[1] + "\nkept too\n") and "old" not in text
+    (row,) = [line for line in text.splitlines() if line.startswith("| eta1 ")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    metrics = read_metrics(str(tmp_path / "runs" / "eta1__1"))
+    accuracy = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
+    assert cells[1] == f"{100 * accuracy[0]:.1f} → {100 * accuracy[-1]:.1f}"
+    assert cells[2] == "1.00 / 1"  # step 2, the one logged step, trains on version 0: one version old
+    assert (out / "async_grpo.png").stat().st_size > 10_000
+    bad = run_script("benchmarks/async_benchmark.py", "--rows", "eta3", expect_ok=False)
+    assert bad.returncode == 1 and bad.stderr.strip().startswith("error: --rows eta3: no such row")
