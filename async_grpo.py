@@ -17,8 +17,9 @@ pi_behav (w = 1): PPO's objective on stale data, the paper's baseline.
 
 Where this file departs from AReaL: one process, the generator a thread of it (torchrun is refused); batch k
 is sampled with exactly version max(0, k - 1 - eta), the oldest the rule admits, so that a run is
-reproducible (AReaL gives a rollout the newest weights there are, and swaps them in mid-rollout); a token
-sampled by the version being trained has pi_behav = pi_prox, so its weight is exactly 1. See
+reproducible (AReaL gives a rollout the newest weights there are, and swaps them in mid-rollout). As in AReaL,
+pi_behav is always the log-prob the generator recorded, at every lag: the weight also corrects for the generator's
+copy computing in the compute dtype (on a GPU, bfloat16 weights) where the trainer runs float32 masters. See
 docs/async_grpo.md.
 
     python async_grpo.py                             # bundled tiny model, addition task, CPU, eta 2
@@ -58,7 +59,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]  # names the run: runs/<exp_name>__<seed>__<time>
     seed: int = 1  # seed of the experiment (data order, sampling, initialisation)
-    torch_deterministic: bool = True  # if toggled, `torch.use_deterministic_algorithms(True)`
+    torch_deterministic: bool = True  # `torch.use_deterministic_algorithms(True)` (`--no-torch-deterministic`: off)
     cuda: bool = True  # use CUDA when it is available (`--no-cuda` stays on the CPU)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """the compute dtype of the forward passes (trained weights stay float32): auto is float32 on the CPU, bfloat16
@@ -311,8 +312,7 @@ def main(args):
                         logprobs = sequence_logprobs(policy, input_ids[idx], attention_mask[idx], prompt_len,
                                                      args.temperature)  # (b, T)
                         prox = logprobs.detach() if prox_logprobs is None else prox_logprobs[idx]
-                        # a token that the version being trained sampled has pi_behav = pi_prox: its weight is 1
-                        behav = torch.where(versions[idx] == step - 1, prox, behav_logprobs[idx])
+                        behav = behav_logprobs[idx]  # as the generator sampled them, whatever their version
                         loss, stats = decoupled_loss(logprobs, prox if args.decoupled else behav, behav,
                                                      None if ref_logprobs is None else ref_logprobs[idx],
                                                      advantages[idx], mask[idx], args.clip_eps_low, args.clip_eps_high,
@@ -423,7 +423,8 @@ class Generator:
     """
 
     def __init__(self, policy, tokenizer, records, stop_ids, data_rng, args, device, version, finished=()):
-        self.model = load_model(args.model_name_or_path, args, device, frozen=True).eval()  # in the compute dtype
+        self.model = load_model(args.model_name_or_path, args, device, frozen=True).to(compute_dtype(args, device))
+        self.model.eval()  # a sampler's copy, in the compute dtype (as an inference engine holds it)
         self.model.load_state_dict(unwrap(policy).state_dict())  # the trainer's weights: version `version`
         self.tokenizer = copy.deepcopy(tokenizer)  # a fast tokenizer is not to be used by two threads at once
         self.records, self.stop_ids, self.data_rng, self.args, self.device = records, stop_ids, data_rng, args, device
@@ -431,6 +432,7 @@ class Generator:
         self.ready = collections.deque(unpack(batch, device) for batch in finished)  # sampled, oldest first
         self.next_batch = version + 1 + len(self.ready)
         self.lock = threading.Condition()
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # its CUDA work beside the trainer's
         self.busy, self.closed, self.error = False, False, None
         self.thread = threading.Thread(target=self.run, name="generator", daemon=True)
         self.thread.start()
@@ -445,26 +447,32 @@ class Generator:
         # keeps a team of its own makes the trainer's CPU kernels run 2-3 times slower, even while it waits
         torch.set_num_threads(1)
         try:
-            while self.next_batch <= self.args.num_steps:
-                with self.lock:  # the admission rule: wait for the version this batch is sampled with
-                    while self.version < self.admitted_version(self.next_batch) and not self.closed:
-                        if self.waiting is None:
-                            self.lock.wait()
-                            continue
-                        (self.version, weights), self.waiting = self.waiting, None
-                        self.model.load_state_dict(weights)
-                        self.lock.notify_all()
-                    if self.closed:
-                        return
-                    self.busy = True
-                batch = self.sample(self.next_batch)
-                with self.lock:
-                    self.ready.append(batch)
-                    self.busy, self.next_batch = False, self.next_batch + 1
-                    self.lock.notify_all()
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                self.generate_batches()
         except BaseException as e:  # the trainer raises it when it next waits for the generator
             with self.lock:
                 self.error = e
+                self.lock.notify_all()
+
+    def generate_batches(self):
+        """Sample batch after batch, each once the version that eq. 3 admits for it is published."""
+        while self.next_batch <= self.args.num_steps:
+            with self.lock:  # the admission rule: wait for the version this batch is sampled with
+                while self.version < self.admitted_version(self.next_batch) and not self.closed:
+                    if self.waiting is None:
+                        self.lock.wait()
+                        continue
+                    (self.version, weights), self.waiting = self.waiting, None
+                    self.model.load_state_dict(weights)
+                    clock(self.device)  # copied before the trainer's allocator may reuse the weights' memory
+                    self.lock.notify_all()
+                if self.closed:
+                    return
+                self.busy = True
+            batch = self.sample(self.next_batch)
+            with self.lock:
+                self.ready.append(batch)
+                self.busy, self.next_batch = False, self.next_batch + 1
                 self.lock.notify_all()
 
     def sample(self, batch):
@@ -489,17 +497,23 @@ class Generator:
                 raise self.error
             batch = self.ready.popleft()
         assert batch["batch"] == step, (batch["batch"], step)
+        for value in batch.values():  # made on the generator's CUDA stream, used and freed on the trainer's
+            if torch.is_tensor(value) and value.is_cuda:
+                value.record_stream(torch.cuda.current_stream(value.device))
         return batch
 
     def publish(self, version, policy):
-        """Hand the generator the trainer's weights of `version` (a copy), once it has taken the version before."""
+        """Hand the generator a copy of the trainer's weights of `version` once it has taken the version before: at
+        most one copy waits beside the generator's own."""
         if version + 1 + self.args.max_staleness > self.args.num_steps:
             return  # the batches that this version would sample are past the last step
+        with self.lock:  # only this thread sets self.waiting: once it is None, it stays so until set below
+            self.lock.wait_for(lambda: self.waiting is None or self.error is not None)
         dtypes = {name: tensor.dtype for name, tensor in self.model.state_dict().items()}
         weights = {name: tensor.detach().to(dtypes[name], copy=True) for name, tensor in
                    unwrap(policy).state_dict().items()}
+        clock(self.device)  # the copy is done (CUDA: on this thread's stream) before the generator reads it
         with self.lock:
-            self.lock.wait_for(lambda: self.waiting is None or self.error is not None)
             self.waiting = (version, weights)
             self.lock.notify_all()
 
@@ -754,21 +768,23 @@ def compute_dtype(args, device):
 
 def load_model(path, args, device, model_class=AutoModelForCausalLM, flag="--model-name-or-path", frozen=False,
                **kwargs):
-    """A model whose forward passes run in the compute dtype (--dtype), under torch.autocast.
+    """A model with float32 weights whose forward passes run in the compute dtype (--dtype), under torch.autocast.
 
     A model that is trained keeps float32 weights, and so float32 gradients and optimizer state: bfloat16 keeps 8
     bits of mantissa, and an AdamW step of 1e-6 on a weight of 0.02 would round back to the same weight. A frozen
-    model (never trained) is held in the compute dtype. Dropout is off, so that the policy that samples is the one
-    trained.
+    model (a reference, a reward model) is held the same way, so that it computes as the policy does: at step 0 their
+    log-probs agree (docs/gpu.md). Dropout is off, so that the policy that samples is the one trained.
     """
     dtype = compute_dtype(args, device)
-    model = from_pretrained(model_class, path, args, flag, dtype=dtype if frozen else torch.float32, **kwargs)
+    model = from_pretrained(model_class, path, args, flag, dtype=torch.float32, **kwargs)
     model.requires_grad_(not frozen)
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()  # only in train mode: generation keeps its KV cache
+    if args.gradient_checkpointing:  # only in train mode: generation keeps its KV cache. Nothing recomputed is random
+        # (no dropout), so no random state is saved and put back around it (that rewinds another thread's draws)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                          "preserve_rng_state": False})
     return autocast_forward(model, device, dtype).to(device)
 
 
@@ -841,10 +857,11 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if sharded:  # FSDP: gather each layer once for the whole rollout, not again for every new token
         model.set_reshard_after_forward(False)
-    try:
-        out = unwrap(model).generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
-                                     logits_processor=transformers.LogitsProcessorList(processors),
-                                     synced_gpus=torch.distributed.is_initialized())  # FSDP: every process to the end
+    try:  # one autocast over the whole rollout: each weight is cast to the compute dtype once, not at every token
+        with autocast(model):
+            out = unwrap(model).generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
+                                         logits_processor=transformers.LogitsProcessorList(processors),
+                                         synced_gpus=torch.distributed.is_initialized())  # FSDP: every process
     finally:
         for module in sharded:  # then free the gathered layers, and go back to FSDP's own setting: every layer
             module.reshard()  # reshards after its forward, the root does not (its weights serve the loss next)
@@ -884,11 +901,14 @@ def linear_output_layer(model):
 def token_logprobs(hidden, weight, bias, targets, temperature, with_entropy):
     """Log-probs (n,) of the targets (n,) at n positions, float32, and their entropies (n,) if asked.
 
-    hidden (n, d) is the decoder's last hidden state, weight (vocab, d) and bias the output layer's;
-    with weight None, hidden holds the logits (n, vocab) themselves.
+    hidden (n, d) is the decoder's last hidden state, weight (vocab, d) and bias the output layer's, multiplied in
+    float32 (logits rounded to bfloat16 would move a log-prob by up to 0.1); with weight None, hidden holds the
+    logits (n, vocab) themselves.
     """
-    logits = hidden if weight is None else torch.nn.functional.linear(hidden, weight, bias)
-    logits = logits.float() / temperature  # (n, vocab)
+    if weight is not None:
+        with torch.autocast(hidden.device.type, enabled=False):
+            hidden = torch.nn.functional.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
+    logits = hidden.float() / temperature  # (n, vocab)
     logsumexp = torch.logsumexp(logits, dim=-1)  # (n,)
     logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - logsumexp
     entropy = logsumexp - (logits.softmax(dim=-1) * logits).sum(dim=-1) if with_entropy else None
@@ -906,7 +926,7 @@ def decoder_states(model, input_ids, attention_mask, position_ids):
     hook = unwrap(model).get_decoder().register_forward_hook(lambda module, inputs, out: states.append(out[0]))
     causal_lm = unwrap(model).get_output_embeddings() is not None
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
               **({"logits_to_keep": 1} if causal_lm else {}))
     finally:
         hook.remove()
@@ -921,8 +941,8 @@ def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=
     attention = [0,   0,   1, 1, 1  | 1, 1, 1  ]
     positions = [0,   0,   0, 1, 2  | 3, 4, 5  ]   from the mask, as generate() computes them
     The hidden state at position prompt_len - 1 + t predicts completion token t. Only those B x T
-    states go through the output layer, a chunk of positions at a time (at most chunk_values logits,
-    256 MB in float32); divided by the sampling temperature, the logits give the distribution the
+    states go through the output layer in float32, a chunk of positions at a time (at most chunk_values
+    logits, 256 MB); divided by the sampling temperature, the logits give the distribution the
     token was sampled from: logsumexp over the vocabulary minus the chosen token's logit. No
     (B, T, vocab) tensor is built. With gradient, each chunk runs under torch.utils.checkpoint: its
     logits are freed once its log-probs are computed and recomputed in the backward pass, one chunk at
@@ -936,7 +956,7 @@ def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=
         hidden = decoder_states(model, input_ids, attention_mask, position_ids)[:, prompt_len - 1 : -1]  # (B, T, d)
         weight, bias = head.weight, head.bias
     else:  # the logits are more than a linear layer: the model computes them, all of them at once
-        hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                        logits_to_keep=completion_len + 1).logits[:, :-1]  # (B, T, vocab)
         weight = bias = None
     targets = input_ids[:, prompt_len:].reshape(-1)  # (B T,)
@@ -944,13 +964,13 @@ def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=
     vocab_size = hidden.shape[-1] if weight is None else weight.shape[0]
     rows = max(1, chunk_values // vocab_size)
     chunks = []
-    with autocast(model):  # the output layer in the compute dtype; the log-softmax in float32
-        for i in range(0, len(targets), rows):
-            inputs = (hidden[i : i + rows], weight, bias, targets[i : i + rows], temperature, with_entropy)
-            if torch.is_grad_enabled() and len(targets) > rows:  # with one chunk, recomputing would save nothing
-                chunks.append(torch.utils.checkpoint.checkpoint(token_logprobs, *inputs, use_reentrant=False))
-            else:
-                chunks.append(token_logprobs(*inputs))
+    for i in range(0, len(targets), rows):
+        inputs = (hidden[i : i + rows], weight, bias, targets[i : i + rows], temperature, with_entropy)
+        if torch.is_grad_enabled() and len(targets) > rows:  # with one chunk, recomputing would save nothing
+            chunks.append(torch.utils.checkpoint.checkpoint(token_logprobs, *inputs, use_reentrant=False,
+                                                            preserve_rng_state=False))  # nothing random in it
+        else:
+            chunks.append(token_logprobs(*inputs))
     logprobs = torch.cat([c[0] for c in chunks]).view(-1, completion_len)  # (B, T)
     if not with_entropy:
         return logprobs
@@ -1025,10 +1045,10 @@ def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, max_pr
 
 # ---- Logging and saving -------------------------------------------------------------------------
 def clock(device):
-    """Seconds on a monotonic clock, once the GPU has finished the work queued so far (CUDA runs
+    """Seconds on a monotonic clock, once this thread's CUDA stream has finished the work queued on it (CUDA runs
     asynchronously: without the wait, a phase's time would show up in the next one)."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()  # not the whole device: another thread's stream runs on
     return time.perf_counter()
 
 
@@ -1301,7 +1321,7 @@ def setup(args):
     rank = rank_and_world()[0]
     random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
-    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)  # warn where CUDA has no such kernel
+    torch.use_deterministic_algorithms(args.torch_deterministic)  # an op with no deterministic kernel stops the run
     compute_dtype(args, device)  # a --dtype that cannot train here stops the run now
     if getattr(args, "vllm", False):  # the files that sample have --vllm; a missing vLLM stops the run now
         try:

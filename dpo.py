@@ -46,7 +46,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]  # names the run: runs/<exp_name>__<seed>__<time>
     seed: int = 1  # seed of the experiment (data order, sampling, initialisation)
-    torch_deterministic: bool = True  # if toggled, `torch.use_deterministic_algorithms(True)`
+    torch_deterministic: bool = True  # `torch.use_deterministic_algorithms(True)` (`--no-torch-deterministic`: off)
     cuda: bool = True  # use CUDA when it is available (`--no-cuda` stays on the CPU)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """the compute dtype of the forward passes (trained weights stay float32): auto is float32 on the CPU, bfloat16
@@ -198,7 +198,7 @@ def main(args):
             tokens = pair_batch(tokenizer, pairs[i : i + args.micro_batch_size], device, args)
             (pc, pr), (rc, rr) = (forward(tokens, m) for m in (policy, ref_policy))
             h = (pc - rc) - (pr - rr)  # (b,)
-            tie = h.abs() <= rounding_tolerance(tokens[-1], unwrap(policy).compute_dtype)  # at step 0, every pair
+            tie = h.abs() <= rounding_tolerance(tokens[-1])  # at step 0, every pair
             margins.append(torch.where(tie, 0.0, args.beta * h))
         metrics = {"eval/pair_accuracy": all_sum(pair_accuracy(torch.cat(margins))).item() / world}  # equal shares
         if eval_records is not None:
@@ -229,7 +229,7 @@ def main(args):
                 num_tokens += tokens[-1].sum().item()  # completion tokens of the 2b sequences
                 loss, stats = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
                                        args.label_smoothing,
-                                       rounding_tolerance(tokens[-1], unwrap(policy).compute_dtype))
+                                       rounding_tolerance(tokens[-1]))
                 if not torch.isfinite(loss):
                     fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the data")
                 (loss * len(pairs) / batch_size).backward()  # the micro-batches add up to the batch's mean
@@ -384,18 +384,18 @@ def pair_accuracy(margins):
     return ((margins > 0).float() + 0.5 * (margins == 0).float()).mean()
 
 
-def rounding_tolerance(completion_mask, dtype):
-    """The largest |h| that float rounding alone can make, per pair (B,): sqrt(eps * N), N tokens.
+def rounding_tolerance(completion_mask):
+    """The largest |h| that float rounding alone can make, per pair (B,): sqrt(eps * N), N tokens, eps float32's.
 
     At step 0 the policy is the reference, so h = 0 in exact arithmetic; but the two copies' summed
-    log-probs can differ in their last bits (a frozen model's matmul may take another kernel, and
-    kernels round by shape and memory alignment), by either sign. Rounding moves a token's log-prob
-    by far less than sqrt(eps) of the compute dtype (float32: 3.5e-4, bfloat16: 0.088), and N
-    independent errors add up to about sqrt(N) of them. A pair with |h| at most this is a tie.
+    log-probs can differ in their last bits (kernels round by shape and memory alignment), by either
+    sign. The log-probs are float32 (the output layer too) and both copies compute alike in any --dtype,
+    so rounding moves a token's log-prob by far less than sqrt(eps) = 3.5e-4, and N independent errors
+    add up to about sqrt(N) of them. A pair with |h| at most this is a tie.
     completion_mask: pair_batch's (2B, T), chosen rows then rejected rows; N counts both completions.
     """
     num_tokens = completion_mask.sum(dim=1).view(2, -1).sum(dim=0)  # (B,)
-    return (torch.finfo(dtype).eps * num_tokens).sqrt()
+    return (torch.finfo(torch.float32).eps * num_tokens).sqrt()
 
 
 # ==== Everything below this line is the same in every file, byte for byte (tests/test_shared.py checks it) ====
@@ -600,21 +600,23 @@ def compute_dtype(args, device):
 
 def load_model(path, args, device, model_class=AutoModelForCausalLM, flag="--model-name-or-path", frozen=False,
                **kwargs):
-    """A model whose forward passes run in the compute dtype (--dtype), under torch.autocast.
+    """A model with float32 weights whose forward passes run in the compute dtype (--dtype), under torch.autocast.
 
     A model that is trained keeps float32 weights, and so float32 gradients and optimizer state: bfloat16 keeps 8
     bits of mantissa, and an AdamW step of 1e-6 on a weight of 0.02 would round back to the same weight. A frozen
-    model (never trained) is held in the compute dtype. Dropout is off, so that the policy that samples is the one
-    trained.
+    model (a reference, a reward model) is held the same way, so that it computes as the policy does: at step 0 their
+    log-probs agree (docs/gpu.md). Dropout is off, so that the policy that samples is the one trained.
     """
     dtype = compute_dtype(args, device)
-    model = from_pretrained(model_class, path, args, flag, dtype=dtype if frozen else torch.float32, **kwargs)
+    model = from_pretrained(model_class, path, args, flag, dtype=torch.float32, **kwargs)
     model.requires_grad_(not frozen)
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()  # only in train mode: generation keeps its KV cache
+    if args.gradient_checkpointing:  # only in train mode: generation keeps its KV cache. Nothing recomputed is random
+        # (no dropout), so no random state is saved and put back around it (that rewinds another thread's draws)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                          "preserve_rng_state": False})
     return autocast_forward(model, device, dtype).to(device)
 
 
@@ -687,10 +689,11 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if sharded:  # FSDP: gather each layer once for the whole rollout, not again for every new token
         model.set_reshard_after_forward(False)
-    try:
-        out = unwrap(model).generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
-                                     logits_processor=transformers.LogitsProcessorList(processors),
-                                     synced_gpus=torch.distributed.is_initialized())  # FSDP: every process to the end
+    try:  # one autocast over the whole rollout: each weight is cast to the compute dtype once, not at every token
+        with autocast(model):
+            out = unwrap(model).generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
+                                         logits_processor=transformers.LogitsProcessorList(processors),
+                                         synced_gpus=torch.distributed.is_initialized())  # FSDP: every process
     finally:
         for module in sharded:  # then free the gathered layers, and go back to FSDP's own setting: every layer
             module.reshard()  # reshards after its forward, the root does not (its weights serve the loss next)
@@ -730,11 +733,14 @@ def linear_output_layer(model):
 def token_logprobs(hidden, weight, bias, targets, temperature, with_entropy):
     """Log-probs (n,) of the targets (n,) at n positions, float32, and their entropies (n,) if asked.
 
-    hidden (n, d) is the decoder's last hidden state, weight (vocab, d) and bias the output layer's;
-    with weight None, hidden holds the logits (n, vocab) themselves.
+    hidden (n, d) is the decoder's last hidden state, weight (vocab, d) and bias the output layer's, multiplied in
+    float32 (logits rounded to bfloat16 would move a log-prob by up to 0.1); with weight None, hidden holds the
+    logits (n, vocab) themselves.
     """
-    logits = hidden if weight is None else torch.nn.functional.linear(hidden, weight, bias)
-    logits = logits.float() / temperature  # (n, vocab)
+    if weight is not None:
+        with torch.autocast(hidden.device.type, enabled=False):
+            hidden = torch.nn.functional.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
+    logits = hidden.float() / temperature  # (n, vocab)
     logsumexp = torch.logsumexp(logits, dim=-1)  # (n,)
     logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - logsumexp
     entropy = logsumexp - (logits.softmax(dim=-1) * logits).sum(dim=-1) if with_entropy else None
@@ -752,7 +758,7 @@ def decoder_states(model, input_ids, attention_mask, position_ids):
     hook = unwrap(model).get_decoder().register_forward_hook(lambda module, inputs, out: states.append(out[0]))
     causal_lm = unwrap(model).get_output_embeddings() is not None
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
               **({"logits_to_keep": 1} if causal_lm else {}))
     finally:
         hook.remove()
@@ -767,8 +773,8 @@ def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=
     attention = [0,   0,   1, 1, 1  | 1, 1, 1  ]
     positions = [0,   0,   0, 1, 2  | 3, 4, 5  ]   from the mask, as generate() computes them
     The hidden state at position prompt_len - 1 + t predicts completion token t. Only those B x T
-    states go through the output layer, a chunk of positions at a time (at most chunk_values logits,
-    256 MB in float32); divided by the sampling temperature, the logits give the distribution the
+    states go through the output layer in float32, a chunk of positions at a time (at most chunk_values
+    logits, 256 MB); divided by the sampling temperature, the logits give the distribution the
     token was sampled from: logsumexp over the vocabulary minus the chosen token's logit. No
     (B, T, vocab) tensor is built. With gradient, each chunk runs under torch.utils.checkpoint: its
     logits are freed once its log-probs are computed and recomputed in the backward pass, one chunk at
@@ -782,7 +788,7 @@ def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=
         hidden = decoder_states(model, input_ids, attention_mask, position_ids)[:, prompt_len - 1 : -1]  # (B, T, d)
         weight, bias = head.weight, head.bias
     else:  # the logits are more than a linear layer: the model computes them, all of them at once
-        hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                        logits_to_keep=completion_len + 1).logits[:, :-1]  # (B, T, vocab)
         weight = bias = None
     targets = input_ids[:, prompt_len:].reshape(-1)  # (B T,)
@@ -790,13 +796,13 @@ def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=
     vocab_size = hidden.shape[-1] if weight is None else weight.shape[0]
     rows = max(1, chunk_values // vocab_size)
     chunks = []
-    with autocast(model):  # the output layer in the compute dtype; the log-softmax in float32
-        for i in range(0, len(targets), rows):
-            inputs = (hidden[i : i + rows], weight, bias, targets[i : i + rows], temperature, with_entropy)
-            if torch.is_grad_enabled() and len(targets) > rows:  # with one chunk, recomputing would save nothing
-                chunks.append(torch.utils.checkpoint.checkpoint(token_logprobs, *inputs, use_reentrant=False))
-            else:
-                chunks.append(token_logprobs(*inputs))
+    for i in range(0, len(targets), rows):
+        inputs = (hidden[i : i + rows], weight, bias, targets[i : i + rows], temperature, with_entropy)
+        if torch.is_grad_enabled() and len(targets) > rows:  # with one chunk, recomputing would save nothing
+            chunks.append(torch.utils.checkpoint.checkpoint(token_logprobs, *inputs, use_reentrant=False,
+                                                            preserve_rng_state=False))  # nothing random in it
+        else:
+            chunks.append(token_logprobs(*inputs))
     logprobs = torch.cat([c[0] for c in chunks]).view(-1, completion_len)  # (B, T)
     if not with_entropy:
         return logprobs
@@ -871,10 +877,10 @@ def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, max_pr
 
 # ---- Logging and saving -------------------------------------------------------------------------
 def clock(device):
-    """Seconds on a monotonic clock, once the GPU has finished the work queued so far (CUDA runs
+    """Seconds on a monotonic clock, once this thread's CUDA stream has finished the work queued on it (CUDA runs
     asynchronously: without the wait, a phase's time would show up in the next one)."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()  # not the whole device: another thread's stream runs on
     return time.perf_counter()
 
 
@@ -1147,7 +1153,7 @@ def setup(args):
     rank = rank_and_world()[0]
     random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
-    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)  # warn where CUDA has no such kernel
+    torch.use_deterministic_algorithms(args.torch_deterministic)  # an op with no deterministic kernel stops the run
     compute_dtype(args, device)  # a --dtype that cannot train here stops the run now
     if getattr(args, "vllm", False):  # the files that sample have --vllm; a missing vLLM stops the run now
         try:

@@ -46,7 +46,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]  # names the run: runs/<exp_name>__<seed>__<time>
     seed: int = 1  # seed of the experiment (data order, sampling, initialisation)
-    torch_deterministic: bool = True  # if toggled, `torch.use_deterministic_algorithms(True)`
+    torch_deterministic: bool = True  # `torch.use_deterministic_algorithms(True)` (`--no-torch-deterministic`: off)
     cuda: bool = True  # use CUDA when it is available (`--no-cuda` stays on the CPU)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """the compute dtype of the forward passes (trained weights stay float32): auto is float32 on the CPU, bfloat16
@@ -581,21 +581,23 @@ def compute_dtype(args, device):
 
 def load_model(path, args, device, model_class=AutoModelForCausalLM, flag="--model-name-or-path", frozen=False,
                **kwargs):
-    """A model whose forward passes run in the compute dtype (--dtype), under torch.autocast.
+    """A model with float32 weights whose forward passes run in the compute dtype (--dtype), under torch.autocast.
 
     A model that is trained keeps float32 weights, and so float32 gradients and optimizer state: bfloat16 keeps 8
     bits of mantissa, and an AdamW step of 1e-6 on a weight of 0.02 would round back to the same weight. A frozen
-    model (never trained) is held in the compute dtype. Dropout is off, so that the policy that samples is the one
-    trained.
+    model (a reference, a reward model) is held the same way, so that it computes as the policy does: at step 0 their
+    log-probs agree (docs/gpu.md). Dropout is off, so that the policy that samples is the one trained.
     """
     dtype = compute_dtype(args, device)
-    model = from_pretrained(model_class, path, args, flag, dtype=dtype if frozen else torch.float32, **kwargs)
+    model = from_pretrained(model_class, path, args, flag, dtype=torch.float32, **kwargs)
     model.requires_grad_(not frozen)
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()  # only in train mode: generation keeps its KV cache
+    if args.gradient_checkpointing:  # only in train mode: generation keeps its KV cache. Nothing recomputed is random
+        # (no dropout), so no random state is saved and put back around it (that rewinds another thread's draws)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                          "preserve_rng_state": False})
     return autocast_forward(model, device, dtype).to(device)
 
 
@@ -668,10 +670,11 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if sharded:  # FSDP: gather each layer once for the whole rollout, not again for every new token
         model.set_reshard_after_forward(False)
-    try:
-        out = unwrap(model).generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
-                                     logits_processor=transformers.LogitsProcessorList(processors),
-                                     synced_gpus=torch.distributed.is_initialized())  # FSDP: every process to the end
+    try:  # one autocast over the whole rollout: each weight is cast to the compute dtype once, not at every token
+        with autocast(model):
+            out = unwrap(model).generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
+                                         logits_processor=transformers.LogitsProcessorList(processors),
+                                         synced_gpus=torch.distributed.is_initialized())  # FSDP: every process
     finally:
         for module in sharded:  # then free the gathered layers, and go back to FSDP's own setting: every layer
             module.reshard()  # reshards after its forward, the root does not (its weights serve the loss next)
@@ -711,11 +714,14 @@ def linear_output_layer(model):
 def token_logprobs(hidden, weight, bias, targets, temperature, with_entropy):
     """Log-probs (n,) of the targets (n,) at n positions, float32, and their entropies (n,) if asked.
 
-    hidden (n, d) is the decoder's last hidden state, weight (vocab, d) and bias the output layer's;
-    with weight None, hidden holds the logits (n, vocab) themselves.
+    hidden (n, d) is the decoder's last hidden state, weight (vocab, d) and bias the output layer's, multiplied in
+    float32 (logits rounded to bfloat16 would move a log-prob by up to 0.1); with weight None, hidden holds the
+    logits (n, vocab) themselves.
     """
-    logits = hidden if weight is None else torch.nn.functional.linear(hidden, weight, bias)
-    logits = logits.float() / temperature  # (n, vocab)
+    if weight is not None:
+        with torch.autocast(hidden.device.type, enabled=False):
+            hidden = torch.nn.functional.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
+    logits = hidden.float() / temperature  # (n, vocab)
     logsumexp = torch.logsumexp(logits, dim=-1)  # (n,)
     logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - logsumexp
     entropy = logsumexp - (logits.softmax(dim=-1) * logits).sum(dim=-1) if with_entropy else None
@@ -733,7 +739,7 @@ def decoder_states(model, input_ids, attention_mask, position_ids):
     hook = unwrap(model).get_decoder().register_forward_hook(lambda module, inputs, out: states.append(out[0]))
     causal_lm = unwrap(model).get_output_embeddings() is not None
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
               **({"logits_to_keep": 1} if causal_lm else {}))
     finally:
         hook.remove()
@@ -748,8 +754,8 @@ def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=
     attention = [0,   0,   1, 1, 1  | 1, 1, 1  ]
     positions = [0,   0,   0, 1, 2  | 3, 4, 5  ]   from the mask, as generate() computes them
     The hidden state at position prompt_len - 1 + t predicts completion token t. Only those B x T
-    states go through the output layer, a chunk of positions at a time (at most chunk_values logits,
-    256 MB in float32); divided by the sampling temperature, the logits give the distribution the
+    states go through the output layer in float32, a chunk of positions at a time (at most chunk_values
+    logits, 256 MB); divided by the sampling temperature, the logits give the distribution the
     token was sampled from: logsumexp over the vocabulary minus the chosen token's logit. No
     (B, T, vocab) tensor is built. With gradient, each chunk runs under torch.utils.checkpoint: its
     logits are freed once its log-probs are computed and recomputed in the backward pass, one chunk at
@@ -763,7 +769,7 @@ def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=
         hidden = decoder_states(model, input_ids, attention_mask, position_ids)[:, prompt_len - 1 : -1]  # (B, T, d)
         weight, bias = head.weight, head.bias
     else:  # the logits are more than a linear layer: the model computes them, all of them at once
-        hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                        logits_to_keep=completion_len + 1).logits[:, :-1]  # (B, T, vocab)
         weight = bias = None
     targets = input_ids[:, prompt_len:].reshape(-1)  # (B T,)
@@ -771,13 +777,13 @@ def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=
     vocab_size = hidden.shape[-1] if weight is None else weight.shape[0]
     rows = max(1, chunk_values // vocab_size)
     chunks = []
-    with autocast(model):  # the output layer in the compute dtype; the log-softmax in float32
-        for i in range(0, len(targets), rows):
-            inputs = (hidden[i : i + rows], weight, bias, targets[i : i + rows], temperature, with_entropy)
-            if torch.is_grad_enabled() and len(targets) > rows:  # with one chunk, recomputing would save nothing
-                chunks.append(torch.utils.checkpoint.checkpoint(token_logprobs, *inputs, use_reentrant=False))
-            else:
-                chunks.append(token_logprobs(*inputs))
+    for i in range(0, len(targets), rows):
+        inputs = (hidden[i : i + rows], weight, bias, targets[i : i + rows], temperature, with_entropy)
+        if torch.is_grad_enabled() and len(targets) > rows:  # with one chunk, recomputing would save nothing
+            chunks.append(torch.utils.checkpoint.checkpoint(token_logprobs, *inputs, use_reentrant=False,
+                                                            preserve_rng_state=False))  # nothing random in it
+        else:
+            chunks.append(token_logprobs(*inputs))
     logprobs = torch.cat([c[0] for c in chunks]).view(-1, completion_len)  # (B, T)
     if not with_entropy:
         return logprobs
@@ -852,10 +858,10 @@ def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, max_pr
 
 # ---- Logging and saving -------------------------------------------------------------------------
 def clock(device):
-    """Seconds on a monotonic clock, once the GPU has finished the work queued so far (CUDA runs
+    """Seconds on a monotonic clock, once this thread's CUDA stream has finished the work queued on it (CUDA runs
     asynchronously: without the wait, a phase's time would show up in the next one)."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()  # not the whole device: another thread's stream runs on
     return time.perf_counter()
 
 
@@ -1128,7 +1134,7 @@ def setup(args):
     rank = rank_and_world()[0]
     random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
-    torch.use_deterministic_algorithms(args.torch_deterministic, warn_only=True)  # warn where CUDA has no such kernel
+    torch.use_deterministic_algorithms(args.torch_deterministic)  # an op with no deterministic kernel stops the run
     compute_dtype(args, device)  # a --dtype that cannot train here stops the run now
     if getattr(args, "vllm", False):  # the files that sample have --vllm; a missing vLLM stops the run now
         try:

@@ -1,0 +1,117 @@
+"""The paths a GPU run takes and the default CPU run does not, shown on the CPU where the CPU can show them: the random
+numbers another thread draws during a checkpointed backward pass, the output layer under bfloat16 autocast, the
+reference against the policy at step 0, and the forward passes that are not generation (docs/gpu.md)."""
+
+import threading
+import time
+from types import SimpleNamespace
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from grpo import load_model, sequence_logprobs
+
+
+def tiny_llama(path, vocab_size=300):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=64, eos_token_id=2, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # logits at a real model's scale (their std about 3, the largest about 20)
+        model.lm_head.weight.mul_(60.0)
+    model.save_pretrained(path)
+    return path
+
+
+def flags(dtype="float32", gradient_checkpointing=False):
+    return SimpleNamespace(dtype=dtype, gradient_checkpointing=gradient_checkpointing, trust_remote_code=False)
+
+
+def batch(vocab_size=300, rows=6, length=12, prompt_len=5):
+    g = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(3, vocab_size, (rows, length), generator=g)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :2] = 0  # a left-padded prompt
+    return input_ids, attention_mask, prompt_len
+
+
+def test_a_checkpointed_backward_pass_leaves_another_threads_random_numbers_alone(tmp_path):
+    """async_grpo.py samples in a thread while the trainer trains. torch.utils.checkpoint with preserve_rng_state
+    rewinds the process's generator around each recomputation, and the other thread's draws with it (the issue's
+    measurement: 198 of 400 draws as undisturbed). Nothing the files checkpoint is random (dropout is off), so no
+    state is saved or restored: the thread draws exactly its undisturbed sequence."""
+    device = torch.device("cpu")
+    model = load_model(tiny_llama(tmp_path / "m"), flags(gradient_checkpointing=True), device).train()
+    input_ids, attention_mask, prompt_len = batch()
+    torch.manual_seed(7)
+    undisturbed = torch.rand(100_000)
+    torch.manual_seed(7)
+    draws, done = [], threading.Event()
+
+    def sample():  # one draw at a time, letting the trainer run in between, as generation does
+        while not done.is_set():
+            draws.append(torch.rand(1).item())
+            time.sleep(1e-4)
+
+    thread = threading.Thread(target=sample)
+    thread.start()
+    try:
+        for _ in range(40):  # the decoder's layers and the output layer's chunks are recomputed in backward
+            sequence_logprobs(model, input_ids, attention_mask, prompt_len, chunk_values=300 * 4).sum().backward()
+    finally:
+        done.set()
+        thread.join()
+    assert len(draws) > 200
+    assert torch.equal(torch.tensor(draws), undisturbed[: len(draws)])  # random draws, not float arithmetic: bit for bit
+
+
+def test_the_output_layer_computes_in_float32_under_bfloat16_autocast(tmp_path):
+    """Rounding logits of about 20 to bfloat16 moves a log-prob by up to about 0.1, a thousand times the log-ratio of
+    a small update. The output layer's matmul runs in float32 (its logits are chunked for memory already): the
+    log-probs equal float32's log-softmax of the same decoder states, within 1e-5, with gradient (chunked) or not."""
+    device = torch.device("cpu")
+    model = load_model(tiny_llama(tmp_path / "m"), flags("bfloat16"), device)
+    input_ids, attention_mask, prompt_len = batch()
+    states = []
+    hook = model.get_decoder().register_forward_hook(lambda module, inputs, out: states.append(out[0]))
+    with torch.no_grad():
+        plain = sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=0.7)
+    chunked = sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=0.7, chunk_values=300 * 4)
+    hook.remove()
+    hidden = states[0][:, prompt_len - 1 : -1].float()  # (B, T, d)
+    logits = hidden @ model.lm_head.weight.float().T / 0.7  # (B, T, vocab), in float32
+    assert logits.abs().max() > 10  # at a real model's scale, where bfloat16 logits are off by 0.03 to 0.1
+    by_hand = logits.log_softmax(-1).gather(-1, input_ids[:, prompt_len:, None]).squeeze(-1)
+    torch.testing.assert_close(plain, by_hand, atol=1e-5, rtol=0)
+    torch.testing.assert_close(chunked.detach(), by_hand, atol=1e-5, rtol=0)
+
+
+def test_the_frozen_reference_computes_as_the_policy_at_step_0_under_bfloat16(tmp_path):
+    """The reference (frozen) and the policy (trained) load the same weights and run the same autocast over weights
+    of the same dtype, so their log-probs agree to float32 rounding at step 0 and the KL starts at 0 (a reference held
+    in bfloat16 beside float32 masters was off by 4e-4 a token on average)."""
+    device = torch.device("cpu")
+    path = tiny_llama(tmp_path / "m")
+    policy = load_model(path, flags("bfloat16"), device)
+    reference = load_model(path, flags("bfloat16"), device, frozen=True)
+    assert not any(p.requires_grad for p in reference.parameters())
+    input_ids, attention_mask, prompt_len = batch()
+    with torch.no_grad():
+        a = sequence_logprobs(policy, input_ids, attention_mask, prompt_len)
+        b = sequence_logprobs(reference, input_ids, attention_mask, prompt_len)
+    assert (a - b).abs().max() < 1e-5
+
+
+def test_forward_passes_that_are_not_generation_build_no_kv_cache(tmp_path):
+    device = torch.device("cpu")
+    model = load_model(tiny_llama(tmp_path / "m"), flags(), device)
+    seen = []
+    decoder = model.get_decoder()
+    hook = decoder.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs.get("use_cache")),
+                                             with_kwargs=True)
+    input_ids, attention_mask, prompt_len = batch()
+    sequence_logprobs(model, input_ids, attention_mask, prompt_len).sum().backward()
+    with torch.no_grad():
+        sequence_logprobs(model, input_ids, attention_mask, prompt_len)
+    hook.remove()
+    assert seen == [False, False]
