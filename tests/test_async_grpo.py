@@ -110,7 +110,8 @@ RL = ["--prompts-per-step", "8", "--group-size", "4", "--num-eval", "50", "--log
 
 def test_eta_0_is_grpo(tmp_path):
     """With --max-staleness 0 the generator samples batch k with version k - 1, the policy about to be trained: no
-    lag, every weight exactly 1, and the run is grpo.py's. grpo.py is the reference, not an eta-0 run of this file,
+    lag, every weight 1 to rounding (the generator's recorded log-probs against the trainer's), and the run is
+    grpo.py's. grpo.py is the reference, not an eta-0 run of this file,
     because it is the synchronous algorithm written independently of the generator: the same seed gives the same
     metrics (their shared keys; float rounding aside), with two passes per batch so that pi_prox is recomputed."""
     flags = RL + ["--num-steps", "4", "--num-iterations", "2"]
@@ -119,7 +120,8 @@ def test_eta_0_is_grpo(tmp_path):
     asynchronous, synchronous = read_metrics(str(tmp_path / "async")), read_metrics(str(tmp_path / "grpo"))
     steps = [m for m in asynchronous if m["step"] > 0]
     assert len(steps) == 4 and all(m["charts/staleness_max"] == 0 and m["charts/staleness"] == 0 for m in steps)
-    assert all(m["losses/behav_weight"] == 1.0 and m["losses/behav_capped"] == 0.0 for m in steps)
+    assert all(m["losses/behav_weight"] == pytest.approx(1.0, abs=1e-5) and m["losses/behav_capped"] == 0.0
+               for m in steps)
     shared = [{k: v for k, v in m.items() if k in s} for m, s in zip(untimed(asynchronous), untimed(synchronous))]
     assert_same_records(shared, untimed(synchronous))
     assert len(shared[1]) >= 10  # rewards, losses, accuracy ...
@@ -137,6 +139,54 @@ def test_eta_2_stays_within_its_staleness_and_learns(tmp_path):
     assert all(0.9 < m["losses/behav_weight"] < 1.1 for m in steps)
     accuracy = [m["eval/accuracy"] for m in read_metrics(out) if "eval/accuracy" in m]
     assert accuracy[-1] >= accuracy[0] + 0.20, accuracy
+
+
+def test_the_behaviour_weight_is_the_samplers_at_every_lag(tmp_path):
+    """One rule: pi_behav is the log-prob the generator recorded, at lag 0 as at lag 1 or more (as AReaL does). In
+    bfloat16 the generator's copy is held in bfloat16 while the trainer runs float32 masters under autocast, so at
+    eta 0 the weight pi_prox / pi_behav carries that mismatch: not 1, but near it. (A rule that set pi_behav to
+    pi_prox at lag 0 logged exactly 1.0 there, and the mismatch only from lag 1 on.)"""
+    out = str(tmp_path / "run")
+    run_script("async_grpo.py", "--max-staleness", "0", "--dtype", "bfloat16", "--num-steps", "2", "--prompts-per-step",
+               "4", "--group-size", "4", "--num-eval", "4", "--log-every", "1", "--output-dir", out)
+    weights = [m["losses/behav_weight"] for m in read_metrics(out) if m["step"] > 0]
+    assert len(weights) == 2 and all(1e-4 < abs(w - 1) < 0.1 for w in weights), weights
+
+
+def test_same_seed_same_metrics_with_activation_checkpointing(tmp_path):
+    """The issue's command, twice: at eta 2 with --gradient-checkpointing the trainer's recomputations no longer
+    rewind the generator's random numbers (they did, and the runs parted from the 4th logged step)."""
+    flags = ["--max-staleness", "2", "--gradient-checkpointing", "--micro-batch-size", "16", "--num-steps", "12",
+             "--log-every", "1", "--num-eval", "50"]
+    for name in ("a", "b"):
+        run_script("async_grpo.py", *flags, "--output-dir", str(tmp_path / name))
+    a, b = (untimed(read_metrics(str(tmp_path / name))) for name in ("a", "b"))
+    assert len(a) == 13
+    assert_same_records(a, b)
+
+
+def test_publish_copies_the_weights_only_once_the_generator_took_the_last_ones():
+    """At most one copy waits beside the generator's own: publish waits, then copies (it copied first, and a second
+    copy could wait beside the one not yet taken)."""
+    from async_grpo import Generator
+    import threading
+
+    copies = []
+    policy = SimpleNamespace(state_dict=lambda: copies.append(1) or {"w": torch.ones(2)})
+    generator = Generator.__new__(Generator)
+    generator.args = SimpleNamespace(max_staleness=0, num_steps=10)
+    generator.model = SimpleNamespace(state_dict=lambda: {"w": torch.zeros(2)})
+    generator.device, generator.lock, generator.error = torch.device("cpu"), threading.Condition(), None
+    generator.waiting = (1, {"w": torch.zeros(2)})  # version 1, not yet taken
+    thread = threading.Thread(target=generator.publish, args=(2, policy), daemon=True)
+    thread.start()
+    thread.join(timeout=0.5)
+    assert thread.is_alive() and copies == []  # waiting, and nothing copied
+    with generator.lock:
+        generator.waiting = None  # the generator takes version 1
+        generator.lock.notify_all()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and copies == [1] and generator.waiting[0] == 2
 
 
 # a negative --max-staleness and a --behav-imp-cap below 1: tests/test_flags.py, with every numeric flag's edges

@@ -43,9 +43,10 @@ PAIRS = ["--batch-size", "4", "--micro-batch-size", "2", "--num-train-prompts", 
          "--num-eval", "20"]
 FLAGS = {  # several optimizer steps per batch where the file has them: the AdamW state must come back too
     "grpo.py": RL + ["--group-size", "4", "--num-iterations", "2", "--num-minibatches", "2"],
-    # the batches sampled ahead (3 and 4, by versions 0 and 1) are kept in the step-2 checkpoint
+    # eta 1: batch 3, sampled ahead by version 1, is kept in the step-2 checkpoint; batch 4 is sampled after the
+    # resume, by version 2, from the random state the checkpoint put back
     "async_grpo.py": RL + ["--group-size", "4", "--num-iterations", "2", "--num-minibatches", "2",
-                           "--max-staleness", "2"],
+                           "--max-staleness", "1"],
     "rloo.py": RL + ["--group-size", "4"],
     "gspo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],
     "cispo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],
