@@ -564,7 +564,8 @@ def load_engine(args, device):
 
     It holds its own copy of the weights, in the compute dtype; sample_with_engine copies the trained ones into it
     before every rollout. It returns each sampled token's log-prob after the temperature, as sequence_logprobs
-    computes it. On a GPU it sleeps (its weights moved to the CPU, its KV cache freed) while the trainer works.
+    computes it. On a GPU it sleeps (its weights and KV cache freed) while the trainer works. Its sequences are sized
+    for --max-prompt-length + --max-new-tokens when a prompt's length is bounded, else for the model's context.
     """
     import vllm  # setup() has checked that it is installed
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its weights in reach
@@ -572,32 +573,34 @@ def load_engine(args, device):
     if device.type == "cuda":  # vLLM checks that this share of the GPU is free (the KV cache is sized below)
         free, total = torch.cuda.mem_get_info(device)
         options["gpu_memory_utilization"] = 0.9 * free / total
-    try:
+    if args.max_prompt_length is not None:
+        options["max_model_len"] = args.max_prompt_length + args.max_new_tokens
+    try:  # it samples from this process's torch generator (saved in checkpoints), seeded here
         return vllm.LLM(model=args.model_name_or_path, dtype=str(compute_dtype(args, device))[len("torch."):],
                         seed=args.seed + rank_and_world()[0], skip_tokenizer_init=True,
                         logprobs_mode="processed_logprobs", kv_cache_memory_bytes=int(args.vllm_kv_cache_gib * 2**30),
                         enforce_eager=device.type != "cuda", enable_sleep_mode=device.type == "cuda",
                         trust_remote_code=args.trust_remote_code, model_impl="vllm", **options)
     except Exception as e:  # an architecture vLLM lacks, too little KV cache for one sequence, ...
-        hint = f" (the engine's KV cache: --vllm-kv-cache-gib {args.vllm_kv_cache_gib:g})" if "cache" in str(e) else ""
+        hint = (f" (the engine's KV cache: --vllm-kv-cache-gib {args.vllm_kv_cache_gib:g}; a sequence's length: "
+                "--max-prompt-length and --max-new-tokens)") if "cache" in str(e) else ""
         fail(f"--vllm: vLLM cannot serve --model-name-or-path {args.model_name_or_path}: {type(e).__name__}: "
              f"{' '.join(str(e).split())[:300]}{hint}")
 
 
 def sample_with_engine(engine, policy, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, pad_id):
     """generate()'s completion ids (B, T), sampled by the engine after it takes the policy's weights, and the
-    engine's log-prob of each sampled token (B, T), 0 after the completion. Each prompt gets its own seed, drawn
-    from torch's generator: the same run samples the same completions, after a resume too."""
+    engine's log-prob of each sampled token (B, T), 0 after the completion. The engine samples in this process, from
+    torch's generator: the same run samples the same completions, after a resume too."""
     from vllm import SamplingParams
     sync_engine(engine, policy)
-    seeds = torch.randint(2**31 - 1, (len(prompt_ids),)).tolist()
-    params = [SamplingParams(n=1, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
-                             max_tokens=max_new_tokens, stop_token_ids=stop_ids, ignore_eos=True, logprobs=0,
-                             detokenize=False, seed=seed) for seed in seeds]
+    params = SamplingParams(n=1, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+                            max_tokens=max_new_tokens, stop_token_ids=stop_ids, ignore_eos=True, logprobs=0,
+                            detokenize=False)
     prompts = [{"prompt_token_ids": ids[m.bool()].tolist()} for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
     outputs = [out.outputs[0] for out in engine.generate(prompts, params, use_tqdm=False)]
     if policy.device.type == "cuda":
-        engine.sleep(level=1)  # its weights to the CPU, its KV cache freed: the memory is the trainer's again
+        engine.sleep(level=2)  # its weights and KV cache freed (the next rollout brings new weights anyway)
     length = max(len(o.token_ids) for o in outputs)
     completion_ids = torch.full((len(outputs), length), pad_id, dtype=torch.long)
     logprobs = torch.zeros(len(outputs), length)
@@ -608,15 +611,20 @@ def sample_with_engine(engine, policy, prompt_ids, prompt_mask, max_new_tokens, 
 
 
 def sync_engine(engine, policy):
-    """Copy the policy's weights into the engine, in place (cast to its dtype). Under FSDP every process gathers
-    the full tensors from the shards; a tied output embedding comes under both names, and vLLM keeps the one."""
-    if engine.llm_engine.is_sleeping():
-        engine.wake_up()
-    if any(isinstance(m, FSDPModule) for m in policy.modules()):
-        state_dict = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))
-    else:
-        state_dict = unwrap(policy).state_dict()
-    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state_dict.items())})
+    """Copy the policy's weights into the engine, in place (cast to its dtype), one tensor at a time (under FSDP
+    each gathered from its shards as the engine takes it; a tied output embedding comes under both names, and vLLM
+    keeps the one); then empty its prefix cache, whose keys and values the old weights computed. On a GPU the asleep
+    engine wakes its weights first and its KV cache last, after the trainer's cached memory went back to CUDA."""
+    asleep = engine.llm_engine.is_sleeping()
+    if asleep:
+        torch.cuda.empty_cache()
+        engine.wake_up(tags=["weights"])
+    weights = ((name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor)  # FSDP: a DTensor
+               for name, tensor in unwrap(policy).state_dict().items())
+    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    engine.reset_prefix_cache()
+    if asleep:
+        engine.wake_up(tags=["kv_cache"])
 
 
 def truncated_is_weights(old_logprobs, engine_logprobs, mask, cap):

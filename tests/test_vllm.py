@@ -123,13 +123,60 @@ def test_a_step_with_vllm_on_a_tied_qwen2(chat_model_dir, tmp_path):
 
 @needs_vllm
 def test_same_seed_same_metrics_with_vllm(tmp_path):
-    """Each prompt's sample has its own seed, drawn from torch's generator: two runs give the same samples."""
+    """The engine samples in this process from torch's generator, seeded once: two runs give the same samples."""
     runs = []
     for name in ("a", "b"):
         run_script("grpo.py", "--vllm", *SMALL, *GROUPS, "--num-steps", "2", "--output-dir", str(tmp_path / name))
         runs.append([{k: v for k, v in m.items() if k.startswith(("charts/reward", "charts/completion_length"))}
                      for m in read_metrics(tmp_path / name)])
     assert runs[0] == runs[1]
+
+
+# after a 1-step run: a prompt longer than a KV-cache block (vLLM's CPU blocks hold 128 tokens) sampled once, the
+# weights changed, the same prompt sampled again after the sync: the engine's log-probs of the second sample against
+# the trainer's. Keys and values of the prompt's full blocks kept in the prefix cache from before the change would
+# give the engine the old model's log-probs.
+PREFIX = RUN_MAIN + """
+import json, os, sys, torch
+sys.argv = sys.argv[1:]
+torch.distributed.destroy_process_group, os._exit = lambda *group: None, lambda status: None
+run = run_main(sys.argv[0])
+engine, policy, tokenizer, stop_ids = run["engine"], run["policy"], run["tokenizer"], run["stop_ids"]
+prompt_ids = torch.tensor([tokenizer("3 boxes of 4 " * 60, add_special_tokens=False)["input_ids"][:200]])
+mask = torch.ones_like(prompt_ids)
+gaps = []
+for _ in range(2):
+    completion, by_engine = run["sample_with_engine"](engine, policy, prompt_ids, mask, 8, 1.0, stop_ids, 0)
+    completion_mask = run["completion_mask"](completion, stop_ids)
+    with torch.no_grad():
+        by_trainer = run["sequence_logprobs"](policy, torch.cat([prompt_ids, completion], 1),
+                                              torch.cat([mask, completion_mask.long()], 1), prompt_ids.shape[1])
+        gaps.append((by_engine - by_trainer)[completion_mask].abs().max().item())
+        for parameter in policy.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+with open(os.path.join(run["output_dir"], "gaps.json"), "w") as f:
+    json.dump(gaps, f)
+"""
+
+
+@needs_vllm
+def test_the_engine_forgets_its_prefix_cache_when_the_weights_change(chat_model_dir, tmp_path):
+    """A 200-token prompt sampled, the weights changed, the prompt sampled again: both times the engine scores its
+    tokens as the trainer does (the prefix cache is emptied at every sync), where keys and values cached from the
+    old weights would put the second sample's log-probs off."""
+    import transformers
+    model_dir = tmp_path / "qwen2"
+    config = transformers.AutoConfig.from_pretrained(chat_model_dir)
+    config.update({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    transformers.AutoTokenizer.from_pretrained(chat_model_dir).save_pretrained(model_dir)
+    harness = tmp_path / "prefix.py"
+    harness.write_text(PREFIX)
+    out = tmp_path / "run"
+    run_script(str(harness), "grpo.py", "--vllm", "--model-name-or-path", str(model_dir), "--task",
+               "addition-question", *SMALL, *GROUPS, "--num-steps", "1", "--output-dir", str(out))
+    gaps = json.loads((out / "gaps.json").read_text())
+    assert max(gaps) < 1e-3, gaps
 
 
 @needs_vllm
@@ -206,4 +253,5 @@ def test_a_kv_cache_too_small_for_one_sequence_is_one_line(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert last.startswith("error: --vllm: vLLM cannot serve --model-name-or-path tiny-adder: "), last
-    assert last.endswith("(the engine's KV cache: --vllm-kv-cache-gib 0.0001)"), last
+    assert last.endswith("(the engine's KV cache: --vllm-kv-cache-gib 0.0001; a sequence's length: "
+                         "--max-prompt-length and --max-new-tokens)"), last

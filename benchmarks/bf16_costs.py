@@ -1,0 +1,102 @@
+"""What two bfloat16 choices of the shared code cost, timed on this machine's CPU (docs/gpu.md gives the numbers).
+
+1. generate() runs the whole rollout under one torch.autocast, so each float32 weight is cast to bfloat16 once; under
+   the model's own autocast-wrapped forward alone, every new token casts every weight again. Generated tokens/s of both.
+2. The output layer of the log-prob pass multiplies in float32; in bfloat16 its logits (about 20 at a real model's
+   scale) are rounded to 8 bits of mantissa first. Seconds of a forward and backward pass (sequence_logprobs) with
+   each, and how far the bfloat16 logits move the log-probs.
+
+The model: random, with Qwen2.5-0.5B's width and vocabulary (151,936 tokens: the log-prob pass takes two chunks) and
+2 layers; its output layer scaled so that its logits have a real model's spread.
+
+    python benchmarks/bf16_costs.py
+"""
+
+import contextlib
+import os
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import grpo  # noqa: E402
+
+
+def bfloat16_token_logprobs(hidden, weight, bias, targets, temperature, with_entropy):
+    """token_logprobs with the output layer in the compute dtype, as the files had it before."""
+    with torch.autocast(hidden.device.type, dtype=torch.bfloat16):
+        logits = torch.nn.functional.linear(hidden, weight, bias)
+    logits = logits.float() / temperature
+    logsumexp = torch.logsumexp(logits, dim=-1)
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - logsumexp, None
+
+
+def timed(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - start)
+    return min(times), out
+
+
+def main():
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=2, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, eos_token_id=2,
+                         pad_token_id=0, max_position_embeddings=512)
+    folder = tempfile.mkdtemp()
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(5.0)
+    model.save_pretrained(folder)
+    args = SimpleNamespace(dtype="bfloat16", gradient_checkpointing=False, trust_remote_code=False)
+    policy = grpo.load_model(folder, args, torch.device("cpu")).eval()
+    prompt_ids = torch.randint(3, config.vocab_size, (16, 32))
+    prompt_mask = torch.ones_like(prompt_ids)
+    tokenizer = SimpleNamespace(pad_token_id=0)
+    new_tokens = 32
+
+    def rollout(one_autocast):
+        torch.manual_seed(1)
+        autocast = grpo.autocast
+        if not one_autocast:  # the model's own autocast-wrapped forward only, entered and left at every token
+            grpo.autocast = lambda model: contextlib.nullcontext()
+        try:
+            return grpo.generate(policy, tokenizer, prompt_ids, prompt_mask, new_tokens, 1.0, [2])
+        finally:
+            grpo.autocast = autocast
+
+    for name, one_autocast in (("per-token autocast", False), ("one autocast", True), ("per-token autocast", False),
+                               ("one autocast", True)):
+        seconds, out = timed(lambda: rollout(one_autocast), 2)
+        tokens = out.numel()
+        print(f"generate, {name}: {tokens / seconds:.0f} generated tokens/s ({seconds:.2f} s for {tokens})")
+
+    policy.train()
+    input_ids = torch.randint(3, config.vocab_size, (8, 32 + 96))
+    attention_mask = torch.ones_like(input_ids)
+
+    def logprob_pass():
+        logprobs = grpo.sequence_logprobs(policy, input_ids, attention_mask, 32)
+        logprobs.sum().backward()
+        return logprobs.detach()
+
+    float32_head = grpo.token_logprobs
+    results = {}
+    for name, head in (("float32", float32_head), ("bfloat16", bfloat16_token_logprobs), ("float32", float32_head),
+                       ("bfloat16", bfloat16_token_logprobs)):
+        grpo.token_logprobs = head
+        seconds, results[name] = timed(logprob_pass, 2)
+        print(f"log-prob pass with gradient, output layer in {name}: {seconds:.2f} s")
+    grpo.token_logprobs = float32_head
+    gap = (results["bfloat16"] - results["float32"]).abs()
+    print(f"bfloat16 logits move the log-probs by {gap.mean():.4f} on average, {gap.max():.4f} at most")
+
+
+if __name__ == "__main__":
+    main()
