@@ -1068,11 +1068,28 @@ def logged_step(line):
 
 
 def random_states(generators):
+    """The random states of Python, torch (CUDA too), numpy (vLLM's CUDA sampler seeds from it) and `generators`."""
     states = {"python": random.getstate(), "torch": torch.get_rng_state(),
               "generators": [g.getstate() if isinstance(g, random.Random) else g.get_state() for g in generators]}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state_all()
+    if "numpy" in sys.modules:  # imported by transformers; these files do not import it themselves
+        name, keys, *rest = sys.modules["numpy"].random.get_state()
+        states["numpy"] = [name, torch.from_numpy(keys), *rest]
     return states
+
+
+def set_random_states(states, generators):
+    """Put back what random_states saved."""
+    random.setstate(states["python"])
+    torch.set_rng_state(states["torch"])
+    if torch.cuda.is_available() and "cuda" in states:
+        torch.cuda.set_rng_state_all(states["cuda"])
+    if "numpy" in states and "numpy" in sys.modules:
+        name, keys, *rest = states["numpy"]
+        sys.modules["numpy"].random.set_state((name, keys.numpy(), *rest))
+    for generator, value in zip(generators, states["generators"]):
+        generator.setstate(value) if isinstance(generator, random.Random) else generator.set_state(value)
 
 
 def save_checkpoint(args, output_dir, step, tokenizer, models, optimizer, generators, **loop_state):
@@ -1121,13 +1138,7 @@ def resume(args, models, optimizer, generators):
     torch.distributed.checkpoint.load(saved, checkpoint_id=os.path.join(checkpoint, "state"))
     set_state_dict(torch.nn.ModuleDict(models), optimizer, model_state_dict=saved["models"],
                    optim_state_dict=saved["optimizer"])
-    states = torch.load(os.path.join(checkpoint, f"rng_{rank_and_world()[0]}.pt"))
-    random.setstate(states["python"])
-    torch.set_rng_state(states["torch"])
-    if torch.cuda.is_available() and "cuda" in states:
-        torch.cuda.set_rng_state_all(states["cuda"])
-    for generator, value in zip(generators, states["generators"]):
-        generator.setstate(value) if isinstance(generator, random.Random) else generator.set_state(value)
+    set_random_states(torch.load(os.path.join(checkpoint, f"rng_{rank_and_world()[0]}.pt")), generators)
     return state["step"] + 1, state["state"]
 
 

@@ -115,3 +115,21 @@ def test_forward_passes_that_are_not_generation_build_no_kv_cache(tmp_path):
         sequence_logprobs(model, input_ids, attention_mask, prompt_len)
     hook.remove()
     assert seen == [False, False]
+
+
+def test_a_checkpoints_random_states_bring_back_numpys_too(tmp_path):
+    """vLLM's CUDA model runner seeds each request from numpy's global generator: a checkpoint keeps its state with
+    torch's and Python's, through torch.load's weights-only unpickler, so that a resumed --vllm run samples as the
+    uninterrupted one."""
+    import random
+
+    import numpy
+
+    from grpo import random_states, set_random_states
+    shuffle = torch.Generator().manual_seed(5)
+    torch.save(random_states([shuffle]), tmp_path / "rng.pt")
+    draws = lambda: (numpy.random.rand(3).tolist(), random.random(), torch.rand(2).tolist(),  # noqa: E731
+                     torch.rand(2, generator=shuffle).tolist())
+    first = draws()
+    set_random_states(torch.load(tmp_path / "rng.pt"), [shuffle])
+    assert draws() == first
