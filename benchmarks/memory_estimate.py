@@ -8,15 +8,20 @@ device, so nothing is downloaded) that you can redo by hand, and an estimate unt
 Per process, in bytes (N: a model's parameters; under --fsdp each process holds 1/P of every model):
 - a trained model: 16 N (float32 weights 4, gradients 4, AdamW's two moments 8) plus 2 N for the bfloat16 copies
   of the weights that autocast makes in a forward pass and the backward pass keeps;
-- a frozen model (reference, reward model): 2 N, held in bfloat16;
-- training activations of one micro-batch of b sequences of L = prompt + completion tokens: (10 d + 4 i) bfloat16
-  values per token and layer (the inputs that the backward pass keeps: norms, q/k/v/o and the MLP's gate, up and
-  product; d the hidden size, i the MLP's), or with --gradient-checkpointing one d-vector per token and layer plus
-  one layer's worth; and the float32 logits of one chunk of the log-prob computation with their gradient,
-  2 x 2^26 x 4 bytes (sequence_logprobs);
-- generation: the KV cache of the whole rollout batch, 2 x layers x kv_heads x head_dim x L x 2 bytes a sequence,
-  the float32 logits and probabilities of one position, 2 x vocab x 4 bytes a sequence, and under --fsdp the whole
-  model gathered in bfloat16, 2 N (a rollout gathers each layer once and keeps it until the rollout ends).
+- a frozen model (reference, reward model): 4 N, held in float32 as the policy is (docs/gpu.md); under --fsdp its
+  root weights (embedding, output layer, final norm: R parameters) stay gathered in bfloat16 after its forward
+  pass, 2 R;
+- training activations of one micro-batch of b sequences of L = prompt + completion tokens: 34 d + 8 i bytes per
+  token and layer (d the hidden size, i the MLP's; measured on the CPU under bfloat16 autocast with
+  torch.autograd.graph.saved_tensors_hooks, for two sizes of each: the residual stream and the norms are float32,
+  the matmuls' inputs bfloat16), or with --gradient-checkpointing a float32 d-vector per token and layer plus one
+  layer's worth; and the float32 logits of one chunk of the log-prob computation with their gradient,
+  2 x 2^26 x 4 bytes (sequence_logprobs); under --fsdp also the policy's root gathered in bfloat16, 2 R, and the
+  float32 copy of the output layer that each chunk multiplies, 4 x vocab x d;
+- generation: the KV cache of the whole rollout batch, 2 x layers x kv_heads x head_dim x L x 4 bytes a sequence
+  (float32: the rotary embedding's float32 cos and sin promote the keys, and the values follow; measured on the
+  CPU), the float32 logits and probabilities of one position, 2 x vocab x 4 bytes a sequence, and under --fsdp the
+  whole model gathered in bfloat16, 2 N (a rollout gathers each layer once and keeps it until the rollout ends).
 The peak is the static part plus the larger of the training and the generation part. Not counted: the CUDA
 context and the allocator's fragmentation (often 1-3 GiB more: the last column keeps 3 GiB free), NCCL's buffers.
 """
@@ -39,7 +44,7 @@ class Command:
     name: str  # the README command, shortly
     model: dict  # its configuration
     trained: int  # models trained (the policy; PPO also its value model)
-    frozen: int  # models held frozen in bfloat16 (reference, reward model)
+    frozen: int  # models held frozen (reference, reward model)
     micro_batch: int  # sequences per forward/backward pass
     prompt: int  # tokens of a prompt, chat template included (GSM8K: about 200; a file: --max-prompt-length)
     completion: int  # tokens of a completion (--max-new-tokens; a file of pairs: --max-length - the prompt)
@@ -53,21 +58,27 @@ def parameters(config):
         return sum(p.numel() for p in AutoModelForCausalLM.from_config(Qwen2Config(**config)).parameters())
 
 
+def root_parameters(config):
+    """R: the parameters outside the decoder layers (embedding, output layer unless tied, final norm)."""
+    d, vocab = config["hidden_size"], config["vocab_size"]
+    return vocab * d * (1 if config["tie_word_embeddings"] else 2) + d
+
+
 def estimate(c):
     """(static, training, generation, peak) in GiB per process."""
     n, d, i = parameters(c.model), c.model["hidden_size"], c.model["intermediate_size"]
     layers, length = c.model["num_hidden_layers"], c.prompt + c.completion
-    shard = c.processes
-    static = (c.trained * 16 * n + c.frozen * 2 * n) / shard
-    tokens = c.micro_batch * length
+    shard, fsdp, root, vocab = c.processes, c.processes > 1, root_parameters(c.model), c.model["vocab_size"]
+    static = (c.trained * 16 * n + c.frozen * 4 * n) / shard + (c.frozen * 2 * root if fsdp else 0)
+    tokens, per_layer = c.micro_batch * length, 34 * d + 8 * i  # bytes a token and layer
     if c.checkpointing:
-        activations = 2 * tokens * (layers * d + (10 * d + 4 * i))
+        activations = tokens * (layers * 4 * d + per_layer)
     else:
-        activations = 2 * tokens * layers * (10 * d + 4 * i)
-    training = c.trained * 2 * n / shard + activations + 2 * 2**26 * 4
+        activations = tokens * layers * per_layer
+    training = c.trained * 2 * n / shard + activations + 2 * 2**26 * 4 + (2 * root + 4 * vocab * d if fsdp else 0)
     head_dim = d // c.model["num_attention_heads"]
-    generation = c.rollout * 2 * layers * c.model["num_key_value_heads"] * head_dim * length * 2
-    generation += c.rollout * 2 * c.model["vocab_size"] * 4 + (2 * n if c.processes > 1 else 0)
+    generation = c.rollout * 2 * layers * c.model["num_key_value_heads"] * head_dim * length * 4
+    generation += c.rollout * 2 * vocab * 4 + (2 * n if fsdp else 0)
     return static / GB, training / GB, generation / GB, (static + max(training, generation)) / GB
 
 
@@ -94,7 +105,8 @@ def table():
              " generation (GiB) | estimated peak per GPU (GiB) | fits on |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for c in COMMANDS:
         static, training, generation, peak = estimate(c)
-        fits = next((f"a {card} GB GPU" for card in (24, 40, 80) if peak + 3 <= card), "no single GPU of 80 GB")
+        fits = next((f"{'an' if card == 80 else 'a'} {card} GB GPU" for card in (24, 40, 80) if peak + 3 <= card),
+                    "no single GPU of 80 GB")
         lines.append(f"| {c.name} | {parameters(c.model) / 1e9:.2f} B | {static:.1f} | {training:.1f} |"
                      f" {generation:.1f} | {peak:.1f} | {fits} |")
     return "\n".join(lines)

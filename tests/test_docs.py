@@ -89,18 +89,22 @@ def test_the_readme_quotes_the_vllm_comparison():
 
 def test_the_readme_gives_the_memory_estimate_of_its_gpu_commands():
     """The README's table is what benchmarks/memory_estimate.py prints, and one row checks by hand: GRPO on
-    Qwen2.5-0.5B keeps 16 bytes a parameter for the policy and 2 for the reference."""
+    Qwen2.5-0.5B keeps 16 bytes a parameter for the policy and 4 for the reference (float32, as the policy)."""
     import sys
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import memory_estimate
 
-    with open(os.path.join(ROOT, "README.md")) as f:
-        assert memory_estimate.table() in f.read()
     n = memory_estimate.parameters(memory_estimate.QWEN_05B)
     assert n == 494_032_768  # Qwen2.5-0.5B's parameters, its embedding tied to the output layer
-    static, training, _, peak = memory_estimate.estimate(memory_estimate.COMMANDS[0])
-    assert static == pytest.approx(18 * n / 2**30) and peak == pytest.approx(static + training)
+    static, training, generation, peak = memory_estimate.estimate(memory_estimate.COMMANDS[0])
+    assert static == pytest.approx(20 * n / 2**30)
+    # 128 rollouts of 712 tokens: keys and values of 24 layers, 2 heads of 64, in float32; and two float32 rows of
+    # 151,936 logits each
+    assert generation == pytest.approx(128 * (2 * 24 * 2 * 64 * 712 * 4 + 2 * 151_936 * 4) / 2**30)
+    assert peak == pytest.approx(static + max(training, generation))
+    with open(os.path.join(ROOT, "README.md")) as f:
+        assert memory_estimate.table() in f.read()
     # and the command the README gives prints that table
     assert run_script("benchmarks/memory_estimate.py").stdout.strip() == memory_estimate.table()
 
