@@ -56,7 +56,7 @@ class Args:
     track: bool = False  # log metrics to Weights & Biases (`WANDB_MODE=offline` keeps them on disk)
     wandb_project_name: str = "onefile-rl"  # the wandb project
     wandb_entity: str | None = None  # the wandb entity (team or user)
-    output_dir: str | None = None  # where the model, metrics.jsonl and args.json go (default runs/<run_name>); new
+    output_dir: str | None = None  # the run's folder (default runs/<run_name>); must not exist yet
     trust_remote_code: bool = False  # let transformers run code shipped with a hub model you trust
     log_every: int = 5  # write metrics and a console line every this many steps
     save_every: int = 0  # write a checkpoint into the run's folder every this many steps (0: none)
@@ -74,7 +74,7 @@ class Args:
     dataset_config: str | None = None  # the hub dataset's configuration (GSM8K: `main`)
     train_split: str = "train"  # the hub dataset's training split
     eval_split: str = "test"  # the hub dataset's held-out split (a .jsonl file: its last --num-eval records)
-    num_eval: int = 500  # held-out prompts for evaluation
+    num_eval: int = 500  # held-out prompts for evaluation (of a .jsonl file: its last this many, not trained on)
     eval_every: int = 25  # evaluate greedy accuracy on the held-out prompts every this many steps, and at 0
     max_new_tokens: int = 8  # the longest completion, in tokens
     max_prompt_length: int | None = None
@@ -86,7 +86,7 @@ class Args:
     learning_rate: float = 1e-4  # AdamW's learning rate
     weight_decay: float = 0.0  # AdamW's weight decay
     max_grad_norm: float = 1.0  # clip the gradient's global norm to this
-    micro_batch_size: int = 64  # sequences per forward/backward pass (gradient accumulation fills a minibatch)
+    micro_batch_size: int = 64  # sequences per forward/backward pass, per process (accumulation fills a minibatch)
 
     # Algorithm specific arguments
     prompts_per_step: int = 32  # prompts per batch of rollouts

@@ -60,7 +60,7 @@ class Args:
     track: bool = False  # log metrics to Weights & Biases (`WANDB_MODE=offline` keeps them on disk)
     wandb_project_name: str = "onefile-rl"  # the wandb project
     wandb_entity: str | None = None  # the wandb entity (team or user)
-    output_dir: str | None = None  # where the model, metrics.jsonl and args.json go (default runs/<run_name>); new
+    output_dir: str | None = None  # the run's folder (default runs/<run_name>); must not exist yet
     trust_remote_code: bool = False  # let transformers run code shipped with a hub model you trust
     log_every: int = 5  # write metrics and a console line every this many steps
     save_every: int = 0  # write a checkpoint into the run's folder every this many steps (0: none)
