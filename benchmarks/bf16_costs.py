@@ -44,11 +44,12 @@ def timed(fn, repeats):
     return min(times), out
 
 
-def main():
+def main(hidden_size=896, intermediate_size=4864, vocab_size=151936, repeats=2):
+    """Prints the timings; returns (tokens/s per-token, one autocast, seconds float32, bfloat16 head, mean gap)."""
     torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=2, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, eos_token_id=2,
-                         pad_token_id=0, max_position_embeddings=512)
+    config = Qwen2Config(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=2,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=vocab_size,
+                         tie_word_embeddings=True, eos_token_id=2, pad_token_id=0, max_position_embeddings=512)
     folder = tempfile.mkdtemp()
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
@@ -71,11 +72,12 @@ def main():
         finally:
             grpo.autocast = autocast
 
+    speed = {}
     for name, one_autocast in (("per-token autocast", False), ("one autocast", True), ("per-token autocast", False),
                                ("one autocast", True)):
-        seconds, out = timed(lambda: rollout(one_autocast), 2)
-        tokens = out.numel()
-        print(f"generate, {name}: {tokens / seconds:.0f} generated tokens/s ({seconds:.2f} s for {tokens})")
+        seconds, out = timed(lambda: rollout(one_autocast), repeats)
+        speed[name] = out.numel() / seconds
+        print(f"generate, {name}: {speed[name]:.0f} generated tokens/s ({seconds:.2f} s for {out.numel()})")
 
     policy.train()
     input_ids = torch.randint(3, config.vocab_size, (8, 32 + 96))
@@ -87,15 +89,16 @@ def main():
         return logprobs.detach()
 
     float32_head = grpo.token_logprobs
-    results = {}
+    results, seconds = {}, {}
     for name, head in (("float32", float32_head), ("bfloat16", bfloat16_token_logprobs), ("float32", float32_head),
                        ("bfloat16", bfloat16_token_logprobs)):
         grpo.token_logprobs = head
-        seconds, results[name] = timed(logprob_pass, 2)
-        print(f"log-prob pass with gradient, output layer in {name}: {seconds:.2f} s")
+        seconds[name], results[name] = timed(logprob_pass, repeats)
+        print(f"log-prob pass with gradient, output layer in {name}: {seconds[name]:.2f} s")
     grpo.token_logprobs = float32_head
     gap = (results["bfloat16"] - results["float32"]).abs()
     print(f"bfloat16 logits move the log-probs by {gap.mean():.4f} on average, {gap.max():.4f} at most")
+    return speed["per-token autocast"], speed["one autocast"], seconds["float32"], seconds["bfloat16"], gap.mean()
 
 
 if __name__ == "__main__":

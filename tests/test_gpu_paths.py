@@ -133,3 +133,16 @@ def test_a_checkpoints_random_states_bring_back_numpys_too(tmp_path):
     first = draws()
     set_random_states(torch.load(tmp_path / "rng.pt"), [shuffle])
     assert draws() == first
+
+
+def test_the_bfloat16_cost_benchmark_runs_and_measures_a_gap():
+    """benchmarks/bf16_costs.py (docs/gpu.md's timings), on a small model: it times both ways of each choice, and
+    the bfloat16 output layer's logits do move the log-probs (at a real model's logit scale)."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import bf16_costs
+
+    per_token, one, float32_seconds, bfloat16_seconds, gap = bf16_costs.main(hidden_size=112, intermediate_size=224,
+                                                                           vocab_size=4096, repeats=1)
+    assert min(per_token, one, float32_seconds, bfloat16_seconds) > 0 and gap > 1e-3
