@@ -5,23 +5,30 @@ device, so nothing is downloaded) that you can redo by hand, and an estimate unt
 
     python benchmarks/memory_estimate.py      # the table the README's GPU section gives
 
-Per process, in bytes (N: a model's parameters; under --fsdp each process holds 1/P of every model):
+Per process, in bytes (N: a model's parameters; under --fsdp each process holds 1/P of every model), each term
+checked on the CPU under bfloat16 autocast, with a tiny Qwen2 loaded as load_model loads it:
 - a trained model: 16 N (float32 weights 4, gradients 4, AdamW's two moments 8) plus 2 N for the bfloat16 copies
   of the weights that autocast makes in a forward pass and the backward pass keeps;
 - a frozen model (reference, reward model): 4 N, held in float32 as the policy is (docs/gpu.md); under --fsdp its
-  root weights (embedding, output layer, final norm: R parameters) stay gathered in bfloat16 after its forward
-  pass, 2 R;
-- training activations of one micro-batch of b sequences of L = prompt + completion tokens: 34 d + 8 i bytes per
-  token and layer (d the hidden size, i the MLP's; measured on the CPU under bfloat16 autocast with
-  torch.autograd.graph.saved_tensors_hooks, for two sizes of each: the residual stream and the norms are float32,
-  the matmuls' inputs bfloat16), or with --gradient-checkpointing a float32 d-vector per token and layer plus one
-  layer's worth; and the float32 logits of one chunk of the log-prob computation with their gradient,
-  2 x 2^26 x 4 bytes (sequence_logprobs); under --fsdp also the policy's root gathered in bfloat16, 2 R, and the
-  float32 copy of the output layer that each chunk multiplies, 4 x vocab x d;
+  root weights (embedding, output layer, final norm: R parameters) stay gathered in bfloat16 after its no-grad
+  forward pass, 2 R;
+- training activations of one micro-batch of b sequences of L = prompt + completion tokens, a token and layer
+  (d the hidden size, i the MLP's, h the attention heads): 34 d + 8 i + 4 h + 8 + 2 L bytes. The two RMSNorms keep
+  their float32 input and output and rsqrt, 2 x (8 d + 4); q, k, v, gate and up each keep their own bfloat16 cast
+  of the float32 norm output, 5 x 2 d; attention keeps q, k and v in bfloat16, the KV heads repeated (the padding
+  mask makes transformers repeat them), 3 x 2 d, its float32 logsumexp, 4 h, and a bfloat16 copy of the L x L
+  mask, 2 L; o_proj its input, 2 d; the MLP its gate, SiLU, up and product in bfloat16, 4 x 2 i. (Measured with
+  torch.autograd.graph.saved_tensors_hooks, varying d, i, h, L and the layers.) With --gradient-checkpointing: the
+  float32 layer inputs, 4 d a token and layer, plus one layer's worth;
+- the output layer's backward, a chunk of C = (2^26 // vocab) x vocab x 4 bytes of float32 logits at a time
+  (sequence_logprobs): the larger of 5 C (the recomputed logits and logsumexp's gradient) and 8 x vocab x d (each
+  chunk's float32 weight gradient and its out-of-place sum into the others'); under --fsdp, where the gathered
+  weight is bfloat16, the larger of 5 C and C + 10 x vocab x d (weight.float()'s copy, its float32 gradient and
+  the bfloat16 one), plus the policy's root gathered in bfloat16, 2 R (measured from malloc's bytes in use);
 - generation: the KV cache of the whole rollout batch, 2 x layers x kv_heads x head_dim x L x 4 bytes a sequence
-  (float32: the rotary embedding's float32 cos and sin promote the keys, and the values follow; measured on the
-  CPU), the float32 logits and probabilities of one position, 2 x vocab x 4 bytes a sequence, and under --fsdp the
-  whole model gathered in bfloat16, 2 N (a rollout gathers each layer once and keeps it until the rollout ends).
+  (float32: the rotary embedding's float32 cos and sin promote the keys, and the cache's torch.cat under autocast
+  the values), the float32 logits and probabilities of one position, 2 x vocab x 4 bytes a sequence, and under
+  --fsdp the whole model gathered in bfloat16, 2 N (a rollout gathers each layer once and keeps it until its end).
 The peak is the static part plus the larger of the training and the generation part. Not counted: the CUDA
 context and the allocator's fragmentation (often 1-3 GiB more: the last column keeps 3 GiB free), NCCL's buffers.
 """
@@ -51,6 +58,7 @@ class Command:
     rollout: int = 0  # sequences generated at once per process (prompts-per-step x group-size / processes)
     checkpointing: bool = False  # --gradient-checkpointing
     processes: int = 1  # FSDP shards every model over this many processes
+    logprobs: bool = True  # the training pass goes through the output layer (not reward_model.py's score head)
 
 
 def parameters(config):
@@ -70,13 +78,18 @@ def estimate(c):
     layers, length = c.model["num_hidden_layers"], c.prompt + c.completion
     shard, fsdp, root, vocab = c.processes, c.processes > 1, root_parameters(c.model), c.model["vocab_size"]
     static = (c.trained * 16 * n + c.frozen * 4 * n) / shard + (c.frozen * 2 * root if fsdp else 0)
-    tokens, per_layer = c.micro_batch * length, 34 * d + 8 * i  # bytes a token and layer
+    heads, chunk = c.model["num_attention_heads"], 2**26 // vocab * vocab * 4  # C: a chunk's float32 logits
+    tokens, per_layer = c.micro_batch * length, 34 * d + 8 * i + 4 * heads + 8 + 2 * length  # bytes a token and layer
     if c.checkpointing:
         activations = tokens * (layers * 4 * d + per_layer)
     else:
         activations = tokens * layers * per_layer
-    training = c.trained * 2 * n / shard + activations + 2 * 2**26 * 4 + (2 * root + 4 * vocab * d if fsdp else 0)
-    head_dim = d // c.model["num_attention_heads"]
+    if fsdp:
+        output_layer = max(5 * chunk, chunk + 10 * vocab * d) + 2 * root
+    else:
+        output_layer = max(5 * chunk, 8 * vocab * d)
+    training = c.trained * 2 * n / shard + activations + (output_layer if c.logprobs else 0)
+    head_dim = d // heads
     generation = c.rollout * 2 * layers * c.model["num_key_value_heads"] * head_dim * length * 4
     generation += c.rollout * 2 * vocab * 4 + (2 * n if fsdp else 0)
     return static / GB, training / GB, generation / GB, (static + max(training, generation)) / GB
@@ -90,7 +103,7 @@ COMMANDS = [
     Command("ppo.py, Qwen2.5-0.5B-Instruct, GSM8K", QWEN_05B, trained=2, frozen=1, micro_batch=8, prompt=200,
             completion=512, rollout=64, checkpointing=True),
     Command("reward_model.py, Qwen2.5-0.5B-Instruct, my_pairs.jsonl", QWEN_05B, trained=1, frozen=0,
-            micro_batch=2 * 4, prompt=512, completion=512, checkpointing=True),
+            micro_batch=2 * 4, prompt=512, completion=512, checkpointing=True, logprobs=False),
     Command("dpo.py, Qwen2.5-0.5B-Instruct, my_pairs.jsonl", QWEN_05B, trained=1, frozen=1, micro_batch=2 * 4,
             prompt=512, completion=512, checkpointing=True),
     Command("sft.py, Qwen2.5-0.5B, my_sft_data.jsonl", QWEN_05B, trained=1, frozen=0, micro_batch=4, prompt=512,

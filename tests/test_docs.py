@@ -99,14 +99,21 @@ def test_the_readme_gives_the_memory_estimate_of_its_gpu_commands():
     assert n == 494_032_768  # Qwen2.5-0.5B's parameters, its embedding tied to the output layer
     static, training, generation, peak = memory_estimate.estimate(memory_estimate.COMMANDS[0])
     assert static == pytest.approx(20 * n / 2**30)
+    # micro-batches of 8 x 712 tokens with --gradient-checkpointing: the policy's bfloat16 weight copies, a float32
+    # 896-vector a token for each of 24 layers plus one layer's 34 x 896 + 8 x 4864 + 4 x 14 heads + 8 + 2 x 712
+    # bytes a token, and the output layer's backward: 5 chunks of 441 rows x 151,936 float32 logits (more than
+    # 8 x 151,936 x 896 bytes of weight gradients)
+    assert 5 * 441 * 151_936 * 4 > 8 * 151_936 * 896
+    assert training == pytest.approx((2 * n + 8 * 712 * (24 * 4 * 896 + 34 * 896 + 8 * 4864 + 4 * 14 + 8 + 2 * 712)
+                                      + 5 * 441 * 151_936 * 4) / 2**30)
     # 128 rollouts of 712 tokens: keys and values of 24 layers, 2 heads of 64, in float32; and two float32 rows of
     # 151,936 logits each
     assert generation == pytest.approx(128 * (2 * 24 * 2 * 64 * 712 * 4 + 2 * 151_936 * 4) / 2**30)
     assert peak == pytest.approx(static + max(training, generation))
+    # the command the README gives prints the table, and the README gives it
+    assert run_script("benchmarks/memory_estimate.py").stdout.strip() == memory_estimate.table()
     with open(os.path.join(ROOT, "README.md")) as f:
         assert memory_estimate.table() in f.read()
-    # and the command the README gives prints that table
-    assert run_script("benchmarks/memory_estimate.py").stdout.strip() == memory_estimate.table()
 
 
 def test_the_readme_quotes_the_async_grpo_page():
