@@ -449,7 +449,8 @@ def write_results(runs, memory, args, path):
         lines += ["", "## bfloat16 compute on this CPU", "",
                   "The same GRPO command with `--dtype bfloat16`: the trained weights, their gradients and AdamW's state"
                   " stay float32, and the forward passes (generation, log-prob passes, training) run under"
-                  " `torch.autocast` in bfloat16 (the reference model is held in bfloat16). This CPU's bfloat16"
+                  " `torch.autocast` in bfloat16 (the reference model is float32 too; the output layer multiplies in float32)."
+                  " This CPU's bfloat16"
                   f" instructions: {cpu_bfloat16_flags()}. Seconds are the mean over the logged steps of every seed"
                   " (`charts/step_time` and its phases), evaluations excluded; peak memory and wall time are the whole"
                   " command's.", "",
