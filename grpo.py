@@ -42,7 +42,8 @@ import torch.distributed.checkpoint as dcp
 import torch.utils.checkpoint
 import transformers
 import tyro
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -198,7 +199,8 @@ def main(args):
     start = time.time()
     if first_step == 1:
         samples = []  # a few held-out prompts with their completions, for samples.jsonl
-        log(output_dir, 0, {"eval/accuracy": evaluate(policy, tokenizer, eval_records, args, stop_ids, samples)}, samples)
+        accuracy = evaluate(policy, tokenizer, eval_records, args, stop_ids, samples)
+        log(output_dir, 0, {"eval/accuracy": accuracy}, samples)
     for step in range(first_step, args.num_steps + 1):
         step_start = clock(device)
         # 1. rollouts: G completions per prompt from pi_old, group-contiguous (prompt 0 G times, then prompt 1...)
@@ -273,7 +275,8 @@ def main(args):
                        "charts/learning_rate": optimizer.param_groups[0]["lr"],
                        "losses/grad_norm": torch.stack(grad_norms).mean(),  # the mean over the optimizer steps
                        "charts/step_time": step_end - step_start, "charts/generation_time": generation_time,
-                       "charts/logprob_time": update_start - logprob_start, "charts/update_time": step_end - update_start,
+                       "charts/logprob_time": update_start - logprob_start,
+                       "charts/update_time": step_end - update_start,
                        "charts/tokens_per_sec": mask.sum() / (step_end - step_start),
                        "charts/elapsed_time": time.time() - start}
             samples = []
@@ -360,7 +363,8 @@ def sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids):
     """Completion ids (B, T) sampled at --temperature; with --vllm by the engine, once it has the policy's weights,
     and then also its log-prob of each sampled token (B, T), 0 after the completion."""
     if engine is None:
-        return generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature, stop_ids), None
+        return generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature,
+                        stop_ids), None
     sync_engine(engine, policy)
     params = __import__("vllm").SamplingParams(
         n=1, temperature=args.temperature, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, logprobs=0,
@@ -425,6 +429,10 @@ COMMON_RANGES = {"seed": "in [0, 4294967295]", "log_every": "> 0", "num_eval": "
                  "save_every": ">= 0", "keep_checkpoints": "> 0"}
 
 
+def flag(name):
+    return "--" + name.replace("_", "-")
+
+
 def check_ranges(args, ranges):
     """Stops at the first flag outside its range: '> 0', '>= 2' or 'in [0, 0.5)', maybe with a reason."""
     for name, spec in ranges.items():
@@ -435,7 +443,7 @@ def check_ranges(args, ranges):
         low, high = map(float, bounds[1:-1].split(",")) if op == "in" else (float(bounds), math.inf)
         closed = (bounds[0] == "[", bounds[-1] == "]") if op == "in" else (op == ">=", False)
         if not (math.isfinite(x) and (low < x or closed[0] and x == low) and (x < high or closed[1] and x == high)):
-            fail(f"--{name.replace('_', '-')} {x}: must be {'' if math.isfinite(x) else 'a finite number '}{spec}")
+            fail(f"{flag(name)} {x}: must be {'' if math.isfinite(x) else 'a finite number '}{spec}")
 
 
 # ---- The task and its reward --------------------------------------------------------------------
@@ -525,7 +533,8 @@ def load_model(path, args, device, model_class=AutoModelForCausalLM, flag="--mod
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0  # the policy that samples is the one trained
     if args.gradient_checkpointing:  # nothing recomputed is random: no random state to keep
-        model.gradient_checkpointing_enable({"use_reentrant": False, "preserve_rng_state": False})
+        enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)  # < 5.24
+        enable({"use_reentrant": False, "preserve_rng_state": False})
     model.compute_dtype = getattr(torch, args.dtype)  # setup() settled an auto --dtype
     if args.dtype != "float32":
         model.forward = torch.autocast(device.type, dtype=model.compute_dtype)(model.forward)
@@ -555,10 +564,11 @@ def tokenize_prompts(tokenizer, prompts, device, args):
     is the user's message, after --system-prompt). ["1+2=", "10+20="] -> [[PAD, PAD, 1, +, 2, =], [1, 0, +, ...]]"""
     system = [] if args.system_prompt is None else [{"role": "system", "content": args.system_prompt}]
     if tokenizer.chat_template:
-        prompts = [tokenizer.apply_chat_template(p if isinstance(p, list) else [*system, {"role": "user", "content": p}],
-                                                 tokenize=False, add_generation_prompt=True) for p in prompts]
+        chats = [p if isinstance(p, list) else [*system, {"role": "user", "content": p}] for p in prompts]
+        prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
     elif system or any(isinstance(p, list) for p in prompts):
-        fail(f"--system-prompt and chat prompts need a chat template, and {args.model_name_or_path} has none")
+        what = "--system-prompt" if system else f"--dataset {args.dataset}: conversational records"
+        fail(f"{what} need a tokenizer with a chat template, and {args.model_name_or_path} has none")
     ids = tokenizer(prompts, add_special_tokens=not tokenizer.chat_template)["input_ids"]
     ids = [i[-args.max_prompt_length :] if args.max_prompt_length else i for i in ids]
     width = max(len(i) for i in ids)
@@ -623,9 +633,10 @@ def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=
     chunk_values logits at a time, recomputed in the backward pass (docs/gpu.md). A model whose logits are more
     than that layer (Gemma 2's soft-capping, a logit scale) gives its own, all at once.
     """
-    head, config, length = unwrap(model).get_output_embeddings(), unwrap(model).config, input_ids.shape[1] - prompt_len
-    own = any(getattr(config.get_text_config(), k, None) not in (None, 1)
-              for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    head, length = unwrap(model).get_output_embeddings(), input_ids.shape[1] - prompt_len
+    config = unwrap(model).config.get_text_config()
+    own = getattr(config, "final_logit_softcapping", None) is not None or any(
+        getattr(config, k, None) not in (None, 1) for k in ("logit_scale", "logits_scaling"))
     hidden = decoder_states(model, input_ids, attention_mask, own and length + 1)[:, -length - 1 : -1]
     weight, bias = (None, None) if own else (head.weight, head.bias)
     hidden, targets = hidden.flatten(0, 1), input_ids[:, prompt_len:].flatten()  # (B T, d or vocab), (B T,)
@@ -744,11 +755,12 @@ def make_output_dir(args):
             fail(f"--resume-from {given}: neither a whole checkpoint nor a run with one (--save-every writes them)")
         with open(os.path.join(checkpoint, "trainer_state.json")) as f, open(os.path.join(path, "args.json")) as g:
             state, saved = json.load(f), json.load(g)
-        saved.update(file=state["file"], world_size=state["world_size"])
         keep = {"num_steps", "log_every", "eval_every", "save_every", "keep_checkpoints", "resume_from", "track",
                 "wandb_project_name", "wandb_entity", "exp_name", "run_name"}  # the flags a resumed run may change
-        differ = [f"--{k.replace('_', '-')} {v} (the run's: {saved.get(k)})" for k, v in {**asdict(args), "file":
-                  os.path.basename(__file__), "world_size": world}.items() if k not in keep and saved.get(k) != v]
+        run = {"file": state["file"], "processes": state["world_size"], **{flag(k): v for k, v in saved.items()}}
+        this = {"file": os.path.basename(__file__), "processes": world, **{flag(k): v for k, v in asdict(args).items()
+                                                                            if k not in keep}}
+        differ = [f"{k} {v} (the run's: {run.get(k)})" for k, v in this.items() if run.get(k) != v]
         if differ or checkpoint != steps[-1]:
             fail(f"--resume-from {given}: " + (f"differs from the run: {', '.join(differ)}" if differ else
                                                "the run has a later checkpoint, which this would overwrite"))

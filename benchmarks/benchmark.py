@@ -255,12 +255,12 @@ def summary_rows(runs):
 
 
 def time_breakdown(records):
-    """Mean seconds per logged training step: generation, no-grad log-prob passes, forward+backward, rest."""
+    """Mean seconds per logged training step: generation, no-grad log-prob passes, the update, rest."""
     steps = [m for r in records for m in r["metrics"] if "charts/generation_time" in m]
     mean = {k: statistics.mean(m[f"charts/{k}"] for m in steps)
-            for k in ("step_time", "generation_time", "logprob_time", "forward_backward_time")}
+            for k in ("step_time", "generation_time", "logprob_time", "update_time")}
     mean["overhead"] = mean["step_time"] - sum(mean[k] for k in ("generation_time", "logprob_time",
-                                                                "forward_backward_time"))
+                                                                "update_time"))
     return mean, len(steps)
 
 
@@ -454,7 +454,7 @@ def write_results(runs, memory, args, path):
                   f" instructions: {cpu_bfloat16_flags()}. Seconds are the mean over the logged steps of every seed"
                   " (`charts/step_time` and its phases), evaluations excluded; peak memory and wall time are the whole"
                   " command's.", "",
-                  "| run | --dtype | s / step | generation | log-prob passes | forward+backward | peak memory (GiB) |"
+                  "| run | --dtype | s / step | generation | log-prob passes | update | peak memory (GiB) |"
                   " wall time (s) | held-out accuracy, start → end (%) |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         summary = {row["name"]: row for row in rows}
@@ -464,7 +464,7 @@ def write_results(runs, memory, args, path):
                           if "--dtype" in r["command"]), "float32")
             acc = summary[name]["accuracy"]
             lines.append(f"| {name} | {dtype} | " + " | ".join(f"{mean[k]:.2f}" for k in (
-                "step_time", "generation_time", "logprob_time", "forward_backward_time"))
+                "step_time", "generation_time", "logprob_time", "update_time"))
                 + f" | {mean_std(summary[name]['peak'], digits=2)} | {mean_std(summary[name]['wall'], digits=0)} |"
                 f" {mean_std(acc[0], 100)} → {mean_std(acc[1], 100)} |")
     engines = [(name[: -len("-vllm")], name) for name in runs if name.endswith("-vllm") and name[:-5] in runs]
@@ -524,18 +524,19 @@ def write_results(runs, memory, args, path):
     if online:
         lines += ["## Where a training step's time goes", "",
                   "Each online file times the phases of every logged step (`charts/generation_time`, "
-                  "`charts/logprob_time`, `charts/forward_backward_time`, all within `charts/step_time`). Generation"
+                  "`charts/logprob_time`, `charts/update_time`, all within `charts/step_time`). Generation"
                   " is sampling the batch's completions; the log-prob passes are the no-gradient forward passes"
-                  " before the update (old policy and reference; PPO also the critic's values); forward+backward is"
-                  " every micro-batch's forward, loss and backward; the rest (overhead) is tokenising, decoding,"
-                  " rewards (and the reward model's scoring in `ppo-learned-rm`), advantages, gradient clipping and"
-                  " the optimizer step. Evaluation is outside the step. Mean over the logged steps of every seed.",
-                  "", "| algorithm | step (ms) | generation | log-prob passes | forward+backward | overhead |"
+                  " before the update (old policy and reference; PPO also the critic's values); the update is"
+                  " every micro-batch's forward, loss and backward, the gradient clipping and the optimizer steps;"
+                  " the rest (overhead) is tokenising, decoding, rewards (and the reward model's scoring in"
+                  " `ppo-learned-rm`) and advantages. Evaluation is outside the step. Mean over the logged steps of"
+                  " every seed.",
+                  "", "| algorithm | step (ms) | generation | log-prob passes | update | overhead |"
                   " logged steps |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for name in online:
             mean, count = time_breakdown(runs[name])
             shares = " | ".join(f"{100 * mean[k] / mean['step_time']:.0f}%"
-                                for k in ("generation_time", "logprob_time", "forward_backward_time", "overhead"))
+                                for k in ("generation_time", "logprob_time", "update_time", "overhead"))
             lines.append(f"| {name} | {1000 * mean['step_time']:.0f} | {shares} | {count} |")
         lines.append("")
 

@@ -26,13 +26,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo  # noqa: E402
 
 
-def bfloat16_token_logprobs(hidden, weight, bias, targets, temperature, with_entropy):
-    """token_logprobs with the output layer in the compute dtype, as the files had it before."""
-    with torch.autocast(hidden.device.type, dtype=torch.bfloat16):
-        logits = torch.nn.functional.linear(hidden, weight, bias)
-    logits = logits.float() / temperature
-    logsumexp = torch.logsumexp(logits, dim=-1)
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - logsumexp, None
+def bfloat16_head(linear, vocab_size):
+    """torch.nn.functional.linear, but the output layer's (vocab_size outputs) in bfloat16, as the files had it."""
+    def patched(x, weight, bias=None):
+        if weight.shape[0] != vocab_size:
+            return linear(x, weight, bias)
+        return linear(x.bfloat16(), weight.bfloat16(), None if bias is None else bias.bfloat16()).float()
+    return patched
 
 
 def timed(fn, repeats):
@@ -88,14 +88,15 @@ def main(hidden_size=896, intermediate_size=4864, vocab_size=151936, repeats=2):
         logprobs.sum().backward()
         return logprobs.detach()
 
-    float32_head = grpo.token_logprobs
+    linear = torch.nn.functional.linear
     results, seconds = {}, {}
-    for name, head in (("float32", float32_head), ("bfloat16", bfloat16_token_logprobs), ("float32", float32_head),
-                       ("bfloat16", bfloat16_token_logprobs)):
-        grpo.token_logprobs = head
-        seconds[name], results[name] = timed(logprob_pass, repeats)
+    for name in ("float32", "bfloat16", "float32", "bfloat16"):
+        torch.nn.functional.linear = linear if name == "float32" else bfloat16_head(linear, vocab_size)
+        try:
+            seconds[name], results[name] = timed(logprob_pass, repeats)
+        finally:
+            torch.nn.functional.linear = linear
         print(f"log-prob pass with gradient, output layer in {name}: {seconds[name]:.2f} s")
-    grpo.token_logprobs = float32_head
     gap = (results["bfloat16"] - results["float32"]).abs()
     print(f"bfloat16 logits move the log-probs by {gap.mean():.4f} on average, {gap.max():.4f} at most")
     return speed["per-token autocast"], speed["one autocast"], seconds["float32"], seconds["bfloat16"], gap.mean()

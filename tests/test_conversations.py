@@ -3,15 +3,13 @@
 
 import json
 import os
-from types import SimpleNamespace
-
 import pytest
 import torch
 from conftest import FIXTURES, ROOT, read_metrics, run_script
 from transformers import AutoTokenizer
 
 from dpo import preference_pair
-from grpo import chat_prompts, tokenize_prompts
+from grpo import Args, tokenize_prompts
 from sft import sft_record
 
 USER, ASSISTANT = "user", "assistant"
@@ -57,13 +55,17 @@ def test_an_sft_conversation_is_its_last_assistant_message_after_the_rest():
 def test_a_conversation_goes_through_the_chat_template_as_given_and_the_system_prompt_comes_first(chat_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
     conversation = [message("system", "Reply with the number only."), message(USER, "What is 2 + 3?")]
-    ids, mask = tokenize_prompts(tokenizer, [conversation, "What is 2 + 3?"], "cpu")
+    ids, mask = tokenize_prompts(tokenizer, [conversation, "What is 2 + 3?"], "cpu", Args())
     expected = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     assert tokenizer.decode(ids[0][mask[0].bool()]) == expected
     assert expected.startswith("<|im_start|>system\nReply with the number only.<|im_end|>")
-    args = SimpleNamespace(system_prompt="Reply with the number only.", dataset=None, model_name_or_path="m")
-    [records] = chat_prompts(tokenizer, args, [{"prompt": "What is 2 + 3?", "answer": "5"}, {"prompt": conversation}])
-    assert records[0]["prompt"] == conversation and records[1]["prompt"] is conversation  # kept as given
+    # --system-prompt goes before a text prompt, which becomes the user's message; a conversation is kept as given
+    user_only = [message(USER, "What is 2 + 3?")]
+    ids, mask = tokenize_prompts(tokenizer, ["What is 2 + 3?", user_only], "cpu",
+                                 Args(system_prompt="Reply with the number only."))
+    assert tokenizer.decode(ids[0][mask[0].bool()]) == expected
+    assert tokenizer.decode(ids[1][mask[1].bool()]) == tokenizer.apply_chat_template(
+        user_only, tokenize=False, add_generation_prompt=True)
 
 
 def test_without_a_chat_template_conversations_and_a_system_prompt_stop_with_one_line(tmp_path):

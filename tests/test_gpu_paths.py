@@ -119,19 +119,23 @@ def test_forward_passes_that_are_not_generation_build_no_kv_cache(tmp_path):
 
 def test_a_checkpoints_random_states_bring_back_numpys_too(tmp_path):
     """vLLM's CUDA model runner seeds each request from numpy's global generator: a checkpoint keeps its state with
-    torch's and Python's, through torch.load's weights-only unpickler, so that a resumed --vllm run samples as the
-    uninterrupted one."""
+    torch's, Python's and the loop's generators (through torch.load's weights-only unpickler), so that a resumed
+    --vllm run samples as the uninterrupted one."""
     import random
 
     import numpy
 
-    from grpo import random_states, set_random_states
+    from grpo import resume, save_checkpoint
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama(tmp_path / "m"))
+    optimizer = torch.optim.AdamW(model.parameters())
+    tokenizer = SimpleNamespace(save_pretrained=lambda path: None)
     shuffle = torch.Generator().manual_seed(5)
-    torch.save(random_states([shuffle]), tmp_path / "rng.pt")
+    save_checkpoint(SimpleNamespace(save_every=1, keep_checkpoints=1), str(tmp_path), 3, tokenizer, {"m": model},
+                    optimizer, [shuffle], signal=2)
     draws = lambda: (numpy.random.rand(3).tolist(), random.random(), torch.rand(2).tolist(),  # noqa: E731
                      torch.rand(2, generator=shuffle).tolist())
     first = draws()
-    set_random_states(torch.load(tmp_path / "rng.pt"), [shuffle])
+    assert resume(str(tmp_path / "checkpoints" / "step_000003"), {"m": model}, optimizer, [shuffle]) == (4, {"signal": 2})
     assert draws() == first
 
 

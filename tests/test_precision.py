@@ -70,8 +70,10 @@ def test_bfloat16_compute_moves_the_weights_as_float32_does(what, tmp_path):
         assert {t.dtype for t in saved.values()} == {torch.float32}
 
 
-def test_float16_is_refused_with_one_line(tmp_path):
+def test_float16_is_not_offered(tmp_path):
+    """float16 would need loss scaling, which these files leave out: --dtype does not offer it, and the command line
+    refuses it before anything is made."""
     proc = run_script("grpo.py", "--dtype", "float16", "--output-dir", str(tmp_path / "o"), expect_ok=False)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: --dtype float16: float16 training needs loss")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "float16" in proc.stderr and "--dtype" in proc.stderr and "bfloat16" in proc.stderr
     assert not os.path.exists(tmp_path / "o")

@@ -25,14 +25,14 @@ import os, runpy, signal, sys
 sys.argv = sys.argv[1:]
 found = runpy.run_path(sys.argv[0], run_name="harness")  # defines everything; main() is not called
 run = found["main"].__globals__
-log = run["Logger"].log
+log = run["log"]
 
-def log_then_die(self, step, *logged):
-    log(self, step, *logged)
+def log_then_die(output_dir, step, *logged):
+    log(output_dir, step, *logged)
     if step == int(os.environ["KILL_AFTER_STEP"]):
         os.kill(os.getpid(), signal.SIGKILL)
 
-run["Logger"].log = log_then_die
+run["log"] = log_then_die
 run["main"](found["tyro"].cli(found["Args"]))
 """
 
@@ -102,7 +102,7 @@ def test_a_killed_run_resumes_exactly(script, tmp_path):
     """4 steps without a stop, against a run killed after step 3 and resumed from its step-2 checkpoint with
     `--resume-from <run>` alone: the same weights (to 1e-6) and the same metrics (to float rounding), timings
     aside. Up to its death the killed run logged what the whole run logged (the same seed gives the same metrics in
-    a new process); its step-3 line, which the resume writes again, is moved to metrics.discarded.jsonl."""
+    a new process); its step-3 line, which the resume writes again, goes (metrics.jsonl keeps steps 0 to 2)."""
     flags = [str(tmp_path / "rm") if f == "{rm}" else f for f in FLAGS[script]] + STEPS
     if script == "ppo.py":
         scorer(str(tmp_path / "rm"))
@@ -120,9 +120,7 @@ def test_a_killed_run_resumes_exactly(script, tmp_path):
     proc = run_script(script, "--resume-from", killed)
     assert f"resuming {killed} from {killed}/checkpoints/step_000002 (step 2)" in proc.stdout
     assert_resumed_exactly(whole, killed)
-    assert [m["step"] for m in read_metrics(killed)] == [0, 1, 2, 3, 4]
-    with open(os.path.join(killed, "metrics.discarded.jsonl")) as f:
-        assert [json.loads(line)["step"] for line in f] == [3]
+    assert [m["step"] for m in read_metrics(killed)] == [0, 1, 2, 3, 4]  # step 3 once: the resumed run's
     # at each evaluation (0, 2, 4), up to four held-out prompts or pairs with what the model makes of them, the same as
     # the whole run's; the console showed one
     samples = [json.loads(line) for line in open(os.path.join(killed, "samples.jsonl"))]
@@ -149,8 +147,9 @@ def test_a_killed_run_resumes_exactly(script, tmp_path):
 
 
 def test_bad_resume_input_stops_with_one_line_and_changes_nothing(tmp_path):
-    """A flag that differs from the run's, another file's checkpoint, an incomplete checkpoint, a later checkpoint
-    than the one named, a missing path, fewer steps than done: each one line, status 1, and the folder unchanged."""
+    """A flag that differs from the run's (--output-dir too), another file's checkpoint, an incomplete checkpoint, a
+    later checkpoint than the one named, a missing path, fewer steps than done: each one line, status 1, and the
+    folder unchanged."""
     save, resume = readme_checkpoint_commands()
     run = str(tmp_path / "run")
     argv = [run if a == "runs/long" else a for a in shlex.split(save)[1:]]
@@ -163,18 +162,19 @@ def test_bad_resume_input_stops_with_one_line_and_changes_nothing(tmp_path):
     before = {os.path.join(d, f): os.path.getmtime(os.path.join(d, f)) for d, _, fs in os.walk(run) for f in fs}
     cases = [
         ("grpo.py", ["--resume-from", run, "--num-steps", "6", "--learning-rate", "0.5"],
-         f"--resume-from {run}: flags differ from the run's args.json: --learning-rate 0.5 (the run's: 0.0001)"),
+         f"--resume-from {run}: differs from the run: --learning-rate 0.5 (the run's: 0.0001)"),
         ("rloo.py", ["--resume-from", run, "--num-steps", "6"],
-         f"--resume-from {os.path.join(checkpoints, 'step_000003')}: a checkpoint of grpo.py, not of rloo.py"),
+         f"--resume-from {run}: differs from the run: file rloo.py (the run's: grpo.py)"),
         ("grpo.py", ["--resume-from", os.path.join(checkpoints, "step_000004.partial"), "--num-steps", "6"],
-         f"--resume-from {os.path.join(checkpoints, 'step_000004.partial')}: an incomplete checkpoint (its save was "
-         "cut short: no trainer_state.json)"),
+         f"--resume-from {os.path.join(checkpoints, 'step_000004.partial')}: neither a whole checkpoint nor a run "
+         "with one"),
         ("grpo.py", ["--resume-from", os.path.join(checkpoints, "step_000002"), "--num-steps", "6"],
-         f"--resume-from {os.path.join(checkpoints, 'step_000002')}: the run has a later checkpoint (step 3)"),
-        ("grpo.py", ["--resume-from", str(tmp_path / "nowhere")], f"--resume-from {tmp_path / 'nowhere'}: no such"),
+         f"--resume-from {os.path.join(checkpoints, 'step_000002')}: the run has a later checkpoint"),
+        ("grpo.py", ["--resume-from", str(tmp_path / "nowhere")],
+         f"--resume-from {tmp_path / 'nowhere'}: neither a whole checkpoint nor a run with one"),
         ("grpo.py", ["--resume-from", run], "--num-steps 3: the checkpoint is at step 3; ask for more steps"),
         ("grpo.py", ["--resume-from", run, "--num-steps", "6", "--output-dir", str(tmp_path / "elsewhere")],
-         f"--output-dir {tmp_path / 'elsewhere'}: a resumed run stays in its own folder"),
+         f"--resume-from {run}: differs from the run: --output-dir {tmp_path / 'elsewhere'} (the run's: {run})"),
     ]
     # each file's cases in one process (test_flags' harness: a SystemExit's message is the one line that python
     # prints, with status 1; a model built means a check let the case through), and one case as a real process
@@ -196,9 +196,7 @@ def test_bad_resume_input_stops_with_one_line_and_changes_nothing(tmp_path):
     with open(os.path.join(run, "metrics.jsonl"), "a") as f:
         f.write('{"step": 4, "losses/lo')
     run_script(*[run if a == "runs/long" else a for a in shlex.split(resume)[1:]], "--num-steps", "4")
-    assert [m["step"] for m in read_metrics(run)] == [0, 1, 2, 3, 4]
-    with open(os.path.join(run, "metrics.discarded.jsonl")) as f:
-        assert f.read() == '{"step": 4, "losses/lo\n'
+    assert [m["step"] for m in read_metrics(run)] == [0, 1, 2, 3, 4]  # the line cut short went
     assert sorted(os.listdir(checkpoints)) == ["step_000002", "step_000003", "step_000004"]
 
 

@@ -212,17 +212,18 @@ def test_two_processes_learn(script, tmp_path):
 
 
 @pytest.mark.parametrize("script, flags, message", [
-    ("grpo.py", ["--prompts-per-step", "3"], "--prompts-per-step 3 does not divide among 2 processes"),
-    ("ppo.py", ["--prompts-per-step", "5"], "--prompts-per-step 5 does not divide among 2 processes"),
-    ("dpo.py", ["--batch-size", "7", "--micro-batch-size", "1"], "--batch-size 7 does not divide among 2 processes"),
+    ("grpo.py", ["--prompts-per-step", "3"], "--prompts-per-step among the processes: 3 does not divide by 2"),
+    ("ppo.py", ["--prompts-per-step", "5"], "--prompts-per-step among the processes: 5 does not divide by 2"),
+    ("dpo.py", ["--batch-size", "7", "--micro-batch-size", "1"],
+     "--batch-size among the processes: 7 does not divide by 2"),
 ])
 def test_a_batch_that_does_not_split_among_the_processes_says_so(script, flags, message, tmp_path):
     proc = torchrun(script, *flags, "--output-dir", str(tmp_path / "o"), expect_ok=False)
     assert proc.returncode != 0
     # both processes stop, each with the line; the two may land in one pipe at once, so read them as a stream
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    errors = re.findall(r"error: .*?: use a multiple of \d+", "\n".join(lines))
-    assert errors and all(e == f"error: {message}: use a multiple of 2" for e in errors), proc.stderr[-3000:]
+    errors = re.findall(r"error: .*? does not divide by \d+", "\n".join(lines))
+    assert errors and all(e == f"error: {message}" for e in errors), proc.stderr[-3000:]
     assert "".join(lines) == "".join(errors), proc.stderr[-3000:]  # and nothing else on those lines
     assert not os.path.exists(tmp_path / "o")
 
@@ -279,7 +280,7 @@ device = grpo.setup(args)
 tokenizer = grpo.load_tokenizer(model_dir, args)
 whole = grpo.load_model(model_dir, args, device)
 sharded = grpo.distribute(grpo.load_model(model_dir, args, device), args)
-prompt_ids, prompt_mask = grpo.tokenize_prompts(tokenizer, ["What is 2 + 3?", "Name a colour."], device)
+prompt_ids, prompt_mask = grpo.tokenize_prompts(tokenizer, ["What is 2 + 3?", "Name a colour."], device, args)
 never = [len(tokenizer) + 7]  # no id ends a completion: every rollout writes all its tokens
 result = {}
 for n in (4, 16):
