@@ -48,7 +48,7 @@ ONE_PAIR_FLAGS = {"reward_model-one-pair": ["--pairs", "first", "--chosen", "ans
                   "ppo-learned-rm-one-pair": ["--no-normalize-reward", "--kl-target", "0", "--learning-rate", "1e-4"]}
 REWARD_MODEL_OF = {"ppo-learned-rm": "reward_model", "ppo-learned-rm-one-pair": "reward_model-one-pair"}
 # a real pretrained chat model (benchmarks/smollm2.py makes the folder) on the same sums asked as a question,
-# with the flags the README gives for it
+# with the flags docs/smollm2.md gives for it
 REAL_MODEL = os.path.join(ROOT, "SmolLM2-135M-Instruct")
 REAL_COMMON = ["--model-name-or-path", "SmolLM2-135M-Instruct", "--task", "addition-question", "--max-new-tokens", "16",
                "--num-eval", "100", "--eval-every", "5"]
@@ -439,7 +439,7 @@ def write_results(runs, memory, args, path):
                   " The task is the bundled task's sums asked as a chat question (`--task addition-question`:"
                   " `What is 47 + 8? Reply with the number only.`), greedy on the first 100 of the same held-out"
                   " prompts, at most 16 new tokens; the reward is the same (the last number of the reply). Each row"
-                  " is the command the README gives, `python <file>.py --seed S "
+                  " is the command docs/smollm2.md gives, `python <file>.py --seed S "
                   + " ".join(REAL_COMMON) + "` and:", ""]
         lines += [f"- {name}: `" + " ".join(REAL_FLAGS[name] + (["--vllm"] if name.endswith("-vllm") else [])) + "`"
                   for name in REAL_FLAGS if name in runs]

@@ -1,9 +1,9 @@
-"""An estimate of the GPU memory each of the README's GPU commands needs, per process, from the model's size.
+"""An estimate of the GPU memory each of docs/gpu.md's GPU commands needs, per process, from the model's size.
 
 Nothing here is measured: it is arithmetic on the model's configuration (the parameters counted on the meta
 device, so nothing is downloaded) that you can redo by hand, and an estimate until a GPU run measures it.
 
-    python benchmarks/memory_estimate.py      # the table the README's GPU section gives
+    python benchmarks/memory_estimate.py      # the table docs/gpu.md gives
 
 Per process, in bytes (N: a model's parameters; under --fsdp each process holds 1/P of every model), each term
 checked on the CPU under bfloat16 autocast, with a tiny Qwen2 loaded as load_model loads it:
@@ -48,7 +48,7 @@ GB = 2**30
 
 @dataclass
 class Command:
-    name: str  # the README command, shortly
+    name: str  # the docs/gpu.md command, shortly
     model: dict  # its configuration
     trained: int  # models trained (the policy; PPO also its value model)
     frozen: int  # models held frozen (reference, reward model)

