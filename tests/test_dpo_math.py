@@ -83,7 +83,7 @@ def test_two_copies_of_the_bundled_model_tie_within_rounding_and_a_changed_one_d
     differ from 0 in the last bits (they do on some CPUs), but stay inside rounding_tolerance; a
     reference whose weights really differ (by about one per cent) is ranked outside it, in bfloat16
     compute too (a tolerance from bfloat16's eps, 0.2 nats here, counted nearly all of them as ties)."""
-    args = SimpleNamespace(trust_remote_code=False, dtype=dtype, gradient_checkpointing=False,
+    args = SimpleNamespace(trust_remote_code=False, dtype=dtype, gradient_checkpointing=False, system_prompt=None,
                            max_prompt_length=None, max_length=None)
     path, device = os.path.join(ROOT, "tiny-adder"), torch.device("cpu")
     tokenizer = load_tokenizer(path, args)

@@ -97,7 +97,7 @@ def test_addition_pairs_by_hand(monkeypatch, pairs, chosen, expected):
     tokenizer = reward_model.AutoTokenizer.from_pretrained(os.path.join(ROOT, "tiny-adder"))
     policy = reward_model.AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "tiny-adder"))
     records = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "5+5=", "answer": "10"}]
-    out = reward_model.addition_pairs(policy, tokenizer, records, 4, 4, torch.device("cpu"), chosen=chosen,
-                                      pairs=pairs)
+    args = reward_model.Args(pair_samples=4, max_new_tokens=4, chosen=chosen, pairs=pairs)
+    out = reward_model.addition_pairs(policy, tokenizer, records, torch.device("cpu"), args)
     assert [(p["chosen"], p["rejected"]) for p in out] == expected
     assert all(p["prompt"] == ("1+1=" if p["answer"] == "2" else "5+5=") for p in out)
