@@ -663,7 +663,7 @@ def log(output_dir, step, metrics, samples=()):
                 f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
         except OSError as e:
             fail(f"--output-dir {output_dir}: cannot write its {name} ({e.strerror or e})")
-    if "wandb" in sys.modules:  # --track
+    if getattr(sys.modules.get("wandb"), "run", None):  # --track
         wandb, table = sys.modules["wandb"], [[*s.values()] for s in samples]
         wandb.log({**metrics, **({"samples": wandb.Table(list(samples[0]), table)} if table else {})}, step=step)
     shown = ["charts/reward", "losses/loss", "eval/loss", "eval/accuracy", "eval/pair_accuracy", "charts/step_time"]
@@ -845,7 +845,7 @@ def barrier():
 
 def end_processes():
     """Ends the wandb run; under torchrun the group, then the process before the exit-time teardown that can abort."""
-    if "wandb" in sys.modules:
+    if getattr(sys.modules.get("wandb"), "run", None):
         sys.modules["wandb"].finish()
     if dist.is_initialized():
         barrier()
