@@ -782,8 +782,7 @@ def save_checkpoint(args, output_dir, step, tokenizer, models, optimizer, genera
         shutil.rmtree(folder + ".partial", ignore_errors=True)  # named once whole
     barrier()
     model_state, optimizer_state = get_state_dict(torch.nn.ModuleDict(models), optimizer)
-    dcp.save({"models": model_state, "optimizer": optimizer_state}, checkpoint_id=f"{folder}.partial/state",
-             no_dist=not dist.is_initialized())
+    dcp.save({"models": model_state, "optimizer": optimizer_state}, checkpoint_id=f"{folder}.partial/state")
     for name, model in models.items():
         save(model, tokenizer, f"{folder}.partial/{name}")
     _, keys, *numpy = sys.modules["numpy"].random.get_state()  # vLLM's CUDA sampler draws from numpy's
@@ -807,7 +806,7 @@ def resume(checkpoint, models, optimizer, generators):
         return 1, {}
     model_state, optimizer_state = get_state_dict(torch.nn.ModuleDict(models), optimizer)  # what to load into
     state = {"models": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=os.path.join(checkpoint, "state"), no_dist=not dist.is_initialized())
+    dcp.load(state, checkpoint_id=os.path.join(checkpoint, "state"))
     set_state_dict(torch.nn.ModuleDict(models), optimizer, model_state_dict=state["models"],
                    optim_state_dict=state["optimizer"])
     rng = torch.load(os.path.join(checkpoint, f"rng_{rank_and_world()[0]}.pt"))

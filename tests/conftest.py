@@ -1,9 +1,14 @@
 """Shared test helpers: run a script as a user does, read its metrics, and build tiny models offline."""
 
+import contextlib
+import importlib.util
+import io
 import json
 import os
+import runpy
 import subprocess
 import sys
+import traceback
 
 import pytest
 import torch
@@ -11,15 +16,51 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 sys.path.insert(0, ROOT)
+OFFLINE = {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
+os.environ.update(OFFLINE)  # before transformers is imported: the runs in this process are offline too
+# the files run_script runs in this process (async_grpo.py's generator thread could outlive a run that fails); none
+# where vLLM is installed: its engine starts a process group, and a run ends its process when there is one
+IN_PROCESS = set() if importlib.util.find_spec("vllm") else {"grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py",
+                                                             "dpo.py", "reward_model.py", "sft.py"}
 
 
-def run_script(*argv, cwd=ROOT, expect_ok=True, timeout=900, env=None):
-    """`python *argv` in a subprocess, offline (and with `env` added); fails the test with the output when it fails."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false", **(env or {}))
-    proc = subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+def run_script(*argv, cwd=ROOT, expect_ok=True, timeout=900, env=None, subprocess_only=False):
+    """`python *argv`, offline (and with `env` added): an algorithm file in this process (run_here), which spares
+    the interpreter's and torch's start-up; anything else, or a run with an env of its own, in a subprocess. Fails
+    the test with the output when it fails."""
+    if argv[0] in IN_PROCESS and not env and not subprocess_only:
+        proc = run_here(argv, cwd)
+    else:
+        proc = subprocess.run([sys.executable, *argv], cwd=cwd, env=dict(os.environ, **OFFLINE, **(env or {})),
+                              capture_output=True, text=True, timeout=timeout)
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
+
+
+def run_here(argv, cwd=ROOT):
+    """`python *argv` in this process, as the interpreter runs it: the script as __main__ with argv, its output
+    captured, a SystemExit's message printed as Python prints it (status 1), any other exception as a traceback
+    (status 1). The global settings a run changes are put back."""
+    out, err, status = io.StringIO(), io.StringIO(), 0
+    saved = sys.argv, os.getcwd(), torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
+    sys.argv = list(argv)
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        err.write("" if e.code is None or isinstance(e.code, int) else f"{e.code}\n")
+    except Exception:
+        status = 1
+        err.write(traceback.format_exc())
+    finally:
+        sys.argv = saved[0]
+        os.chdir(saved[1])
+        torch.use_deterministic_algorithms(saved[2])
+        torch.set_num_threads(saved[3])
+    return subprocess.CompletedProcess([sys.executable, *argv], status, out.getvalue(), err.getvalue())
 
 
 # for a harness script: runs a file's main() as `python file ...` does, and returns the file's functions and main's

@@ -146,7 +146,7 @@ prompt_ids = torch.tensor([tokenizer("3 boxes of 4 " * 60, add_special_tokens=Fa
 mask = torch.ones_like(prompt_ids)
 gaps = []
 for _ in range(2):
-    completion, by_engine = run["sample_with_engine"](engine, policy, prompt_ids, mask, 8, 1.0, stop_ids, 0)
+    completion, by_engine = run["sample"](policy, engine, tokenizer, prompt_ids, mask, run["args"], stop_ids)
     completion_mask = run["completion_mask"](completion, stop_ids)
     with torch.no_grad():
         by_trainer = run["sequence_logprobs"](policy, torch.cat([prompt_ids, completion], 1),
@@ -253,5 +253,4 @@ def test_a_kv_cache_too_small_for_one_sequence_is_one_line(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert last.startswith("error: --vllm: vLLM cannot serve --model-name-or-path tiny-adder: "), last
-    assert last.endswith("(the engine's KV cache: --vllm-kv-cache-gib 0.0001; a sequence's length: "
-                         "--max-prompt-length and --max-new-tokens)"), last
+    assert last.endswith("(--vllm-kv-cache-gib, --max-prompt-length, --max-new-tokens)"), last
