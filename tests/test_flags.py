@@ -57,7 +57,8 @@ VALID_WITH = {("ppo.py", "prompts_per_step"): ["--num-minibatches", "1"],
               **{(script, "max_length"): ["--max-prompt-length", "1"] for script in ("dpo.py", "reward_model.py",
                                                                                      "sft.py")}}
 
-# runs a script once per case in one process, as `python script ...` does; building any model stops the case
+# runs each script's cases in one process, as `python script ...` does; building any model stops the case. One
+# process for every script: {name: [script, [argv, ...]]} in, {name: [[outcome, message], ...]} out
 HARNESS = """
 import contextlib, io, json, runpy, sys, transformers
 
@@ -65,21 +66,31 @@ def no_model(*args, **kwargs):
     raise RuntimeError("a model was built")
 
 transformers.PreTrainedModel.__init__ = no_model
-script, cases = sys.argv[1], json.loads(sys.argv[2])
-results = []
-for argv in cases:
-    sys.argv = [script, *argv]
-    stderr = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
-            runpy.run_path(script, run_name="__main__")
-        results.append(["finished", ""])
-    except SystemExit as e:
-        results.append(["exit", e.code if isinstance(e.code, str) else f"code {e.code}: {stderr.getvalue()}"])
-    except RuntimeError as e:
-        results.append(["model", str(e)])
+results = {}
+for name, (script, cases) in json.loads(sys.argv[1]).items():
+    results[name] = []
+    for argv in cases:
+        sys.argv = [script, *argv]
+        stderr = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+                runpy.run_path(script, run_name="__main__")
+            results[name].append(["finished", ""])
+        except SystemExit as e:
+            message = e.code if isinstance(e.code, str) else f"code {e.code}: {stderr.getvalue()}"
+            results[name].append(["exit", message])
+        except RuntimeError as e:
+            results[name].append(["model", str(e)])
 print(json.dumps(results))
 """
+
+
+def run_harness(cases):
+    """{name: [script, its argvs]} -> {name: [outcome, message] per argv}, every script's cases in one process."""
+    proc = subprocess.run([sys.executable, "-c", HARNESS, json.dumps(cases)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def numeric_flags(module):
@@ -112,14 +123,10 @@ def edges(low, low_in, high, high_in, integer):
     return invalid, valid
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_every_numeric_flag_is_checked_at_its_edges_before_anything_is_loaded(script, tmp_path):
-    """For each numeric flag: the first invalid value at each end of its range (and NaN and infinity for a float)
-    stops with one line that names the flag, the value and the range, before a model is built and before the
-    output folder is made; the valid value at each edge gets past every check (to the first model). An output
-    folder that cannot be made is refused before a model is built too."""
+def edge_cases(script, folder):
+    """For each numeric flag of a script: the argvs of its first invalid and its valid edge values, each with
+    (flag, value, valid, its output folder); then an output folder that cannot be made (its parent is a file)."""
     module = __import__(script[:-3])
-    assert numeric_flags(module) == set(RANGES[script]), "a numeric flag without a range here, or one gone"
     cases, expected = [], []
     for i, (name, (low, low_in, high, high_in)) in enumerate(sorted(RANGES[script].items())):
         flag, integer = "--" + name.replace("_", "-"), is_int(module, name)
@@ -127,20 +134,55 @@ def test_every_numeric_flag_is_checked_at_its_edges_before_anything_is_loaded(sc
         if not integer:
             invalid += [math.nan, math.inf, -math.inf]
         for j, value in enumerate(invalid + valid):
-            out = str(tmp_path / f"out_{i}_{j}")
+            out = str(folder / f"out_{i}_{j}")
             is_valid = j >= len(invalid)
             cases.append([f"{flag}={value!r}", "--output-dir", out,
                           *(VALID_WITH.get((script, name), []) if is_valid else [])])
             expected.append((flag, value, is_valid, out))
-    # and an output folder that cannot be made (its parent is a file), in the same process
-    (tmp_path / "a_file").write_text("")
-    cases.append(["--output-dir", str(tmp_path / "a_file" / "run")])
-    proc = subprocess.run([sys.executable, "-c", HARNESS, script, json.dumps(cases)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert results.pop() == ["exit", f"error: --output-dir {tmp_path / 'a_file' / 'run'}: cannot write there (Not a "
+    (folder / "a_file").write_text("")
+    cases.append(["--output-dir", str(folder / "a_file" / "run")])
+    return cases, expected
+
+
+# the flags of test_flags_that_cannot_work_together_name_what_to_change, with what grpo.py must say
+CONFLICTS = [(["--prompts-per-step", "3", "--group-size", "2", "--num-minibatches", "4"],
+              "--prompts-per-step x --group-size (per process) by --num-minibatches: 6 does not divide by 4"),
+             (["--prompts-per-step", "2", "--group-size", "4", "--micro-batch-size", "3"],
+              "a minibatch (--prompts-per-step x --group-size / --num-minibatches, per process) by "
+              "--micro-batch-size: 8 does not divide by 3")]
+
+
+@pytest.fixture(scope="module")
+def harness_results(tmp_path_factory):
+    """Every script's edge cases and grpo.py's conflicting flags, in one harness process (one start-up, not ten):
+    {name: (folder, the argvs' expectations, their results)}."""
+    cases, expected, folders = {}, {}, {}
+    for script in SCRIPTS:
+        folders[script] = tmp_path_factory.mktemp(script[:-3])
+        argvs, expected[script] = edge_cases(script, folders[script])
+        cases[script] = [script, argvs]
+    folders["conflicts"] = tmp_path_factory.mktemp("conflicts")
+    expected["conflicts"] = [str(folders["conflicts"] / f"out{i}") for i in range(len(CONFLICTS))]
+    cases["conflicts"] = ["grpo.py", [flags + ["--output-dir", out] for (flags, _), out in zip(CONFLICTS,
+                                                                                           expected["conflicts"])]]
+    results = run_harness(cases)
+    assert set(results) == set(cases) and all(len(results[k]) == len(cases[k][1]) for k in cases)
+    return {name: (folders[name], expected[name], results[name]) for name in cases}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_numeric_flag_is_checked_at_its_edges_before_anything_is_loaded(script, harness_results):
+    """For each numeric flag: the first invalid value at each end of its range (and NaN and infinity for a float)
+    stops with one line that names the flag, the value and the range, before a model is built and before the
+    output folder is made; the valid value at each edge gets past every check (to the first model). An output
+    folder that cannot be made is refused before a model is built too."""
+    module = __import__(script[:-3])
+    assert numeric_flags(module) == set(RANGES[script]), "a numeric flag without a range here, or one gone"
+    folder, expected, results = harness_results[script]
+    results = list(results)
+    assert results.pop() == ["exit", f"error: --output-dir {folder / 'a_file' / 'run'}: cannot write there (Not a "
                                      "directory); choose a folder you can write to"]
+    assert len(results) == len(expected)
     for (flag, value, valid, out), (outcome, message) in zip(expected, results):
         if valid:
             assert outcome == "model", f"{flag} {value} is in range, but: {outcome} {message}"
@@ -152,18 +194,12 @@ def test_every_numeric_flag_is_checked_at_its_edges_before_anything_is_loaded(sc
             assert "must be a finite number" in message
 
 
-def test_flags_that_cannot_work_together_name_what_to_change(tmp_path):
-    cases = [(["--prompts-per-step", "3", "--group-size", "2", "--num-minibatches", "4"],
-              "--prompts-per-step x --group-size (per process) by --num-minibatches: 6 does not divide by 4"),
-             (["--prompts-per-step", "2", "--group-size", "4", "--micro-batch-size", "3"],
-              "a minibatch (--prompts-per-step x --group-size / --num-minibatches, per process) by "
-              "--micro-batch-size: 8 does not divide by 3")]
-    argvs = [flags + ["--output-dir", str(tmp_path / f"out{i}")] for i, (flags, _) in enumerate(cases)]
-    proc = subprocess.run([sys.executable, "-c", HARNESS, "grpo.py", json.dumps(argvs)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    for i, ((outcome, text), (_, message)) in enumerate(zip(json.loads(proc.stdout.strip().splitlines()[-1]), cases)):
+def test_flags_that_cannot_work_together_name_what_to_change(harness_results):
+    _, outs, results = harness_results["conflicts"]
+    assert len(results) == len(CONFLICTS)
+    for (outcome, text), (_, message), out in zip(results, CONFLICTS, outs):
         assert outcome == "exit" and text.startswith("error: ") and message in text, text
-        assert not os.path.exists(tmp_path / f"out{i}")
+        assert not os.path.exists(out)
 
 
 TEXT = "text or a list of role/content messages"  # a field other than an answer

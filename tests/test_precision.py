@@ -6,24 +6,25 @@ themselves are bfloat16. With float32 masters and bfloat16 compute the steps lan
 what float32 compute moves them (AdamW's step is about the learning rate whatever the gradient's size).
 """
 
+import json
 import os
 
 import pytest
 import torch
-from conftest import ROOT, RUN_MAIN, run_script
+from conftest import IN_PROCESS, ROOT, RUN_MAIN, run_here, run_script
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-# runs a script as `python script ...` does, once with --dtype float32 and once with bfloat16 (in one process, to
-# start Python once), and saves the named model's weights after each run, as float32, for the test
+# runs each case's script as `python script ...` does, once with --dtype float32 and once with bfloat16 (every case
+# in one process, to start Python once), and saves the named model's weights after each run, as float32, for the test
 HARNESS = RUN_MAIN + """
-import sys, torch
-out, name, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
-for dtype in ("float32", "bfloat16"):
-    sys.argv = argv + ["--dtype", dtype, "--output-dir", f"{out}/{dtype}"]
-    run = run_main(sys.argv[0])
-    model = getattr(run[name], "module", run[name])
-    torch.save({k: v.detach().float().clone() for k, v in model.state_dict().items()}, f"{out}/{dtype}.pt")
+import json, sys, torch
+for out, name, argv in json.loads(sys.argv[1]):
+    for dtype in ("float32", "bfloat16"):
+        sys.argv = argv + ["--dtype", dtype, "--output-dir", f"{out}/{dtype}"]
+        run = run_main(sys.argv[0])
+        model = getattr(run[name], "module", run[name])
+        torch.save({k: v.detach().float().clone() for k, v in model.state_dict().items()}, f"{out}/{dtype}.pt")
 """
 
 SMALL = ["--num-steps", "2", "--learning-rate", "1e-6", "--num-eval", "4", "--eval-every", "3"]
@@ -39,23 +40,40 @@ TRAINED = {  # script, the model it trains, flags that keep it small
 }
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Every case of TRAINED, in float32 and in bfloat16, in one harness process: {what: (its folder, the folder
+    of its start model)}."""
+    cases, folders = [], {}
+    for i, (what, (script, name, flags)) in enumerate(TRAINED.items()):
+        out = tmp_path_factory.mktemp(f"case{i}")
+        start_dir = os.path.join(ROOT, "tiny-adder")
+        if "{rm}" in flags:
+            start_dir = str(out / "rm")
+            scorer = AutoModelForSequenceClassification.from_pretrained(os.path.join(ROOT, "tiny-adder"), num_labels=1)
+            scorer.save_pretrained(start_dir)
+            AutoTokenizer.from_pretrained(os.path.join(ROOT, "tiny-adder")).save_pretrained(start_dir)
+            flags = [start_dir if f == "{rm}" else f for f in flags]
+        cases.append([str(out), name, [script, *SMALL, *flags]])
+        folders[what] = (out, start_dir)
+    harness = tmp_path_factory.mktemp("harness") / "harness.py"
+    harness.write_text(HARNESS)
+    if set(IN_PROCESS) >= {script for script, _, _ in TRAINED.values()}:  # as run_script runs these files
+        proc = run_here([str(harness), json.dumps(cases)])
+        assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    else:
+        run_script(str(harness), json.dumps(cases))
+    return folders
+
+
 @pytest.mark.parametrize("what", list(TRAINED))
-def test_bfloat16_compute_moves_the_weights_as_float32_does(what, tmp_path):
+def test_bfloat16_compute_moves_the_weights_as_float32_does(what, trained):
     """Two AdamW steps at lr 1e-6 from the bundled model: the mean |change| of every trained tensor under
     --dtype bfloat16 is within 0.7x to 1.4x of float32's (measured: 0.97x to 1.03x). Pure bfloat16 weights fail
     it: their saved weights differ from the start by bfloat16's rounding, some 35x float32's steps."""
-    script, name, flags = TRAINED[what]
-    harness = tmp_path / "harness.py"
-    harness.write_text(HARNESS)
-    start_dir = os.path.join(ROOT, "tiny-adder")
-    if "{rm}" in flags:
-        start_dir = str(tmp_path / "rm")
-        scorer = AutoModelForSequenceClassification.from_pretrained(os.path.join(ROOT, "tiny-adder"), num_labels=1)
-        scorer.save_pretrained(start_dir)
-        AutoTokenizer.from_pretrained(os.path.join(ROOT, "tiny-adder")).save_pretrained(start_dir)
-        flags = [start_dir if f == "{rm}" else f for f in flags]
-    run_script(str(harness), str(tmp_path), name, script, *SMALL, *flags)
-    after = {dtype: torch.load(tmp_path / f"{dtype}.pt") for dtype in ("float32", "bfloat16")}
+    script = TRAINED[what][0]
+    out, start_dir = trained[what]
+    after = {dtype: torch.load(out / f"{dtype}.pt") for dtype in ("float32", "bfloat16")}
     start = load_file(os.path.join(start_dir, "model.safetensors"))
     names = [k for k in start if k in after["float32"] and k != "lm_head.weight"]
     assert len(names) >= 15  # the decoder's tensors: every layer, the embedding and the final norm
@@ -66,7 +84,7 @@ def test_bfloat16_compute_moves_the_weights_as_float32_does(what, tmp_path):
         assert 0.7 <= b16 / f32 <= 1.4, f"{what}: {k} moved {b16:.2e} in bfloat16 against {f32:.2e} in float32"
     # what is trained stays float32, and the saved checkpoint too
     if script != "ppo.py":
-        saved = load_file(os.path.join(tmp_path, "bfloat16", "model.safetensors"))
+        saved = load_file(os.path.join(out, "bfloat16", "model.safetensors"))
         assert {t.dtype for t in saved.values()} == {torch.float32}
 
 
