@@ -210,22 +210,39 @@ def readme_checkpoint_commands():
     return commands
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-@pytest.mark.parametrize("script", ["grpo.py", "dpo.py"])
-def test_a_killed_torchrun_run_resumes_exactly(script, mode, tmp_path):
-    """The same under torchrun, two gloo processes, with DDP and with --fsdp (each process writes its own shards of
-    the weights and AdamW state, and its own random states): both processes die after step 3, and the resume
-    (its flags, --fsdp included, from args.json) ends as the whole run does."""
-    from test_torchrun import torchrun
+TORCHRUN = [(script, mode) for script in ("grpo.py", "dpo.py") for mode in ("ddp", "fsdp")]
 
-    flags = FLAGS[script] + STEPS + (["--fsdp"] if mode == "fsdp" else [])
-    whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
-    torchrun(script, *flags, "--output-dir", whole)
-    harness = tmp_path / "killed.py"
-    harness.write_text(KILLED.replace('int(os.environ["KILL_AFTER_STEP"])', "3"))
-    proc = torchrun(str(harness), script, *flags, "--output-dir", killed, expect_ok=False)
-    assert proc.returncode != 0 and [m["step"] for m in read_metrics(killed)] == [0, 1, 2, 3]
-    torchrun(script, "--resume-from", killed)
-    assert_resumed_exactly(whole, killed)
-    state = os.path.join(killed, "checkpoints", "step_000004", "state")
+
+@pytest.fixture(scope="module")
+def torchrun_resumes(tmp_path_factory):
+    """Under torchrun (MANY, test_torchrun): in one launch each case's whole run and its killed run, stopped right
+    after step 3 is logged on both processes (raising there, which ends the run as a kill would: after that step's
+    collectives, before anything else is written); then in a second launch each killed run's resume."""
+    from test_torchrun import run_many
+
+    folder, first, resumes = tmp_path_factory.mktemp("torchrun_resume"), {}, {}
+    for script, mode in TORCHRUN:
+        flags = [script, *FLAGS[script], *STEPS, *(["--fsdp"] if mode == "fsdp" else [])]
+        name = f"{script}-{mode}"
+        first[f"whole-{name}"] = {"argv": flags + ["--output-dir", str(folder / f"whole-{name}")]}
+        first[f"killed-{name}"] = {"argv": flags + ["--output-dir", str(folder / f"killed-{name}")], "kill_after": 3}
+        resumes[f"resume-{name}"] = {"argv": [script, "--resume-from", str(folder / f"killed-{name}")]}
+    results = run_many(first, tmp_path_factory.mktemp("first"))
+    killed = {name: [m["step"] for m in read_metrics(folder / name)] for name in first if name.startswith("killed")}
+    results.update(run_many(resumes, tmp_path_factory.mktemp("resumes")))
+    return folder, results, killed
+
+
+@pytest.mark.parametrize("script, mode", TORCHRUN)
+def test_a_killed_torchrun_run_resumes_exactly(script, mode, torchrun_resumes):
+    """The same under torchrun, two gloo processes, with DDP and with --fsdp (each process writes its own shards of
+    the weights and AdamW state, and its own random states): both processes stop after step 3, and the resume
+    (its flags, --fsdp included, from args.json) ends as the whole run does."""
+    folder, results, killed = torchrun_resumes
+    name = f"{script}-{mode}"
+    assert [r["outcome"] for r in results[f"killed-{name}"]] == ["killed", "killed"]
+    assert killed[f"killed-{name}"] == [0, 1, 2, 3]
+    assert [r["outcome"] for r in results[f"resume-{name}"]] == ["finished", "finished"]
+    assert_resumed_exactly(str(folder / f"whole-{name}"), str(folder / f"killed-{name}"))
+    state = os.path.join(folder, f"killed-{name}", "checkpoints", "step_000004", "state")
     assert len([f for f in os.listdir(state) if f.endswith(".distcp")]) == 2  # one file of shards per process
