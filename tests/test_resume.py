@@ -6,8 +6,6 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ from conftest import ROOT, read_metrics, run_script
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from test_flags import HARNESS
+from test_flags import run_harness
 from test_scripts import TIMING_KEYS
 
 # runs a file's main() as `python file ...` does, and kills its own process (SIGKILL: no clean-up, no flush) right
@@ -178,12 +176,11 @@ def test_bad_resume_input_stops_with_one_line_and_changes_nothing(tmp_path):
     ]
     # each file's cases in one process (test_flags' harness: a SystemExit's message is the one line that python
     # prints, with status 1; a model built means a check let the case through), and one case as a real process
+    results = run_harness({script: [script, [argv for s, argv, _ in cases if s == script]]
+                           for script in ("grpo.py", "rloo.py")})
     for script in ("grpo.py", "rloo.py"):
         mine = [(argv, message) for s, argv, message in cases if s == script]
-        proc = subprocess.run([sys.executable, "-c", HARNESS, script, json.dumps([argv for argv, _ in mine])],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        for (argv, message), (outcome, text) in zip(mine, json.loads(proc.stdout.strip().splitlines()[-1])):
+        for (argv, message), (outcome, text) in zip(mine, results[script], strict=True):
             assert outcome == "exit" and text.startswith(f"error: {message}") and "\n" not in text, (argv, text)
     proc = run_script(cases[0][0], *cases[0][1], expect_ok=False)
     lines = proc.stderr.strip().splitlines()
