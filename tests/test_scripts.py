@@ -398,7 +398,7 @@ def test_dpo_learns(tmp_path):
 
 def test_reward_model_learns(tmp_path):
     out = str(tmp_path / "run")
-    proc = run_script("reward_model.py", "--num-steps", "400", "--eval-every", "400", "--output-dir", out,
+    proc = run_script("reward_model.py", "--num-steps", "200", "--eval-every", "200", "--output-dir", out,
                       subprocess_only=True)  # transformers' load report would go to the subprocess's stderr
     # the new score head is said in one line, not in transformers' load report
     assert "the reward model: a new score head on tiny-adder" in proc.stdout and "LOAD REPORT" not in proc.stderr
