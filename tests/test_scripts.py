@@ -94,10 +94,11 @@ def test_the_readme_has_the_two_setup_lines():
     assert "pip install -r requirements.txt -r benchmarks/requirements.txt && python -m pytest\n" in text
 
 
-# test_benchmark.py runs the benchmark command with --quick; that runs every file's bare default
-# (`python rloo.py`) and the README's real-model commands (`--task addition-question`, the same flags: a test
-# there checks it) with small flags and checks the same things, so those are not run twice here; the real-model
-# folder's command (`python benchmarks/smollm2.py`) is conftest's real_model_dir
+# test_benchmark.py runs the benchmark command with --quick for a row of each kind and parses every row's command:
+# the files' bare defaults (`python rloo.py`) and the README's real-model commands (`--task addition-question`, the
+# same flags: a test there checks it), so those are not run here; test_learns runs the bare defaults of the online
+# files for fewer steps, and test_real_model every file on the real model; the real-model folder's command
+# (`python benchmarks/smollm2.py`) is conftest's real_model_dir
 # and the commands of the files' docstrings, each once: the README's RLHF pipeline (its `sh` block, which
 # ppo.py's docstring repeats) is test_readme_rlhf_pipeline_sft_reward_model_ppo's, and its resume command
 # test_resume's
