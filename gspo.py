@@ -381,7 +381,6 @@ def fail(message):
 
 
 def exact_div(a, b, what):
-    """a // b, or a one-line error naming the flags."""
     if b <= 0 or a % b != 0:
         fail(f"{what}: {a} does not divide by {b}")
     return a // b
@@ -411,7 +410,7 @@ def check_ranges(args, ranges):
             fail(f"{flag(name)} {x}: must be {'' if math.isfinite(x) else 'a finite number '}{spec}")
 
 
-# ---- The task and its reward --------------------------------------------------------------------
+# ---- The task and its reward
 TASKS = {"addition": "{a}+{b}=",  # for the bundled character-level model
          "addition-question": "What is {a} + {b}? Reply with the number only."}  # for a chat model
 
@@ -441,7 +440,7 @@ def reward_fn(completion, record):
     return float(bool(expected) and (text == expected or text.endswith(" " + expected)))
 
 
-# ---- Data ---------------------------------------------------------------------------------------
+# ---- Data
 def read_jsonl(path, *schemas):
     """The records of a JSONL file, each with the fields of a schema: text or chat messages (an answer: text or a
     number); a bad record stops the run naming its line."""
@@ -479,7 +478,7 @@ def load_hub_split(name, config, split):
         fail(f"--dataset {name}: could not load split {split!r} ({type(e).__name__}: {e})".splitlines()[0])
 
 
-# ---- Models, tokens, generation and log-probs ---------------------------------------------------
+# ---- Models, tokens, generation and log-probs
 def from_pretrained(cls, path, args, flag="--model-name-or-path", **kwargs):
     if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1 or os.path.exists(path)):
         fail(f"{flag} {path}: no such folder")
@@ -525,8 +524,8 @@ def stop_token_ids(tokenizer, model):
 
 
 def tokenize_prompts(tokenizer, prompts, device, args):
-    """Left-padded ids and mask (B, P) of each prompt's last --max-prompt-length tokens (with a chat template a text
-    is the user's message, after --system-prompt). ["1+2=", "10+20="] -> [[PAD, PAD, 1, +, 2, =], [1, 0, +, ...]]"""
+    """Left-padded ids and mask (B, P) of each prompt's last --max-prompt-length tokens, chat-templated if it can be.
+    ["1+2=", "10+20="] -> [[PAD, PAD, 1, +, 2, =], [1, 0, +, 2, 0, =]]"""
     system = [] if args.system_prompt is None else [{"role": "system", "content": args.system_prompt}]
     if tokenizer.chat_template:
         chats = [p if isinstance(p, list) else [*system, {"role": "user", "content": p}] for p in prompts]
@@ -544,7 +543,7 @@ def tokenize_prompts(tokenizer, prompts, device, args):
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, processors=()):
     """Completion ids (B, T) by plain temperature sampling (greedy: temperature None), whatever the model's config
-    says; the logits processors see each step's logits before the temperature."""
+    says; logits processors see the logits before the temperature."""
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,
                               do_sample=False, repetition_penalty=1.0, no_repeat_ngram_size=0, num_beams=1,
                               remove_invalid_values=True)  # a diverged model reaches the NaN check
@@ -576,8 +575,7 @@ def decode_completions(tokenizer, completion_ids, mask):
 
 
 def decoder_states(model, input_ids, attention_mask, logits_to_keep=0):
-    """The decoder's last hidden state (B, L, d) in the model's own forward pass, with generate()'s positions (or
-    with logits_to_keep the model's own logits of that many last positions)."""
+    """The decoder's last hidden state (B, L, d) with generate()'s positions (or the last logits_to_keep logits)."""
     states, causal_lm = [], unwrap(model).get_output_embeddings() is not None
     hook = unwrap(model).get_decoder().register_forward_hook(lambda module, inputs, out: states.append(out[0]))
     try:
@@ -594,9 +592,8 @@ def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=
 
     input_ids = [PAD, PAD, 4, 7, 13 | 5, 5, EOS]   left-padded prompt | completion (T = 3)
     attention = [0,   0,   1, 1, 1  | 1, 1, 1  ]   positions [0, 0, 0, 1, 2 | 3, 4, 5], as in generate()
-    The state at prompt_len - 1 + t predicts token t: those alone go through the output layer, in float32,
-    chunk_values logits at a time, recomputed in the backward pass (docs/gpu.md). A model whose logits are more
-    than that layer (Gemma 2's soft-capping, a logit scale) gives its own, all at once.
+    The state at prompt_len - 1 + t predicts token t: only those go through the output layer, chunk_values logits
+    at a time, recomputed in the backward pass; a model whose logits are soft-capped or scaled gives its own.
     """
     head, length = unwrap(model).get_output_embeddings(), input_ids.shape[1] - prompt_len
     config = unwrap(model).config.get_text_config()
@@ -627,7 +624,6 @@ def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=
 
 @torch.no_grad()
 def batched_logprobs(model, input_ids, attention_mask, prompt_len, temperature, batch_size):
-    """sequence_logprobs without gradient, batch_size rows at a time."""
     model.eval()
     return torch.cat([sequence_logprobs(model, input_ids[i : i + batch_size], attention_mask[i : i + batch_size],
                                         prompt_len, temperature) for i in range(0, len(input_ids), batch_size)])
@@ -673,7 +669,7 @@ def evaluate(model, tokenizer, records, args, stop_ids, samples=None):
     return right / count
 
 
-# ---- The run's folder: metrics, samples, the model, checkpoints (docs/outputs.md) ---------------
+# ---- The run's folder: metrics, samples, the model, checkpoints (docs/outputs.md)
 def clock(device):
     """Seconds, once this thread's CUDA stream has done its queued work."""
     if device.type == "cuda":
@@ -709,8 +705,7 @@ def run_folder(path):
 
 
 def make_output_dir(args):
-    """(the run's folder, the checkpoint to resume from): a new folder with args.json, or the run --resume-from
-    continues, its metrics kept up to the checkpoint's step; checked before any model loads."""
+    """(the run's folder, the checkpoint to resume from or None), checked before any model loads."""
     path, checkpoint, (rank, world) = args.output_dir or os.path.join("runs", args.run_name), None, rank_and_world()
     if args.resume_from is not None:
         path, given = run_folder(args.resume_from), os.path.normpath(args.resume_from)
@@ -756,7 +751,7 @@ def make_output_dir(args):
 
 
 def save(model, tokenizer, output_dir):
-    """The whole model and the tokenizer, loadable with from_pretrained (rank 0; under FSDP from every shard)."""
+    """The whole model and the tokenizer, loadable with from_pretrained (rank 0 writes)."""
     state_dict = None
     if isinstance(model, FSDPModule):
         state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -771,8 +766,7 @@ def save(model, tokenizer, output_dir):
 
 
 def save_checkpoint(args, output_dir, step, tokenizer, models, optimizer, generators, **loop_state):
-    """Every --save-every steps, checkpoints/step_<step>/: the models (each loadable), state/ (their and the
-    optimizer's state, a shard a process), the random and loop states; the newest --keep-checkpoints stay."""
+    """Every --save-every steps, checkpoints/step_<step>/: each model, state/ (DCP), random and loop states."""
     if args.save_every == 0 or step % args.save_every != 0:
         return
     (rank, world), folder = rank_and_world(), os.path.join(output_dir, "checkpoints", f"step_{step:06d}")
@@ -819,7 +813,7 @@ def resume(checkpoint, models, optimizer, generators):
     return state["step"] + 1, state["state"]
 
 
-# ---- The device and many processes: torchrun, DDP or FSDP2 (docs/distributed.md) -----------------
+# ---- The device and many processes: torchrun, DDP or FSDP2 (docs/distributed.md)
 def setup(args):
     """The device; names the run, settles --dtype auto, seeds (seed + rank) and joins torchrun's processes."""
     transformers.utils.logging.disable_progress_bar()
@@ -853,13 +847,12 @@ def rank_and_world():
 
 
 def share_of(items):
-    """This process's items: every N-th one from its rank on (fewer than N left over are left out)."""
+    """This process's items: every N-th from its rank on (a remainder of fewer than N is left out)."""
     rank, world = rank_and_world()
     return items[: len(items) - len(items) % world][rank::world]
 
 
-def all_sum(x):
-    """The sum of tensor x over the processes."""
+def all_sum(x):  # the sum of tensor x over the processes
     if not dist.is_initialized():
         return x
     y = x.detach().to(f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu", copy=True)
@@ -873,7 +866,7 @@ def barrier():
 
 
 def end_processes():
-    """Ends the wandb run; under torchrun the group, then the process before the exit-time teardown that can abort."""
+    """Ends the wandb run; under torchrun the group, then the process, before an exit-time teardown can abort."""
     if getattr(sys.modules.get("wandb"), "run", None):
         sys.modules["wandb"].finish()
     if dist.is_initialized():
@@ -885,8 +878,7 @@ def end_processes():
 
 
 def distribute(model, args):
-    """The model over the processes from rank 0's weights: DDP (a frozen model: a copy each) or with --fsdp FSDP2,
-    each decoder layer and then the rest sharded, gathered in --dtype, gradients reduced in float32."""
+    """The model over the processes from rank 0's weights: DDP (a frozen one: a copy each), or FSDP2 with --fsdp."""
     if not dist.is_initialized():
         return model
     for tensor in model.state_dict().values():
@@ -904,8 +896,7 @@ def distribute(model, args):
     return torch.nn.parallel.DistributedDataParallel(model) if trained else model
 
 
-def unwrap(model):
-    """The model inside a DDP wrapper (an FSDP2 model is its own)."""
+def unwrap(model):  # the model inside a DDP wrapper (an FSDP2 model is its own)
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
