@@ -523,10 +523,9 @@ def from_pretrained(cls, path, args, flag="--model-name-or-path", **kwargs):
         fail(f"{flag} {path}: not a model folder, nor loadable from the hub ({type(e).__name__})")
 
 
-def load_model(path, args, device, model_class=AutoModelForCausalLM, flag="--model-name-or-path", frozen=False,
-               model=None, **kwargs):
+def load_model(path, args, device, frozen=False, model=None):
     """The model (from path unless given) with float32 weights, computing under autocast in --dtype (docs/gpu.md)."""
-    model = model or from_pretrained(model_class, path, args, flag, dtype=torch.float32, **kwargs)
+    model = model or from_pretrained(AutoModelForCausalLM, path, args, dtype=torch.float32)
     model.requires_grad_(not frozen)
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
@@ -805,23 +804,24 @@ def save_checkpoint(args, output_dir, step, tokenizer, models, optimizer, genera
     if args.save_every == 0 or step % args.save_every != 0:
         return
     (rank, world), folder = rank_and_world(), os.path.join(output_dir, "checkpoints", f"step_{step:06d}")
+    part = folder + ".partial"  # named once whole
     if rank == 0:
-        shutil.rmtree(folder + ".partial", ignore_errors=True)  # named once whole
+        shutil.rmtree(part, ignore_errors=True)
     barrier()
     model_state, optimizer_state = get_state_dict(torch.nn.ModuleDict(models), optimizer)
-    dcp.save({"models": model_state, "optimizer": optimizer_state}, checkpoint_id=f"{folder}.partial/state")
+    dcp.save({"models": model_state, "optimizer": optimizer_state}, checkpoint_id=f"{part}/state")
     for name, model in models.items():
-        save(model, tokenizer, f"{folder}.partial/{name}")
+        save(model, tokenizer, f"{part}/{name}")
     _, keys, *numpy = sys.modules["numpy"].random.get_state()  # vLLM's CUDA sampler draws from numpy's
     torch.save({"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all(),
                 "numpy": [torch.from_numpy(keys), *numpy], "generators": [g.getstate() if isinstance(g, random.Random)
                                                                          else g.get_state() for g in generators]},
-               f"{folder}.partial/rng_{rank}.pt")
+               f"{part}/rng_{rank}.pt")
     barrier()
     if rank == 0:
-        with open(f"{folder}.partial/trainer_state.json", "w") as f:
+        with open(f"{part}/trainer_state.json", "w") as f:
             json.dump({"file": os.path.basename(__file__), "step": step, "world_size": world, "state": loop_state}, f)
-        os.replace(f"{folder}.partial", folder)
+        os.replace(part, folder)
         for old in sorted(glob.glob(os.path.join(output_dir, "checkpoints", "step_*[0-9]")))[: -args.keep_checkpoints]:
             shutil.rmtree(old)
     barrier()
@@ -831,11 +831,10 @@ def resume(checkpoint, models, optimizer, generators):
     """(the first step, the loop's state): (1, {}) for a new run, else the checkpoint's, its states put back."""
     if checkpoint is None:
         return 1, {}
-    model_state, optimizer_state = get_state_dict(torch.nn.ModuleDict(models), optimizer)  # what to load into
-    state = {"models": model_state, "optimizer": optimizer_state}
+    modules = torch.nn.ModuleDict(models)
+    state = dict(zip(("models", "optimizer"), get_state_dict(modules, optimizer)))  # what to load into
     dcp.load(state, checkpoint_id=os.path.join(checkpoint, "state"))
-    set_state_dict(torch.nn.ModuleDict(models), optimizer, model_state_dict=state["models"],
-                   optim_state_dict=state["optimizer"])
+    set_state_dict(modules, optimizer, model_state_dict=state["models"], optim_state_dict=state["optimizer"])
     rng = torch.load(os.path.join(checkpoint, f"rng_{rank_and_world()[0]}.pt"))
     random.setstate(rng["python"])
     torch.set_rng_state(rng["torch"])
@@ -871,8 +870,9 @@ def setup(args):
     if getattr(args, "vllm", False) and importlib.util.find_spec("vllm") is None:
         fail("--vllm: vLLM is not installed; install requirements-vllm.txt (CUDA) or requirements-vllm-cpu.txt (CPU), "
              "each in an environment of its own (docs/vllm.md)")
-    random.seed(args.seed + rank_and_world()[0])
-    torch.manual_seed(args.seed + rank_and_world()[0])
+    seed = args.seed + rank_and_world()[0]
+    random.seed(seed)
+    torch.manual_seed(seed)
     torch.use_deterministic_algorithms(args.torch_deterministic)
     return device
 
@@ -920,10 +920,9 @@ def distribute(model, args):
         dist.broadcast(tensor, src=0)
     if args.fsdp:
         precision = MixedPrecisionPolicy(param_dtype=model.compute_dtype, reduce_dtype=torch.float32)
-        for module in model.modules():
-            if type(module).__name__ in (model._no_split_modules or []):  # a decoder layer
-                fully_shard(module, mp_policy=precision)
-        fully_shard(model, mp_policy=precision)
+        layers = [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or [])]
+        for module in [*layers, model]:  # each decoder layer, then the rest
+            fully_shard(module, mp_policy=precision)
         if model.can_generate():
             register_fsdp_forward_method(model, "generate")  # generate() gathers as forward() does
         return model
@@ -949,11 +948,11 @@ def parse_args():
     about = f"{__doc__.splitlines()[0]} See docs/{os.path.basename(__file__)[:-3]}.md; the algorithm's flags come last."
     args = tyro.cli(Args, description=about)
     saved = os.path.join(run_folder(args.resume_from), "args.json") if args.resume_from else ""
-    if not os.path.exists(saved):
-        return args  # a new run, or a --resume-from that make_output_dir will refuse
-    with open(saved) as f:
-        saved = {k: v for k, v in json.load(f).items() if k in Args.__dataclass_fields__}
-    return tyro.cli(Args, description=about, default=Args(**saved))
+    if os.path.exists(saved):  # else a new run, or a --resume-from that make_output_dir refuses
+        with open(saved) as f:
+            saved = {k: v for k, v in json.load(f).items() if k in Args.__dataclass_fields__}
+        args = tyro.cli(Args, description=about, default=Args(**saved))
+    return args
 
 
 if __name__ == "__main__":
