@@ -767,7 +767,8 @@ def resume(checkpoint, models, optimizer, generators):
     if checkpoint is None:
         return 1, {}
     modules = torch.nn.ModuleDict(models)
-    state = dict(zip(("models", "optimizer"), get_state_dict(modules, optimizer)))  # what to load into
+    model_state, optimizer_state = get_state_dict(modules, optimizer)  # what to load into, as save_checkpoint
+    state = {"models": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=os.path.join(checkpoint, "state"))
     set_state_dict(modules, optimizer, model_state_dict=state["models"], optim_state_dict=state["optimizer"])
     rng = torch.load(os.path.join(checkpoint, f"rng_{rank_and_world()[0]}.pt"))
