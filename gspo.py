@@ -797,7 +797,7 @@ def resume(checkpoint, models, optimizer, generators):
     if checkpoint is None:
         return 1, {}
     modules = torch.nn.ModuleDict(models)
-    model_state, optimizer_state = get_state_dict(modules, optimizer)  # what to load into, as save_checkpoint
+    model_state, optimizer_state = get_state_dict(modules, optimizer)  # what to load into
     state = {"models": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=os.path.join(checkpoint, "state"))
     set_state_dict(modules, optimizer, model_state_dict=state["models"], optim_state_dict=state["optimizer"])
