@@ -64,7 +64,7 @@ class Args:
     log_every: int = 5  # write metrics and a console line every this many steps
     save_every: int = 0  # write a checkpoint every this many steps (0: none)
     keep_checkpoints: int = 2  # keep the newest this many checkpoints
-    resume_from: str | None = None  # continue the run in this folder from its last checkpoint (or from this one)
+    resume_from: str | None = None  # continue the run in this folder from its last checkpoint
 
     # Model and data
     model_name_or_path: str = "tiny-adder"  # the checkpoint the reward model starts from: a folder or a hub id
@@ -375,21 +375,18 @@ def check_ranges(args, ranges):
             continue
         op, bounds = re.match(r"(>=|>|in) ([\[(].*?[\])]|\S+)", spec).groups()
         low, high = map(float, bounds[1:-1].split(",")) if op == "in" else (float(bounds), math.inf)
-        closed = (bounds[0] == "[", bounds[-1] == "]") if op == "in" else (op == ">=", False)
-        if not (math.isfinite(x) and (low < x or closed[0] and x == low) and (x < high or closed[1] and x == high)):
+        above = x >= low if op == ">=" or bounds[0] == "[" else x > low  # nan and inf are in no range
+        if not (above and (x <= high if bounds[-1] == "]" else x < high)):
             fail(f"{flag(name)} {x}: must be {'' if math.isfinite(x) else 'a finite number '}{spec}")
 
 
 # ---- The task and its reward
-TASKS = {"addition": "{a}+{b}=",  # for the bundled character-level model
-         "addition-question": "What is {a} + {b}? Reply with the number only."}  # for a chat model
-
-
 def addition_task(num_eval, task="addition"):
     """(train, held-out) records of a + b for 0 <= a, b <= 99, held out alike in every run."""
+    prompt = {"addition": "{a}+{b}=", "addition-question": "What is {a} + {b}? Reply with the number only."}[task]
     pairs = [(a, b) for a in range(100) for b in range(100)]
     random.Random(0).shuffle(pairs)
-    records = [{"prompt": TASKS[task].format(a=a, b=b), "answer": str(a + b)} for a, b in pairs]
+    records = [{"prompt": prompt.format(a=a, b=b), "answer": str(a + b)} for a, b in pairs]
     return records[num_eval:], records[:num_eval]
 
 
@@ -400,9 +397,7 @@ def last_number(text):
 
 
 def reward_fn(completion, record):
-    """The reward of a completion's text for its prompt's record: write yours for your task (docs/your_own_task.md).
-    1.0 when its last number is the answer's ('5' scores 0 for '55'); for an answer with no number, when it is the
-    answer or ends with it as whole words, case and surrounding punctuation aside."""
+    """1.0 if the completion ends with the answer: its last number, or its last words (docs/your_own_task.md)."""
     answer = str(record["answer"])
     if last_number(answer) is not None:
         return float(last_number(completion) == last_number(answer))
@@ -412,29 +407,29 @@ def reward_fn(completion, record):
 
 # ---- Data
 def read_jsonl(path, *schemas):
-    """The records of a JSONL file, each with the fields of a schema: text or chat messages (an answer: text or a
-    number); a bad record stops the run naming its line."""
+    """The records of a JSONL file, each with the fields of a schema; a bad record stops the run naming its line."""
     if not os.path.isfile(path):
         fail(f"--dataset {path}: no such file")
     with open(path, encoding="utf-8") as f:
-        lines = [(number, line) for number, line in enumerate(f, start=1) if line.strip()]
-    for number, line in lines:
+        lines = [(f"--dataset {path}: line {n}", line) for n, line in enumerate(f, start=1) if line.strip()]
+    records = []
+    for at, line in lines:
         try:
-            record = json.loads(line)
+            records.append(json.loads(line))
         except json.JSONDecodeError as e:
-            fail(f"--dataset {path}: line {number} is not valid JSON ({e.msg})")
-        schema = next((s for s in schemas if isinstance(record, dict) and set(s) <= set(record)), schemas[0])
-        for k in schema:
-            if not isinstance(record, dict) or k not in record:
-                needs = " or ".join(" and ".join(s) for s in schemas)
-                fail(f"--dataset {path}: line {number} has no field {k!r} (a record needs {needs})")
+            fail(f"{at} is not valid JSON ({e.msg})")
+        record = records[-1] if isinstance(records[-1], dict) else {}
+        for k in next((s for s in schemas if set(s) <= set(record)), schemas[0]):
+            if k not in record:
+                fail(f"{at} has no field {k!r} (a record needs {' or '.join(' and '.join(s) for s in schemas)})")
             v = record[k]
+            number = type(v) in (int, float) and math.isfinite(v)
             chat = isinstance(v, list) and v and all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                                      and isinstance(m.get("content"), str) for m in v)
-            if not (isinstance(v, str) or (type(v) in (int, float) and math.isfinite(v) if k == "answer" else chat)):
+            if not (isinstance(v, str) or (number if k == "answer" else chat)):
                 needs = "text or a finite number" if k == "answer" else "text or a list of role/content messages"
-                fail(f"--dataset {path}: line {number}: field {k!r} holds {json.dumps(v)[:40]}, where it needs {needs}")
-    return [json.loads(line) for _, line in lines] or fail(f"--dataset {path}: the file holds no records")
+                fail(f"{at}: field {k!r} holds {json.dumps(v)[:40]}, where it needs {needs}")
+    return records or fail(f"--dataset {path}: the file holds no records")
 
 
 def load_hub_split(name, config, split):
@@ -615,13 +610,12 @@ def weighted_means(records, prefix=""):
 
 
 @torch.no_grad()
-def greedy_completions(model, tokenizer, records, args, stop_ids, batch_size=128):
+def greedy_completions(model, tokenizer, records, args, stop_ids):
     """This process's share of the records, and the texts of their greedy completions."""
     model.eval()
-    records, texts = share_of(records), []
-    for i in range(0, len(records), batch_size):
-        ids, mask = tokenize_prompts(tokenizer, [r["prompt"] for r in records[i : i + batch_size]],
-                                     next(model.parameters()).device, args)
+    records, texts, device = share_of(records), [], next(model.parameters()).device
+    for i in range(0, len(records), 128):
+        ids, mask = tokenize_prompts(tokenizer, [r["prompt"] for r in records[i : i + 128]], device, args)
         completion_ids = generate(model, tokenizer, ids, mask, args.max_new_tokens, None, stop_ids)
         texts += decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
     return records, texts
@@ -667,21 +661,15 @@ def log(output_dir, step, metrics, samples=()):
         print("  sample  " + "  ".join(f"{k} {repr(v)[:80]}" for k, v in samples[0].items()), flush=True)
 
 
-def run_folder(path):
-    """The run that --resume-from names: a run's folder, or the run of one of its checkpoints."""
-    path = os.path.normpath(path)
-    return os.path.dirname(os.path.dirname(path)) if os.path.basename(os.path.dirname(path)) == "checkpoints" else path
-
-
 def make_output_dir(args):
     """(the run's folder, the checkpoint to resume from or None), checked before any model loads."""
     path, checkpoint, (rank, world) = args.output_dir or os.path.join("runs", args.run_name), None, rank_and_world()
     if args.resume_from is not None:
-        path, given = run_folder(args.resume_from), os.path.normpath(args.resume_from)
+        path = args.resume_from
         steps = sorted(glob.glob(os.path.join(path, "checkpoints", "step_" + "[0-9]" * 6)))  # whole ones
-        checkpoint = steps[-1] if given == path and steps else given
-        if checkpoint not in steps or not os.path.exists(os.path.join(path, "args.json")):
-            fail(f"--resume-from {given}: neither a whole checkpoint nor a run with one (--save-every writes them)")
+        if not steps or not os.path.exists(os.path.join(path, "args.json")):
+            fail(f"--resume-from {path}: not a run's folder with a whole checkpoint (--save-every writes them)")
+        checkpoint = steps[-1]
         with open(os.path.join(checkpoint, "trainer_state.json")) as f, open(os.path.join(path, "args.json")) as g:
             state, saved = json.load(f), json.load(g)
         keep = {"num_steps", "log_every", "eval_every", "save_every", "keep_checkpoints", "resume_from", "track",
@@ -690,9 +678,8 @@ def make_output_dir(args):
         this = {"file": os.path.basename(__file__), "processes": world, **{flag(k): v for k, v in asdict(args).items()
                                                                             if k not in keep}}
         differ = [f"{k} {v} (the run's: {run.get(k)})" for k, v in this.items() if run.get(k) != v]
-        if differ or checkpoint != steps[-1]:
-            fail(f"--resume-from {given}: " + (f"differs from the run: {', '.join(differ)}" if differ else
-                                               "the run has a later checkpoint, which this would overwrite"))
+        if differ:
+            fail(f"--resume-from {path}: differs from the run: {', '.join(differ)}")
         if args.num_steps <= state["step"]:
             fail(f"--num-steps {args.num_steps}: the checkpoint is at step {state['step']}; ask for more steps")
         print(f"resuming {path} from {checkpoint} (step {state['step']})")
@@ -837,7 +824,7 @@ def barrier():
 
 
 def end_processes():
-    """Ends the wandb run; under torchrun the group, then the process, before an exit-time teardown can abort."""
+    """Ends the wandb run; under torchrun the group, then the process (docs/distributed.md)."""
     if getattr(sys.modules.get("wandb"), "run", None):
         sys.modules["wandb"].finish()
     if dist.is_initialized():
@@ -883,7 +870,7 @@ def parse_args():
     """The flags; with --resume-from, a flag left out takes the run's own value (its args.json)."""
     about = f"{__doc__.splitlines()[0]} See docs/{os.path.basename(__file__)[:-3]}.md; the algorithm's flags come last."
     args = tyro.cli(Args, description=about)
-    saved = os.path.join(run_folder(args.resume_from), "args.json") if args.resume_from else ""
+    saved = os.path.join(args.resume_from, "args.json") if args.resume_from else ""
     if os.path.exists(saved):  # else a new run, or a --resume-from that make_output_dir refuses
         with open(saved) as f:
             saved = {k: v for k, v in json.load(f).items() if k in Args.__dataclass_fields__}

@@ -156,9 +156,9 @@ def test_a_killed_run_resumes_exactly(script, tmp_path):
 
 
 def test_bad_resume_input_stops_with_one_line_and_changes_nothing(tmp_path):
-    """A flag that differs from the run's (--output-dir too), another file's checkpoint, an incomplete checkpoint, a
-    later checkpoint than the one named, a missing path, fewer steps than done: each one line, status 1, and the
-    folder unchanged."""
+    """A flag that differs from the run's (--output-dir too), another file's run, a checkpoint's folder (whole or cut
+    short) in place of the run's, a missing path, fewer steps than done: each one line, status 1, and the folder
+    unchanged."""
     save, resume = readme_checkpoint_commands()
     run = str(tmp_path / "run")
     argv = [run if a == "runs/long" else a for a in shlex.split(save)[1:]]
@@ -175,12 +175,12 @@ def test_bad_resume_input_stops_with_one_line_and_changes_nothing(tmp_path):
         ("rloo.py", ["--resume-from", run, "--num-steps", "6"],
          f"--resume-from {run}: differs from the run: file rloo.py (the run's: grpo.py)"),
         ("grpo.py", ["--resume-from", os.path.join(checkpoints, "step_000004.partial"), "--num-steps", "6"],
-         f"--resume-from {os.path.join(checkpoints, 'step_000004.partial')}: neither a whole checkpoint nor a run "
-         "with one"),
+         f"--resume-from {os.path.join(checkpoints, 'step_000004.partial')}: not a run's folder with a whole "
+         "checkpoint"),
         ("grpo.py", ["--resume-from", os.path.join(checkpoints, "step_000002"), "--num-steps", "6"],
-         f"--resume-from {os.path.join(checkpoints, 'step_000002')}: the run has a later checkpoint"),
+         f"--resume-from {os.path.join(checkpoints, 'step_000002')}: not a run's folder with a whole checkpoint"),
         ("grpo.py", ["--resume-from", str(tmp_path / "nowhere")],
-         f"--resume-from {tmp_path / 'nowhere'}: neither a whole checkpoint nor a run with one"),
+         f"--resume-from {tmp_path / 'nowhere'}: not a run's folder with a whole checkpoint"),
         ("grpo.py", ["--resume-from", run], "--num-steps 3: the checkpoint is at step 3; ask for more steps"),
         ("grpo.py", ["--resume-from", run, "--num-steps", "6", "--output-dir", str(tmp_path / "elsewhere")],
          f"--resume-from {run}: differs from the run: --output-dir {tmp_path / 'elsewhere'} (the run's: {run})"),
