@@ -494,8 +494,7 @@ VLLM_RANGES = {"vllm_kv_cache_gib": "> 0", "vllm_is_cap": "> 0"}
 
 
 def load_engine(args, device):
-    """With --vllm, a vLLM engine in this process (one a process under torchrun), in --dtype, asleep on a GPU while
-    the trainer works; its sequences at most --max-prompt-length + --max-new-tokens long when that is bounded."""
+    """With --vllm, a vLLM engine in this process (one a process under torchrun), in --dtype (docs/vllm.md)."""
     if not args.vllm:
         return None
     import vllm
@@ -539,8 +538,7 @@ def sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids):
 
 
 def sync_engine(engine, policy):
-    """The policy's weights into the engine, a tensor at a time (under FSDP each gathered as the engine takes it),
-    then its prefix cache emptied; an engine asleep on a GPU wakes its weights first, its KV cache last."""
+    """The policy's weights into the engine, a tensor at a time (under FSDP each gathered as the engine takes it)."""
     asleep = engine.llm_engine.is_sleeping()
     if asleep:
         torch.cuda.empty_cache()
