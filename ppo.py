@@ -1,20 +1,17 @@
 """Proximal Policy Optimization (PPO) for RLHF, in one file.
 
 InstructGPT's recipe (Ouyang et al. 2022, https://arxiv.org/abs/2203.02155, after Ziegler et al. 2019 and
-Stiennon et al. 2020): sample one completion per prompt, score it (the task's verifier, or a reward model from
-reward_model.py), and turn the score into per-token rewards: a KL penalty to the frozen reference on every
-token, plus the score on the last. A critic gives a value per token; GAE makes advantages; the policy and the
-critic take PPO's clipped losses (Schulman et al. 2017, https://arxiv.org/abs/1707.06347) for several epochs:
+Stiennon et al. 2020): sample one completion per prompt, score it (the task's verifier, or reward_model.py's
+model), and reward each token with a KL penalty to the frozen reference, plus the score on the last. A critic's
+values and GAE give advantages; the policy and the critic take PPO's clipped losses (Schulman et al. 2017,
+https://arxiv.org/abs/1707.06347) for several epochs:
 
-    r_t = -beta (log pi_old(y_t) - log pi_ref(y_t)) + [t = last] score
-    delta_t = r_t + gamma V(t+1) - V(t),   A_t = delta_t + gamma lambda A_(t+1),   V = 0 after the last token
+    r_t = -beta (log pi_old(y_t) - log pi_ref(y_t)) + [t = last] score,   A = GAE(r, V_old),   R = A + V_old
     L_policy = mean_t max(-A_t rho_t, -A_t clip(rho_t, 1-eps, 1+eps)),   rho_t = pi(y_t) / pi_old(y_t)
-    L_value = 0.5 mean_t max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2),   R = A + V_old
-    loss = L_policy + vf_coef L_value
+    L_value = 0.5 mean_t max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2),   loss = L_policy + vf_coef L_value
 
-With a reward model, the score is shifted so that the starting policy's samples score 0 on average
-(InstructGPT), and beta follows Ziegler et al.'s adaptive controller towards a target KL. Departures from the
-papers: no entropy bonus; the advantages are whitened over the batch's real tokens. See docs/ppo.md.
+With a reward model the score is shifted so that the starting policy's samples score 0 on average, and beta
+follows Ziegler et al.'s controller towards a target KL. No entropy bonus; whitened advantages. See docs/ppo.md.
 
     python ppo.py                                    # bundled tiny model, addition task, CPU
     python sft.py --output-dir runs/sft              # the RLHF pipeline: SFT, a reward model, PPO against it
@@ -73,7 +70,7 @@ class Args:
     # Model and data
     model_name_or_path: str = "tiny-adder"  # the starting policy: a local folder or a hub id
     reward_model_path: str | None = None
-    """reward_model.py's model: it scores the completions, and the critic starts from it (unset: the task's verifier)"""
+    """reward_model.py's model: the reward, and the critic's start (unset: the task's verifier)"""
     dataset: str | None = None
     """a .jsonl of prompt/answer (or question/answer) records, answers optional with a reward model; or a hub dataset"""
     task: Literal["addition", "addition-question"] = "addition"  # without --dataset: `47+8=`, or as a question
@@ -119,7 +116,7 @@ class Args:
     run_name: tyro.conf.Suppress[str] = ""  # exp_name__seed__time
 
 
-# ---- ALGO LOGIC: values, rewards, GAE and PPO's two losses ---------------------------------------
+# ---- ALGO LOGIC: values, rewards, GAE and PPO's two losses
 def last_token_scores(model, input_ids, attention_mask):
     """The score (B,) at each sequence's last real token: the last 1 of the attention mask.
 
@@ -149,21 +146,20 @@ def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, beta):
 
     mask = [[1, 1, 1, 0]], scores = [1.0], kl = [[.1, .2, .3, x]] -> [[-.1b, -.2b, 1 - .3b, 0]]  (b = beta)
     """
-    m = mask.bool()
-    rewards = torch.where(m, -beta * (logprobs - ref_logprobs), 0.0)  # (B, T)
+    rewards = torch.where(mask.bool(), -beta * (logprobs - ref_logprobs), 0.0)  # (B, T)
     last = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(dim=1)  # (B,) the last real token
     return rewards + torch.nn.functional.one_hot(last, mask.shape[1]) * scores[:, None]
 
 
 def gae(rewards, values, mask, gamma, lam):
-    """Generalised advantage estimation over the completion tokens; returns (advantages, returns), (B, T).
+    """Generalised advantage estimation: (advantages, returns = A + V), (B, T), 0 at padding.
 
     delta_t = r_t + gamma V_(t+1) - V_t,  A_t = delta_t + gamma lam A_(t+1),  with V and A = 0 after the
-    last real token (never a bootstrap from padding); returns = A + V. Padding gets 0.
+    last real token (never a bootstrap from padding)
     """
     m = mask.bool()
     rewards, values = torch.where(m, rewards, 0.0), torch.where(m, values, 0.0)
-    next_advantage, next_value = torch.zeros_like(rewards[:, 0]), torch.zeros_like(values[:, 0])
+    next_advantage = next_value = torch.zeros_like(values[:, 0])
     advantages = []
     for t in reversed(range(rewards.shape[1])):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
@@ -241,15 +237,14 @@ def main(args):
     args.batch_size, args.minibatch_size = batch_size * world, minibatch_size * world  # of all processes
     output_dir, checkpoint = make_output_dir(args)
 
-    # four models: the policy, its frozen reference, the reward (a model, or the verifier) and the critic;
-    # under torchrun each goes to DDP, or FSDP2 with --fsdp (a frozen one: a copy in each process, or sharded)
+    # four models: the policy, its frozen reference, the reward (a model, or the verifier) and the critic
     tokenizer = load_tokenizer(args.model_name_or_path, args)
     policy = load_model(args.model_name_or_path, args, device)
     stop_ids = stop_token_ids(tokenizer, policy)
-    policy = distribute(policy, args)
+    policy = distribute(policy, args)  # under torchrun: DDP, or FSDP2 with --fsdp
     ref_policy = distribute(load_model(args.model_name_or_path, args, device, frozen=True), args)
     reward_model = distribute(load_scorer(args.reward_model_path, args, device, "the reward model", tokenizer,
-                                          "--reward-model-path", frozen=True).eval(), args) if learned else None
+                                          "--reward-model-path", frozen=True), args) if learned else None
     value_model = load_scorer(args.reward_model_path or args.model_name_or_path, args, device, "the value model",
                               tokenizer)
     if not learned:
@@ -304,8 +299,8 @@ def main(args):
             scores = scores - reward_bias - torch.where(has_eos, 0.0, args.missing_eos_penalty)
         signal = no_signal_note(step, scores, len(scores), signal)  # the whole batch is one group
 
-        # 3. once per batch, without gradient: log-probs of pi_old and pi_ref, and the critic's values (less the
-        # reward's bias: a critic that starts as the reward model then predicts the normalised score)
+        # 3. once per batch, without gradient: log-probs of pi_old and pi_ref, and the critic's values less the
+        # reward's bias (a critic that starts as the reward model then predicts the normalised score)
         logprob_start = clock(device)
         old_logprobs, ref_logprobs = (batched_logprobs(m, input_ids, attention_mask, prompt_len, args.temperature,
                                                        args.micro_batch_size) for m in (policy, ref_policy))  # (B, T)
@@ -366,7 +361,7 @@ def main(args):
         step_end = clock(device)
         evaluate_now = step % args.eval_every == 0 or step == args.num_steps
         if step % args.log_every == 0 or evaluate_now:
-            residual = torch.where(mask, returns - old_values, 0.0)
+            residual = returns - old_values  # (B, T)
             metrics = {**weighted_means(step_stats, "losses/"), **weighted_means(rollout_stats, "rollout/"),
                        "charts/score": scores.mean(), **({"charts/reward": correct.mean()} if answers else {}),
                        "losses/kl": kl.mean(), "charts/non_score_reward": (-kl_coef * kl).mean(),
