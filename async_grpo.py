@@ -1,23 +1,18 @@
 """Asynchronous GRPO (AReaL), in one file: generation runs ahead of training, by at most eta policy versions.
 
-grpo.py alternates: sample a batch, train on it, sample the next. Here a generator thread, with its own copy
-of the policy, samples batch k+1, k+2, ... while the trainer trains on batch k, and takes the trainer's weights
-each time a new version is published (Fu et al. 2025, AReaL, https://arxiv.org/abs/2505.24298). Staleness
-control (eq. 3): a batch of B rollouts may start only while floor((N_r - 1) / B) <= i + eta, i the number of
-versions published, so no batch is more than eta versions older than the policy it trains (`--max-staleness`;
-0 is synchronous GRPO). The decoupled PPO objective (eq. 5) centres the clip on the proximal policy pi_prox (the
-weights as this update starts) and weighs each token by the constant pi_prox / pi_behav, pi_behav the version
-that sampled it:
+A generator thread with its own copy of the policy samples batches k+1, k+2, ... while the trainer trains on batch
+k (Fu et al. 2025, AReaL, https://arxiv.org/abs/2505.24298). Staleness control (eq. 3): a batch of B rollouts may
+start only while floor((N_r - 1) / B) <= i + eta, i the versions published (`--max-staleness`; 0: synchronous
+GRPO). The decoupled PPO objective (eq. 5) centres the clip on pi_prox (the weights as this update starts) and
+weighs each token by the constant pi_prox / pi_behav, pi_behav the version that sampled it:
 
     loss = -1/G sum_i 1/|o_i| sum_t [ w_it min(u_it A_i, clip(u_it, 1-eps, 1+eps) A_i) - beta KL_it ]
     u_it = pi(o_it) / pi_prox(o_it),   w_it = pi_prox(o_it) / pi_behav(o_it)  (0 above --behav-imp-cap)
 
 with GRPO's A_i and k3 KL (grpo.py). `--no-decoupled` centres the clip on pi_behav (w = 1): the paper's baseline.
 
-Where this file departs from AReaL: one process, the generator a thread of it (no torchrun); batch k is sampled
-with exactly version max(0, k - 1 - eta), the oldest the rule admits, so that a run is reproducible (AReaL gives
-a rollout the newest weights, swapped in mid-rollout). pi_behav is the log-prob the generator recorded, which
-also corrects for its copy computing in --dtype. See docs/async_grpo.md.
+Departures from AReaL (docs/async_grpo.md): one process; batch k is sampled with exactly version
+max(0, k - 1 - eta), so that a run is reproducible; pi_behav is the log-prob the generator recorded.
 
     python async_grpo.py                             # bundled tiny model, addition task, CPU, eta 2
     python async_grpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \
@@ -174,11 +169,10 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps_l
 def behaviour_weights(prox_logprobs, behav_logprobs, mask, cap):
     """AReaL's per-token weight w_t = pi_prox(o_t) / pi_behav(o_t), a constant; 0 for a token above the cap.
 
-    prox_logprobs, behav_logprobs, mask: (B, T). Eq. 5 has no cap; AReaL's code (behav_imp_weight_cap) leaves a
-    token above it out of the loss (w = 0; it still counts in the token means), as this file does (TIS, grpo.py
-    --vllm, truncates instead: min(w, cap)).
+    prox_logprobs, behav_logprobs, mask: (B, T). The cap is AReaL's code's (eq. 5 has none): a token above it is
+    left out of the loss, and still counts in the token means.
     prox = log [0.5, 0.3, 0.6], behav = log [0.5, 0.6, 0.1], cap 5 -> w = [1, 0.5, 0 (6 > 5: left out)]
-    Also behav_weight, the tokens' mean weight (a token left out counts 0), and behav_capped, the fraction left out.
+    Also behav_weight, the mean weight (0 for a token left out), and behav_capped, the share left out.
     """
     m = mask.bool()
     weights = torch.exp(torch.where(m, prox_logprobs - behav_logprobs, 0.0).detach())  # padding never reaches exp()
@@ -192,12 +186,10 @@ def decoupled_loss(logprobs, prox_logprobs, behav_logprobs, ref_logprobs, advant
                    behav_imp_cap=5.0):
     """AReaL's decoupled PPO objective (eq. 5), with GRPO's KL term and aggregation, to be minimised.
 
-    logprobs (B, T) carries the gradient; prox_logprobs (the weights as this update starts), behav_logprobs (the
-    version that sampled each token), ref_logprobs (B, T) and advantages (B,) are constants; mask (B, T) marks
-    completion tokens. Per token, averaged as grpo_loss's loss_agg says:
+    logprobs (B, T) carries the gradient; prox_logprobs, behav_logprobs, ref_logprobs (B, T) and advantages (B,)
+    are constants; mask (B, T) marks completion tokens. Per token, averaged as grpo_loss's loss_agg says:
         l_t = -w_t min(u_t A, clip(u_t, 1 - eps_low, 1 + eps_high) A) + beta (exp(d_t) - d_t - 1),
-        u_t = exp(logprobs_t - prox_t),  w_t = exp(prox_t - behav_t) (0 above behav_imp_cap),
-        d_t = ref_logprobs_t - logprobs_t.
+        u_t = exp(logprobs_t - prox_t),  w_t = exp(prox_t - behav_t) (0 above behav_imp_cap),  d_t = ref_t - logprobs_t.
     prox = behav gives w = 1 and the clip centred on pi_behav: the coupled objective (--no-decoupled).
     """
     weights, weight_stats = behaviour_weights(prox_logprobs, behav_logprobs, mask, behav_imp_cap)
@@ -218,32 +210,26 @@ def main(args):
         fail("torchrun: async_grpo.py runs on one process (its generator is a thread); start it with python, or "
              "use grpo.py under torchrun")
     device = setup(args)
-    world = rank_and_world()[1]
-    num_prompts = exact_div(args.prompts_per_step, world, "--prompts-per-step among the processes")  # each one's
-    batch_size = num_prompts * args.group_size  # this process's completions of each batch
+    batch_size = args.prompts_per_step * args.group_size  # completions of each batch
     minibatch_size = exact_div(batch_size, args.num_minibatches,
                                "--prompts-per-step x --group-size (per process) by --num-minibatches")
     args.micro_batch_size = min(args.micro_batch_size, minibatch_size)
     exact_div(minibatch_size, args.micro_batch_size, "a minibatch (--prompts-per-step x --group-size / "
               "--num-minibatches, per process) by --micro-batch-size")
-    args.batch_size, args.minibatch_size = batch_size * world, minibatch_size * world  # of all processes
+    args.batch_size, args.minibatch_size = batch_size, minibatch_size
     output_dir, checkpoint = make_output_dir(args)
 
     # the policy, and a frozen reference only when the KL term is on
     tokenizer = load_tokenizer(args.model_name_or_path, args)
     policy = load_model(args.model_name_or_path, args, device)
     stop_ids = stop_token_ids(tokenizer, policy)
-    policy = distribute(policy, args)  # under torchrun: DDP, or FSDP2 with --fsdp
-    ref_policy = None if args.beta == 0 else distribute(
-        load_model(args.model_name_or_path, args, device, frozen=True), args)
+    ref_policy = None if args.beta == 0 else load_model(args.model_name_or_path, args, device, frozen=True)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     train_records, eval_records = load_task(args)
     data_rng, shuffle_gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
     # a new run starts at 1; --resume-from puts back its checkpoint's weights and states, and goes on after it
     first_step, saved = resume(checkpoint, {"policy": policy}, optimizer, [data_rng, shuffle_gen])
     signal = saved.get("signal", 0)  # groups whose rewards differed in the first steps (no_signal_note)
-    # the generator samples batch k with version max(0, k - 1 - eta), version i being the policy after i steps; a
-    # resumed run gets back the batches sampled before its checkpoint
     generator = Generator(policy, tokenizer, train_records, stop_ids, data_rng, args, device, first_step - 1,
                           saved.get("rollouts", []))
     print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
@@ -254,8 +240,8 @@ def main(args):
         log(output_dir, 0, {"eval/accuracy": accuracy}, samples)
     for step in range(first_step, args.num_steps + 1):
         step_start = clock(device)
-        # 1. rollouts: the oldest batch the generator has finished, G completions per prompt, group-contiguous,
-        # sampled by policy version `version`, with each token's log-prob under it (behav_logprobs (B, T))
+        # 1. rollouts: the generator's oldest batch, G completions per prompt, group-contiguous, sampled by
+        # version `version`, with each token's log-prob under it (behav_logprobs (B, T))
         group, prompt_ids, prompt_mask, completion_ids, behav_logprobs, version, generation_time = generator.take()
         wait_time = clock(device) - step_start
         mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
@@ -270,7 +256,7 @@ def main(args):
         signal = no_signal_note(step, rewards, args.group_size, signal)
         advantages = group_advantages(rewards, args.group_size, scale=args.scale_rewards)  # (B,)
 
-        # 3. log-probs of pi_prox (the policy as this update starts) and pi_ref, once per batch, without gradient.
+        # 3. log-probs of pi_prox and pi_ref, once per batch, without gradient.
         # With one update per batch, pi_prox is the policy being updated: its log-probs are the new ones, detached.
         logprob_start = clock(device)
         one_update = args.num_iterations == 1 and args.num_minibatches == 1
@@ -287,24 +273,20 @@ def main(args):
                        for mb in torch.randperm(batch_size, generator=shuffle_gen).to(device).split(minibatch_size)]
         for mb in minibatches:
             optimizer.zero_grad()
-            micro_batches = mb.split(args.micro_batch_size)
-            for i, idx in enumerate(micro_batches):
-                with gradient_sync(i == len(micro_batches) - 1, policy):  # one all-reduce per optimizer step
-                    logprobs = sequence_logprobs(policy, input_ids[idx], attention_mask[idx], prompt_len,
-                                                 args.temperature)  # (b, T)
-                    prox = logprobs.detach() if prox_logprobs is None else prox_logprobs[idx]
-                    behav = behav_logprobs[idx]  # as the generator sampled them, whatever their version
-                    loss, stats = decoupled_loss(logprobs, prox if args.decoupled else behav, behav,
-                                                 None if ref_logprobs is None else ref_logprobs[idx],
-                                                 advantages[idx], mask[idx], args.clip_eps_low, args.clip_eps_high,
-                                                 args.beta, args.loss_agg, args.max_new_tokens, args.behav_imp_cap)
-                    if not torch.isfinite(loss):
-                        fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the rewards")
-                    # weigh each micro-batch so that the gradients add up to those of the minibatch's loss (of all
-                    # processes: they average their gradients, so the token mean divides by their mean token count)
-                    token_mean = args.loss_agg == "token-mean"
-                    share = mask[idx].sum() / (all_sum(mask[mb].sum()) / world) if token_mean else len(idx) / len(mb)
-                    (loss * share).backward()
+            for idx in mb.split(args.micro_batch_size):
+                logprobs = sequence_logprobs(policy, input_ids[idx], attention_mask[idx], prompt_len,
+                                             args.temperature)  # (b, T)
+                prox = logprobs.detach() if prox_logprobs is None else prox_logprobs[idx]
+                behav = behav_logprobs[idx]  # as the generator sampled them, whatever their version
+                loss, stats = decoupled_loss(logprobs, prox if args.decoupled else behav, behav,
+                                             None if ref_logprobs is None else ref_logprobs[idx],
+                                             advantages[idx], mask[idx], args.clip_eps_low, args.clip_eps_high,
+                                             args.beta, args.loss_agg, args.max_new_tokens, args.behav_imp_cap)
+                if not torch.isfinite(loss):
+                    fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the rewards")
+                # weigh each micro-batch so that the gradients add up to those of the minibatch's loss
+                share = mask[idx].sum() / mask[mb].sum() if args.loss_agg == "token-mean" else len(idx) / len(mb)
+                (loss * share).backward()
                 # the loss as the optimizer weighed it; the token means (kl, clip_frac, ratio, behav_*) by tokens
                 step_stats += [({"loss": loss.detach()}, share), (stats, mask[idx].sum())]
             grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
@@ -380,21 +362,19 @@ def no_signal_note(step, rewards, group_size, signal):
     return signal
 
 
-# ---- The generator: a thread beside the trainer samples the batches with its own copy of the policy -------------
+# ---- The generator: a thread beside the trainer, with its own copy of the policy
 class Generator:
-    """AReaL's rollout worker: a thread that samples the batches with its own copy of the policy while the trainer
-    trains; the trainer takes them oldest first (take) and hands it each new version of its weights (publish).
-    Version i is the policy after i training steps; batch k is the one step k trains on. Eq. 3: rollout N_r (from 1)
-    may start only while floor((N_r - 1) / B) <= i + eta, i the newest version published: batch k starts once version
-    k - 1 - eta is out, and is sampled with exactly that one (version 0 for the first eta + 1 batches)."""
+    """AReaL's rollout worker; the trainer takes its batches oldest first (take) and hands it each new version of
+    its weights (publish). Version i is the policy after i training steps; batch k, the one step k trains on, starts
+    once version k - 1 - eta is out (eq. 3), and is sampled with exactly that one (version 0 for the first eta + 1)."""
 
     def __init__(self, policy, tokenizer, records, stop_ids, data_rng, args, device, version, finished=()):
         self.model = load_model(args.model_name_or_path, args, device, frozen=True).to(getattr(torch, args.dtype))
         self.model.eval()  # a sampler's copy, in --dtype as an inference engine holds it
-        self.model.load_state_dict(unwrap(policy).state_dict())  # the trainer's weights: version `version`
+        self.model.load_state_dict(policy.state_dict())  # the trainer's weights: version `version`
         self.tokenizer = copy.deepcopy(tokenizer)  # a fast tokenizer is not for two threads at once
         self.records, self.stop_ids, self.data_rng, self.args, self.device = records, stop_ids, data_rng, args, device
-        self.version, self.waiting, self.busy, self.error = version, None, False, None  # waiting: published, not taken
+        self.version, self.waiting, self.error = version, None, None  # waiting: published, not taken
         self.ready = collections.deque([torch.tensor(v, device=device) if 1 <= i <= 4 else v for i, v in
                                         enumerate(batch)] for batch in finished)  # sample()'s, oldest first
         self.next_batch = version + 1 + len(self.ready)
@@ -422,11 +402,10 @@ class Generator:
                             self.model.load_state_dict(weights)
                             clock(self.device)  # copied before the trainer may reuse their memory
                             self.lock.notify_all()
-                        self.busy = True
                     sampled = self.sample()
                     with self.lock:
                         self.ready.append(sampled)
-                        self.busy, self.next_batch = False, batch + 1
+                        self.next_batch = batch + 1
                         self.lock.notify_all()
         except BaseException as e:  # the trainer raises it when it next waits for the generator
             with self.lock:
@@ -462,20 +441,18 @@ class Generator:
         with self.lock:  # only this thread sets self.waiting
             self.wait(lambda: self.waiting is None)
         dtypes = {name: tensor.dtype for name, tensor in self.model.state_dict().items()}
-        weights = {name: tensor.detach().to(dtypes[name], copy=True) for name, tensor in
-                   unwrap(policy).state_dict().items()}
+        weights = {name: tensor.detach().to(dtypes[name], copy=True) for name, tensor in policy.state_dict().items()}
         clock(self.device)  # copied before the generator reads it
         with self.lock:
             self.waiting = (version, weights)
             self.lock.notify_all()
 
     def finished(self):
-        """The batches sampled ahead (JSON, for a checkpoint), once the generator has sampled all that the versions
-        published admit: it waits then, and the random states stand still."""
+        """The batches sampled ahead, as JSON, once the generator has sampled all that the published versions admit
+        (it waits then, and the random states stand still)."""
         with self.lock:  # (the trainer alone publishes: the newest version stays while it waits here)
             newest = self.version if self.waiting is None else self.waiting[0]
-            self.wait(lambda: not self.busy and (self.next_batch > self.args.num_steps or
-                                                 self.admitted_version(self.next_batch) > newest))
+            self.wait(lambda: self.next_batch > self.args.num_steps or self.admitted_version(self.next_batch) > newest)
             return [[v.tolist() if torch.is_tensor(v) else v for v in batch] for batch in self.ready]
 
 
