@@ -103,7 +103,7 @@ class Args:
     run_name: tyro.conf.Suppress[str] = ""  # exp_name__seed__time
 
 
-# ---- ALGO LOGIC: DPO's sequence log-probs and loss -----------------------------------------------
+# ---- ALGO LOGIC: DPO's sequence log-probs and loss
 def completion_logps(model, input_ids, attention_mask, prompt_len, mask):
     """log pi(y|x) (B,): the completion's token log-probs summed, never the prompt's or the padding's."""
     return torch.where(mask.bool(), sequence_logprobs(model, input_ids, attention_mask, prompt_len), 0.0).sum(dim=1)
@@ -244,7 +244,7 @@ def main(args):
     end_processes()
 
 
-# ---- Helpers that only some of the files need: each is kept equal to its copy in the other files that have it ----
+# ---- Helpers that only some of the files need: each is kept equal to its copy in the other files that have it
 def completion_batch(tokenizer, prompts, completions, device, args):
     """Prompt (left-padded) then completion + EOS (right-padded): ids and attention mask (B, P + T), P, and the
     completion mask (B, T). A prompt keeps its last --max-prompt-length tokens, a completion what fits --max-length.
@@ -565,12 +565,11 @@ def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=
 
     input_ids = [PAD, PAD, 4, 7, 13 | 5, 5, EOS]   left-padded prompt | completion (T = 3)
     attention = [0,   0,   1, 1, 1  | 1, 1, 1  ]   positions [0, 0, 0, 1, 2 | 3, 4, 5], as in generate()
-    The state at prompt_len - 1 + t predicts token t: only those go through the output layer, chunk_values logits
-    at a time, recomputed in the backward pass; a model whose logits are soft-capped or scaled gives its own.
+    The state at prompt_len - 1 + t predicts token t; chunk_values logits at a time (docs/gpu.md).
     """
     head, length = unwrap(model).get_output_embeddings(), input_ids.shape[1] - prompt_len
     config = unwrap(model).config.get_text_config()
-    own = getattr(config, "final_logit_softcapping", None) is not None or any(
+    own = getattr(config, "final_logit_softcapping", None) is not None or any(  # soft-capped or scaled: its own logits
         getattr(config, k, None) not in (None, 1) for k in ("logit_scale", "logits_scaling"))
     hidden = decoder_states(model, input_ids, attention_mask, own and length + 1)[:, -length - 1 : -1]
     weight, bias = (None, None) if own else (head.weight, head.bias)

@@ -102,7 +102,7 @@ class Args:
     run_name: tyro.conf.Suppress[str] = ""  # exp_name__seed__time
 
 
-# ---- ALGO LOGIC: GSPO's advantage and loss ------------------------------------------------------
+# ---- ALGO LOGIC: GSPO's advantage and loss
 def group_advantages(rewards, group_size, scale=True, eps=1e-4):
     """A_i = (R_i - mean(R_group)) / (std(R_group) + eps), or R_i - mean(R_group) if not scale.
 
@@ -256,7 +256,7 @@ def main(args):
     end_processes()
 
 
-# ---- Helpers that only some of the files need: each is kept equal to its copy in the other files that have it ----
+# ---- Helpers that only some of the files need: each is kept equal to its copy in the other files that have it
 def prompt_answer(record):
     """The record with a 'prompt' and an 'answer' (text or None), from prompt/answer or question/answer (GSM8K:
     the answer after '####'); other fields stay, for reward_fn."""
@@ -295,7 +295,7 @@ def no_signal_note(step, rewards, group_size, signal):
     return signal
 
 
-# ---- vLLM (--vllm): an engine in this process samples the rollouts (docs/vllm.md) -------------------
+# ---- vLLM (--vllm): an engine in this process samples the rollouts (docs/vllm.md)
 VLLM_RANGES = {"vllm_kv_cache_gib": "> 0", "vllm_is_cap": "> 0"}
 
 
@@ -584,12 +584,11 @@ def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=
 
     input_ids = [PAD, PAD, 4, 7, 13 | 5, 5, EOS]   left-padded prompt | completion (T = 3)
     attention = [0,   0,   1, 1, 1  | 1, 1, 1  ]   positions [0, 0, 0, 1, 2 | 3, 4, 5], as in generate()
-    The state at prompt_len - 1 + t predicts token t: only those go through the output layer, chunk_values logits
-    at a time, recomputed in the backward pass; a model whose logits are soft-capped or scaled gives its own.
+    The state at prompt_len - 1 + t predicts token t; chunk_values logits at a time (docs/gpu.md).
     """
     head, length = unwrap(model).get_output_embeddings(), input_ids.shape[1] - prompt_len
     config = unwrap(model).config.get_text_config()
-    own = getattr(config, "final_logit_softcapping", None) is not None or any(
+    own = getattr(config, "final_logit_softcapping", None) is not None or any(  # soft-capped or scaled: its own logits
         getattr(config, k, None) not in (None, 1) for k in ("logit_scale", "logits_scaling"))
     hidden = decoder_states(model, input_ids, attention_mask, own and length + 1)[:, -length - 1 : -1]
     weight, bias = (None, None) if own else (head.weight, head.bias)
