@@ -147,7 +147,7 @@ def top_level_functions(path):
     tree = ast.parse(source)
     named = {node.name: ast.get_source_segment(source, node) for node in tree.body
              if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name != "Args"}
-    # and the module's constants (TASKS, COMMON_RANGES, ...)
+    # and the module's constants (COMMON_RANGES, VLLM_RANGES)
     named.update({node.targets[0].id: ast.get_source_segment(source, node) for node in tree.body
                   if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)})
     return named, tree, source
