@@ -212,10 +212,10 @@ def main(args):
     device = setup(args)
     batch_size = args.prompts_per_step * args.group_size  # completions of each batch
     minibatch_size = exact_div(batch_size, args.num_minibatches,
-                               "--prompts-per-step x --group-size (per process) by --num-minibatches")
+                               "--prompts-per-step x --group-size by --num-minibatches")
     args.micro_batch_size = min(args.micro_batch_size, minibatch_size)
-    exact_div(minibatch_size, args.micro_batch_size, "a minibatch (--prompts-per-step x --group-size / "
-              "--num-minibatches, per process) by --micro-batch-size")
+    exact_div(minibatch_size, args.micro_batch_size,
+              "a minibatch (--prompts-per-step x --group-size / --num-minibatches) by --micro-batch-size")
     args.batch_size, args.minibatch_size = batch_size, minibatch_size
     output_dir, checkpoint = make_output_dir(args)
 
