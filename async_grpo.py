@@ -34,7 +34,7 @@ import shutil
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import torch
@@ -75,8 +75,11 @@ class Args:
     dataset_config: str | None = None  # the hub dataset's configuration (GSM8K: `main`)
     train_split: str = "train"  # the hub dataset's training split
     eval_split: str = "test"  # the hub dataset's held-out split
-    num_eval: int = 500  # held-out prompts: the split's first, or a .jsonl's last (then not trained on)
+    eval_dataset: str | None = None  # a .jsonl or hub dataset (its --eval-split) of held-out records
+    num_eval: int = 500  # held-out records: --eval-dataset's first, else the hub split's first, else a .jsonl's last
     eval_every: int = 25  # greedy accuracy on the held-out prompts every this many steps, and at 0
+    eval_samples: int = 0  # and K completions sampled per held-out prompt: eval/mean@k, eval/pass@k (0: none)
+    eval_temperature: float = 1.0  # the temperature of those samples
     max_new_tokens: int = 8  # the longest completion, in tokens
     max_prompt_length: int | None = None  # a longer prompt (chat template included) keeps its last tokens
     system_prompt: str | None = None  # a system message before each text prompt (needs a chat template)
@@ -87,6 +90,11 @@ class Args:
     weight_decay: float = 0.0  # AdamW's weight decay
     max_grad_norm: float = 1.0  # clip the gradient's global norm to this
     micro_batch_size: int = 64  # sequences per forward/backward pass, per process
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warm-up, decay to 0 at --num-steps
+    warmup_steps: int = 0  # steps of linear warm-up of the learning rate
+    lora_r: int = 0  # train LoRA adapters of this rank (peft), not every weight (0: off; docs/training.md)
+    lora_alpha: float = 16.0  # the adapters' output is scaled by lora_alpha / lora_r
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # layers with adapters
 
     # Algorithm specific arguments
     prompts_per_step: int = 32  # prompts per batch of rollouts
@@ -223,12 +231,14 @@ def main(args):
     tokenizer = load_tokenizer(args.model_name_or_path, args)
     policy = load_model(args.model_name_or_path, args, device)
     stop_ids = stop_token_ids(tokenizer, policy)
-    ref_policy = None if args.beta == 0 else load_model(args.model_name_or_path, args, device, frozen=True)
+    ref_policy = None if args.beta == 0 else policy if args.lora_r else load_model(  # LoRA: with adapters_off
+        args.model_name_or_path, args, device, frozen=True)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     train_records, eval_records = load_task(args)
     data_rng, shuffle_gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
     # a new run starts at 1; --resume-from puts back its checkpoint's weights and states, and goes on after it
     first_step, saved = resume(checkpoint, {"policy": policy}, optimizer, [data_rng, shuffle_gen])
+    scheduler = lr_scheduler(optimizer, args, first_step)
     signal = saved.get("signal", 0)  # groups whose rewards differed in the first steps (no_signal_note)
     generator = Generator(policy, tokenizer, train_records, stop_ids, data_rng, args, device, first_step - 1,
                           saved.get("rollouts", []))
@@ -236,8 +246,7 @@ def main(args):
     start = time.time()
     if first_step == 1:
         samples = []  # a few held-out prompts with their completions, for samples.jsonl
-        accuracy = evaluate(policy, tokenizer, eval_records, args, stop_ids, samples)
-        log(output_dir, 0, {"eval/accuracy": accuracy}, samples)
+        log(output_dir, 0, evaluate(policy, tokenizer, eval_records, args, stop_ids, samples), samples)
     for step in range(first_step, args.num_steps + 1):
         step_start = clock(device)
         # 1. rollouts: the generator's oldest batch, G completions per prompt, group-contiguous, sampled by
@@ -262,8 +271,9 @@ def main(args):
         one_update = args.num_iterations == 1 and args.num_minibatches == 1
         prox_logprobs = None if one_update else batched_logprobs(
             policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size)  # (B, T)
-        ref_logprobs = None if ref_policy is None else batched_logprobs(
-            ref_policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size)  # (B, T)
+        with adapters_off(ref_policy):
+            ref_logprobs = None if ref_policy is None else batched_logprobs(
+                ref_policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size)  # (B, T)
         update_start = clock(device)
 
         # 4. num_iterations passes over the batch, each num_minibatches optimizer steps
@@ -308,10 +318,11 @@ def main(args):
                        "charts/update_time": step_end - update_start,
                        "charts/tokens_per_sec": mask.sum() / (step_end - step_start),
                        "charts/elapsed_time": time.time() - start}
-            samples = []
+            samples = rollout_samples(group, texts, rewards, advantages)  # a few that the step trained on
             if evaluate_now:
-                metrics["eval/accuracy"] = evaluate(policy, tokenizer, eval_records, args, stop_ids, samples)
+                metrics.update(evaluate(policy, tokenizer, eval_records, args, stop_ids, samples))
             log(output_dir, step, metrics, samples)
+        scheduler.step()
         # a checkpoint waits for the batches in flight and keeps them: a resumed run trains on the same rollouts
         rollouts = generator.finished() if args.save_every and step % args.save_every == 0 else []
         save_checkpoint(args, output_dir, step, tokenizer, {"policy": policy}, optimizer, [data_rng, shuffle_gen],
@@ -335,17 +346,25 @@ def prompt_answer(record):
 
 def load_task(args, answers=True):
     """(train, held-out) records with a 'prompt' and an 'answer' (with answers=False it may be None)."""
+    needed = ("answer",) if answers else ()
+
+    def read(name, split, flag):  # a .jsonl file's records, or a hub dataset split's
+        if name.endswith(".jsonl"):
+            return read_jsonl(name, ("prompt", *needed), ("question", *needed), flag=flag)
+        return load_hub_split(name, args.dataset_config, split, flag)
+
     if args.dataset is None:
-        return addition_task(args.num_eval, args.task)
-    if args.dataset.endswith(".jsonl"):
-        needed = ("answer",) if answers else ()
-        records = read_jsonl(args.dataset, ("prompt", *needed), ("question", *needed))
-        if len(records) <= args.num_eval:
-            fail(f"--dataset {args.dataset}: {len(records)} records, but --num-eval {args.num_eval} are held out")
-        train, held_out = records[: -args.num_eval], records[-args.num_eval :]
+        train, held_out = addition_task(args.num_eval, args.task)
     else:
-        train = load_hub_split(args.dataset, args.dataset_config, args.train_split)
-        held_out = load_hub_split(args.dataset, args.dataset_config, args.eval_split)[: args.num_eval]
+        train, held_out = read(args.dataset, args.train_split, "--dataset"), None
+    if args.eval_dataset:  # its first --num-eval, and all of --dataset is trained on
+        held_out = read(args.eval_dataset, args.eval_split, "--eval-dataset")[: args.num_eval]
+    elif held_out is None and args.dataset.endswith(".jsonl"):  # its last --num-eval, not trained on
+        if len(train) <= args.num_eval:
+            fail(f"--dataset {args.dataset}: {len(train)} records, but --num-eval {args.num_eval} are held out")
+        train, held_out = train[: -args.num_eval], train[-args.num_eval :]
+    elif held_out is None:
+        held_out = read(args.dataset, args.eval_split, "--dataset")[: args.num_eval]
     return [prompt_answer(r) for r in train], [prompt_answer(r) for r in held_out]
 
 
@@ -371,7 +390,7 @@ class Generator:
     def __init__(self, policy, tokenizer, records, stop_ids, data_rng, args, device, version, finished=()):
         self.model = load_model(args.model_name_or_path, args, device, frozen=True).to(getattr(torch, args.dtype))
         self.model.eval()  # a sampler's copy, in --dtype as an inference engine holds it
-        self.model.load_state_dict(policy.state_dict())  # the trainer's weights: version `version`
+        self.model.load_state_dict(merged_weights(policy))  # the trainer's weights: version `version`
         self.tokenizer = copy.deepcopy(tokenizer)  # a fast tokenizer is not for two threads at once
         self.records, self.stop_ids, self.data_rng, self.args, self.device = records, stop_ids, data_rng, args, device
         self.version, self.waiting, self.error = version, None, None  # waiting: published, not taken
@@ -441,7 +460,8 @@ class Generator:
         with self.lock:  # only this thread sets self.waiting
             self.wait(lambda: self.waiting is None)
         dtypes = {name: tensor.dtype for name, tensor in self.model.state_dict().items()}
-        weights = {name: tensor.detach().to(dtypes[name], copy=True) for name, tensor in policy.state_dict().items()}
+        weights = {name: tensor.detach().to(dtypes[name], copy=True)  # LoRA: merged, none shared with the trainer
+                   for name, tensor in merged_weights(policy).items()}
         clock(self.device)  # copied before the generator reads it
         with self.lock:
             self.waiting = (version, weights)
@@ -491,7 +511,8 @@ def exact_div(a, b, what):
 COMMON_RANGES = {"seed": "in [0, 4294967295]", "log_every": "> 0", "num_eval": "> 0", "eval_every": "> 0",
                  "max_new_tokens": "> 0", "num_steps": "> 0", "learning_rate": "> 0", "weight_decay": ">= 0",
                  "max_grad_norm": "> 0", "micro_batch_size": "> 0", "max_prompt_length": "> 0",
-                 "save_every": ">= 0", "keep_checkpoints": "> 0"}
+                 "save_every": ">= 0", "keep_checkpoints": "> 0", "warmup_steps": ">= 0", "lora_r": ">= 0",
+                 "lora_alpha": "> 0", "eval_samples": ">= 0", "eval_temperature": "> 0"}
 
 
 def flag(name):
@@ -501,8 +522,8 @@ def flag(name):
 def check_ranges(args, ranges):
     """Stops at the first flag outside its range: '> 0', '>= 2' or 'in [0, 0.5)', maybe with a reason."""
     for name, spec in ranges.items():
-        x = getattr(args, name)
-        if x is None:  # an optional flag left unset
+        x = getattr(args, name, None)
+        if x is None:  # an optional flag left unset, or one this file lacks
             continue
         op, bounds = re.match(r"(>=|>|in) ([\[(].*?[\])]|\S+)", spec).groups()
         low, high = map(float, bounds[1:-1].split(",")) if op == "in" else (float(bounds), math.inf)
@@ -537,12 +558,12 @@ def reward_fn(completion, record):
 
 
 # ---- Data
-def read_jsonl(path, *schemas):
+def read_jsonl(path, *schemas, flag="--dataset"):
     """The records of a JSONL file, each with the fields of a schema; a bad record stops the run naming its line."""
     if not os.path.isfile(path):
-        fail(f"--dataset {path}: no such file")
+        fail(f"{flag} {path}: no such file")
     with open(path, encoding="utf-8") as f:
-        lines = [(f"--dataset {path}: line {n}", line) for n, line in enumerate(f, start=1) if line.strip()]
+        lines = [(f"{flag} {path}: line {n}", line) for n, line in enumerate(f, start=1) if line.strip()]
     records = []
     for at, line in lines:
         try:
@@ -560,18 +581,18 @@ def read_jsonl(path, *schemas):
             if not (isinstance(v, str) or (number if k == "answer" else chat)):
                 needs = "text or a finite number" if k == "answer" else "text or a list of role/content messages"
                 fail(f"{at}: field {k!r} holds {json.dumps(v)[:40]}, where it needs {needs}")
-    return records or fail(f"--dataset {path}: the file holds no records")
+    return records or fail(f"{flag} {path}: the file holds no records")
 
 
-def load_hub_split(name, config, split):
+def load_hub_split(name, config, split, flag="--dataset"):
     try:
         import datasets
     except ImportError:
-        fail(f"--dataset {name}: a hub dataset needs the datasets library: pip install datasets")
+        fail(f"{flag} {name}: a hub dataset needs the datasets library: pip install datasets")
     try:
         return list(datasets.load_dataset(name, config, split=split))
     except Exception as e:  # the library raises many kinds
-        fail(f"--dataset {name}: could not load split {split!r} ({type(e).__name__}: {e})".splitlines()[0])
+        fail(f"{flag} {name}: could not load split {split!r} ({type(e).__name__}: {e})".splitlines()[0])
 
 
 # ---- Models, tokens, generation and log-probs
@@ -585,7 +606,8 @@ def from_pretrained(cls, path, args, flag="--model-name-or-path", **kwargs):
 
 
 def load_model(path, args, device, frozen=False, model=None):
-    """The model (from path unless given) with float32 weights, computing under autocast in --dtype (docs/gpu.md)."""
+    """The model (from path unless given) with float32 weights, computing under autocast in --dtype (docs/gpu.md);
+    with --lora-r, a causal LM that is trained gets LoRA adapters on --lora-target-modules (docs/training.md)."""
     model = model or from_pretrained(AutoModelForCausalLM, path, args, dtype=torch.float32)
     model.requires_grad_(not frozen)
     for module in model.modules():
@@ -597,7 +619,35 @@ def load_model(path, args, device, frozen=False, model=None):
     model.compute_dtype = getattr(torch, args.dtype)  # setup() settled an auto --dtype
     if args.dtype != "float32":
         model.forward = torch.autocast(device.type, dtype=model.compute_dtype)(model.forward)
+    if getattr(args, "lora_r", 0) and not frozen and model.can_generate():  # LoRA: the adapters alone train
+        if importlib.util.find_spec("peft") is None:
+            fail("--lora-r: LoRA needs the peft library: pip install peft")
+        import peft
+
+        modules = args.lora_target_modules
+        config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                 target_modules="all-linear" if modules == ["all-linear"] else modules)
+        try:
+            model = peft.get_peft_model(model, config)
+        except ValueError as e:
+            fail(f"--lora-target-modules {' '.join(modules)}: {str(e).splitlines()[0]}")
     return model.to(device)
+
+
+def adapters_off(model):  # `with adapters_off(policy):` the policy without its LoRA adapters: the reference
+    return getattr(unwrap(model), "disable_adapter", contextlib.nullcontext)()
+
+
+def merged_weights(model):
+    """The model's state dict, with LoRA: its adapters merged into the weights, under the plain model's names."""
+    if not hasattr(unwrap(model), "get_base_model"):
+        return unwrap(model).state_dict()
+    model = unwrap(model).get_base_model()
+    weights = {n.replace(".base_layer", ""): w for n, w in model.state_dict().items() if "lora_" not in n}
+    with torch.no_grad():
+        weights.update({f"{n}.weight": m.base_layer.weight + m.get_delta_weight("default")
+                        for n, m in model.named_modules() if hasattr(m, "get_delta_weight")})
+    return weights
 
 
 def autocast(model):
@@ -626,7 +676,8 @@ def tokenize_prompts(tokenizer, prompts, device, args):
         chats = [p if isinstance(p, list) else [*system, {"role": "user", "content": p}] for p in prompts]
         prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
     elif system or any(isinstance(p, list) for p in prompts):
-        what = "--system-prompt" if system else f"--dataset {args.dataset}: conversational records"
+        files = f"--dataset {args.dataset}" + (f", --eval-dataset {args.eval_dataset}" if args.eval_dataset else "")
+        what = "--system-prompt" if system else f"{files}: conversational records"
         fail(f"{what} need a tokenizer with a chat template, and {args.model_name_or_path} has none")
     ids = tokenizer(prompts, add_special_tokens=not tokenizer.chat_template)["input_ids"]
     ids = [i[-args.max_prompt_length :] if args.max_prompt_length else i for i in ids]
@@ -740,26 +791,51 @@ def weighted_means(records, prefix=""):
 
 
 @torch.no_grad()
-def greedy_completions(model, tokenizer, records, args, stop_ids):
-    """This process's share of the records, and the texts of their greedy completions."""
+def completions(model, tokenizer, records, args, stop_ids, temperature=None):
+    """The texts of the records' completions, greedy (or sampled at temperature)."""
     model.eval()
-    records, texts, device = share_of(records), [], next(model.parameters()).device
+    texts, device = [], next(model.parameters()).device
     for i in range(0, len(records), 128):
         ids, mask = tokenize_prompts(tokenizer, [r["prompt"] for r in records[i : i + 128]], device, args)
-        completion_ids = generate(model, tokenizer, ids, mask, args.max_new_tokens, None, stop_ids)
+        completion_ids = generate(model, tokenizer, ids, mask, args.max_new_tokens, temperature, stop_ids)
         texts += decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
-    return records, texts
+    return texts
 
 
 def evaluate(model, tokenizer, records, args, stop_ids, samples=None):
-    """Greedy accuracy on the held-out records, of all processes; samples (a list) gets 4 of them."""
-    records, texts = greedy_completions(model, tokenizer, records, args, stop_ids)
-    rewards = [reward_fn(t, r) for t, r in zip(texts, records)]
+    """{eval/accuracy: the mean reward of greedy completions of the held-out records} of all processes, with
+    --eval-samples K eval/mean@k and eval/pass@k of K sampled at --eval-temperature; samples gets 4 greedy ones."""
+    records, k = share_of(records), getattr(args, "eval_samples", 0)
+    texts = completions(model, tokenizer, records, args, stop_ids)
+    scores = [[reward_fn(t, r) for t, r in zip(texts, records)]]
     if samples is not None:
-        samples += [{"prompt": r["prompt"], "completion": t, "answer": r["answer"], "reward": x}
-                    for r, t, x in zip(records[:4], texts, rewards)]
-    right, count = all_sum(torch.tensor([sum(rewards), len(rewards)], dtype=torch.float64)).tolist()
-    return right / count
+        samples += [{"kind": "eval", "prompt": r["prompt"], "completion": t, "answer": r["answer"], "reward": x}
+                    for r, t, x in zip(records[:4], texts, scores[0])]
+    if k:  # its own random numbers: training draws the same ones with or without --eval-samples
+        with torch.random.fork_rng([torch.cuda.current_device()] if torch.cuda.is_initialized() else []):
+            group = [r for r in records for _ in range(k)]
+            texts = completions(model, tokenizer, group, args, stop_ids, args.eval_temperature)
+        sampled = torch.tensor([reward_fn(t, r) for t, r in zip(texts, group)]).view(-1, k)  # (records, K)
+        scores += [sampled.mean(dim=1).tolist(), sampled.amax(dim=1).tolist()]
+    totals = all_sum(torch.tensor([[sum(x), len(x)] for x in scores], dtype=torch.float64)).tolist()
+    return {name: x / count for name, (x, count) in zip(["eval/accuracy", "eval/mean@k", "eval/pass@k"], totals)}
+
+
+def rollout_samples(records, texts, rewards, advantages, n=4):
+    """The first n rollouts of a step, for samples.jsonl: prompt, completion, answer, reward, advantage (B,)."""
+    return [{"kind": "rollout", "prompt": r["prompt"], "completion": t, "answer": r.get("answer"), "reward": x,
+             "advantage": a} for r, t, x, a in zip(records[:n], texts, rewards.tolist(), advantages.tolist())]
+
+
+def lr_scheduler(optimizer, args, first_step):
+    """--learning-rate x factor(steps done): --warmup-steps of linear warm-up, then --lr-schedule's decay (to 0)."""
+    def factor(done):
+        progress = max(0, done - args.warmup_steps) / max(1, args.num_steps - args.warmup_steps)
+        decay = {"constant": 1, "linear": 1 - progress, "cosine": (1 + math.cos(math.pi * progress)) / 2}
+        return min(1, (done + 1) / max(1, args.warmup_steps)) * decay[args.lr_schedule]
+    for group in optimizer.param_groups:  # what LambdaLR scales (a checkpoint does not keep it)
+        group["initial_lr"] = args.learning_rate
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=first_step - 2)
 
 
 # ---- The run's folder: metrics, samples, the model, checkpoints (docs/outputs.md)
@@ -783,8 +859,9 @@ def log(output_dir, step, metrics, samples=()):
         except OSError as e:
             fail(f"--output-dir {output_dir}: cannot write its {name} ({e.strerror or e})")
     if getattr(sys.modules.get("wandb"), "run", None):  # --track
-        wandb, table = sys.modules["wandb"], [[*s.values()] for s in samples]
-        wandb.log({**metrics, **({"samples": wandb.Table(list(samples[0]), table)} if table else {})}, step=step)
+        wandb, columns = sys.modules["wandb"], list(dict.fromkeys(k for s in samples for k in s))
+        table = wandb.Table(columns, [[s.get(k) for k in columns] for s in samples])
+        wandb.log({**metrics, **({"samples": table} if samples else {})}, step=step)
     shown = ["charts/reward", "losses/loss", "eval/loss", "eval/accuracy", "eval/pair_accuracy", "charts/step_time"]
     print(f"step {step:5d}  " + "  ".join(f"{k} {metrics[k]:.4f}" for k in shown if k in metrics), flush=True)
     if samples:
@@ -845,6 +922,9 @@ def save(model, tokenizer, output_dir):
         state_dict = {k: v for k, v in state_dict.items() if k in names}  # a tied weight under one name
     try:
         if rank_and_world()[0] == 0:
+            if hasattr(unwrap(model), "get_base_model"):  # LoRA: the adapter in adapter/, and the merged model
+                unwrap(model).save_pretrained(os.path.join(output_dir, "adapter"))
+                model, state_dict = unwrap(model).get_base_model(), merged_weights(model)
             unwrap(model).save_pretrained(output_dir, state_dict=state_dict)
             tokenizer.save_pretrained(output_dir)
     except OSError as e:
@@ -912,6 +992,8 @@ def setup(args):
     if args.dtype == "bfloat16" and not bfloat16:
         fail("--dtype bfloat16: this GPU has no bfloat16; use --dtype float32")
     args.dtype = ("bfloat16" if cuda and bfloat16 else "float32") if args.dtype == "auto" else args.dtype
+    if args.fsdp and getattr(args, "lora_r", 0):
+        fail("--lora-r with --fsdp: LoRA runs under DDP (torchrun without --fsdp); its gradients are small to copy")
     if "LOCAL_RANK" in os.environ:  # torchrun: a process a GPU
         if cuda:
             torch.cuda.set_device(device)

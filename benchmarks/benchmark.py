@@ -63,10 +63,14 @@ REAL_FLAGS = {
 # the same GRPO run with its forward passes in bfloat16 (weights and optimizer state stay float32): what bfloat16
 # compute costs and saves on this CPU
 REAL_FLAGS["grpo-smollm2-bf16"] = REAL_FLAGS["grpo-smollm2"] + ["--dtype", "bfloat16"]
+# LoRA (--lora-r 16 on every linear layer) against full fine-tuning: the same runs at 10x the learning rate
+REAL_FLAGS["grpo-smollm2-lora"] = REAL_FLAGS["grpo-smollm2"][:-1] + ["1e-4", "--lora-r", "16"]
+REAL_FLAGS["dpo-smollm2-lora"] = REAL_FLAGS["dpo-smollm2"][:-3] + ["5e-5", "--beta", "0.1", "--lora-r", "16"]
 # a name ending in -vllm is its row without the suffix, with --vllm, run by --vllm-python (vLLM's own environment)
 REAL_FLAGS["grpo-smollm2-vllm"] = REAL_FLAGS["grpo-smollm2"]
 ALGORITHMS = BUNDLED + tuple(REAL_FLAGS)
 ONLINE = ("grpo", "rloo", "gspo", "cispo", "ppo", "ppo-learned-rm", "ppo-learned-rm-one-pair", "grpo-smollm2",
+          "grpo-smollm2-lora",
           "rloo-smollm2", "grpo-smollm2-bf16", "grpo-vllm", "grpo-smollm2-vllm")  # they sample
 # --quick: a few steps of each, on few prompts: checks the whole pipeline, measures nothing worth reading
 QUICK_FLAGS = {
@@ -467,6 +471,28 @@ def write_results(runs, memory, args, path):
                 "step_time", "generation_time", "logprob_time", "update_time"))
                 + f" | {mean_std(summary[name]['peak'], digits=2)} | {mean_std(summary[name]['wall'], digits=0)} |"
                 f" {mean_std(acc[0], 100)} → {mean_std(acc[1], 100)} |")
+    adapted = [(name[: -len("-lora")], name) for name in runs if name.endswith("-lora") and name[:-5] in runs]
+    if adapted:
+        lines += ["", "## LoRA against full fine-tuning", "",
+                  "The same commands with `--lora-r 16` (adapters on every linear layer of the decoder, `--lora-alpha"
+                  " 16`) at 10 times the learning rate; the reference model is the policy with its adapters off, not"
+                  " a second copy ([training.md](training.md)). Seconds are the mean of `charts/step_time` over the"
+                  " logged steps of every seed, evaluations excluded; peak memory and wall time are the whole"
+                  " command's.", "",
+                  "| run | trained | learning rate | s / step | peak memory (GiB) | wall time (s) |"
+                  " held-out accuracy, start → end (%) | pair accuracy, start → end (%) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        summary = {row["name"]: row for row in rows}
+        for name in (n for pair in adapted for n in pair):
+            command, row = runs[name][0]["command"], summary[name]
+            seconds = statistics.mean(m["charts/step_time"] for r in runs[name] for m in r["metrics"]
+                                      if "charts/step_time" in m)
+            pairs = row.get("pair_accuracy")
+            lines.append(f"| {name} | {'LoRA r=16' if '--lora-r' in command else 'every weight'} |"
+                         f" {command[command.index('--learning-rate') + 1]} | {seconds:.2f} |"
+                         f" {mean_std(row['peak'], digits=2)} | {mean_std(row['wall'], digits=0)} |"
+                         f" {mean_std(row['accuracy'][0], 100)} → {mean_std(row['accuracy'][1], 100)} |"
+                         f" {f'{mean_std(pairs[0], 100)} → {mean_std(pairs[1], 100)}' if pairs else '—'} |")
     engines = [(name[: -len("-vllm")], name) for name in runs if name.endswith("-vllm") and name[:-5] in runs]
     if engines:
         versions = subprocess.run([args.vllm_python, "-c", "import torch, transformers, vllm; print(f'vllm "

@@ -27,7 +27,9 @@ POSITIVE, NON_NEGATIVE, UNIT = (0, False, None, False), (0, True, None, False), 
 COMMON = {"seed": (0, True, 2**32 - 1, True), "log_every": POSITIVE, "num_eval": POSITIVE, "eval_every": POSITIVE,
           "max_new_tokens": POSITIVE, "num_steps": POSITIVE, "learning_rate": POSITIVE, "weight_decay": NON_NEGATIVE,
           "max_grad_norm": POSITIVE, "micro_batch_size": POSITIVE, "max_prompt_length": POSITIVE,
-          "save_every": NON_NEGATIVE, "keep_checkpoints": POSITIVE}
+          "save_every": NON_NEGATIVE, "keep_checkpoints": POSITIVE, "warmup_steps": NON_NEGATIVE}
+TRAINED_LM = {"lora_r": NON_NEGATIVE, "lora_alpha": POSITIVE, "eval_samples": NON_NEGATIVE,  # not reward_model.py
+              "eval_temperature": POSITIVE}
 GROUP = {"prompts_per_step": POSITIVE, "group_size": (2, True, None, False), "temperature": POSITIVE}
 CLIPPED = {"num_iterations": POSITIVE, "num_minibatches": POSITIVE, "clip_eps_low": UNIT,
            "clip_eps_high": NON_NEGATIVE}
@@ -36,20 +38,20 @@ PAIRS = {"num_train_prompts": POSITIVE, "pair_samples": POSITIVE, "pair_temperat
 LENGTH = {"max_length": (2, True, None, False)}  # with --max-prompt-length below it
 VLLM = {"vllm_kv_cache_gib": POSITIVE, "vllm_is_cap": POSITIVE}  # the files that sample
 RANGES = {
-    "grpo.py": {**COMMON, **GROUP, **CLIPPED, **VLLM, "beta": NON_NEGATIVE},
-    "async_grpo.py": {**COMMON, **GROUP, **CLIPPED, "beta": NON_NEGATIVE, "max_staleness": NON_NEGATIVE,
-                      "behav_imp_cap": (1, True, None, False)},
-    "rloo.py": {**COMMON, **GROUP, **VLLM, "beta": NON_NEGATIVE},
-    "gspo.py": {**COMMON, **GROUP, **CLIPPED, **VLLM},
-    "cispo.py": {**COMMON, **GROUP, **CLIPPED, **VLLM},
-    "ppo.py": {**COMMON, **VLLM, "prompts_per_step": POSITIVE, "temperature": POSITIVE, "ppo_epochs": POSITIVE,
-               "num_minibatches": POSITIVE, "beta": NON_NEGATIVE, "kl_target": NON_NEGATIVE, "kl_horizon": POSITIVE,
-               "clip_eps": (0, False, 1, True), "clip_value": NON_NEGATIVE, "vf_coef": NON_NEGATIVE, "gamma": UNIT,
-               "lam": UNIT, "missing_eos_penalty": NON_NEGATIVE},
-    "dpo.py": {**COMMON, **PAIRS, **LENGTH, "beta": POSITIVE, "label_smoothing": (0, True, 0.5, False)},
+    "grpo.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM, "beta": NON_NEGATIVE},
+    "async_grpo.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, "beta": NON_NEGATIVE,
+                      "max_staleness": NON_NEGATIVE, "behav_imp_cap": (1, True, None, False)},
+    "rloo.py": {**COMMON, **TRAINED_LM, **GROUP, **VLLM, "beta": NON_NEGATIVE},
+    "gspo.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM},
+    "cispo.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM},
+    "ppo.py": {**COMMON, **TRAINED_LM, **VLLM, "prompts_per_step": POSITIVE, "temperature": POSITIVE,
+               "ppo_epochs": POSITIVE, "num_minibatches": POSITIVE, "beta": NON_NEGATIVE, "kl_target": NON_NEGATIVE,
+               "kl_horizon": POSITIVE, "clip_eps": (0, False, 1, True), "clip_value": NON_NEGATIVE,
+               "vf_coef": NON_NEGATIVE, "gamma": UNIT, "lam": UNIT, "missing_eos_penalty": NON_NEGATIVE},
+    "dpo.py": {**COMMON, **TRAINED_LM, **PAIRS, **LENGTH, "beta": POSITIVE, "label_smoothing": (0, True, 0.5, False)},
     "reward_model.py": {**COMMON, **PAIRS, **LENGTH},
-    "sft.py": {**COMMON, **LENGTH, "batch_size": POSITIVE, "hidden_size": POSITIVE, "num_layers": POSITIVE,
-               "num_heads": POSITIVE},
+    "sft.py": {**COMMON, **TRAINED_LM, **LENGTH, "batch_size": POSITIVE, "hidden_size": POSITIVE,
+               "num_layers": POSITIVE, "num_heads": POSITIVE},
 }
 # a valid value at an edge can still make a batch that does not divide: these flags keep the rest valid
 VALID_WITH = {("ppo.py", "prompts_per_step"): ["--num-minibatches", "1"],
@@ -149,7 +151,8 @@ CONFLICTS = [(["--prompts-per-step", "3", "--group-size", "2", "--num-minibatche
               "--prompts-per-step x --group-size (per process) by --num-minibatches: 6 does not divide by 4"),
              (["--prompts-per-step", "2", "--group-size", "4", "--micro-batch-size", "3"],
               "a minibatch (--prompts-per-step x --group-size / --num-minibatches, per process) by "
-              "--micro-batch-size: 8 does not divide by 3")]
+              "--micro-batch-size: 8 does not divide by 3"),
+             (["--lora-r", "4", "--fsdp"], "--lora-r with --fsdp: LoRA runs under DDP (torchrun without --fsdp)")]
 
 
 @pytest.fixture(scope="module")

@@ -198,6 +198,17 @@ def test_a_model_vllm_does_not_serve_is_one_line(tmp_path):
 
 
 @needs_vllm
+def test_vllm_with_lora_samples_from_the_merged_weights(tmp_path):
+    """--lora-r: the engine takes the policy's weights with its adapters merged, under the plain model's names: at
+    step 2, after an update that moved the policy from its reference, it samples as the trainer scores."""
+    out = tmp_path / "run"
+    run_script("grpo.py", "--vllm", "--lora-r", "8", *SMALL, *GROUPS, "--num-steps", "2", "--learning-rate", "1e-2",
+               "--output-dir", str(out))
+    step2 = [m for m in read_metrics(out) if m["step"] == 2][0]
+    assert step2["rollout/logprob_diff"] < 1e-4 and step2["losses/kl"] > 1e-4, step2
+
+
+@needs_vllm
 @pytest.mark.parametrize("fsdp", [False, True])
 def test_vllm_under_torchrun(fsdp, tmp_path):
     """Two processes, an engine in each (vLLM's external launcher): under DDP and under FSDP2 (every process
