@@ -29,6 +29,10 @@ checked on the CPU under bfloat16 autocast, with a tiny Qwen2 loaded as load_mod
   (float32: the rotary embedding's float32 cos and sin promote the keys, and the cache's torch.cat under autocast
   the values), the float32 logits and probabilities of one position, 2 x vocab x 4 bytes a sequence, and under
   --fsdp the whole model gathered in bfloat16, 2 N (a rollout gathers each layer once and keeps it until its end).
+With --lora-r R (docs/training.md): the policy's weights are frozen, 4 N, and its adapters (A: R x (in + out) for
+each linear layer of the decoder) trained, 16 A; no reference model is held (it is the policy with its adapters off);
+the training pass is counted as without LoRA, an upper bound: on three tiny Qwen2 configurations under bfloat16
+autocast, the saved tensors a token and layer were fewer with LoRA on every linear layer than without.
 The peak is the static part plus the larger of the training and the generation part. Not counted: the CUDA
 context and the allocator's fragmentation (often 1-3 GiB more: the last column keeps 3 GiB free), NCCL's buffers.
 """
@@ -59,6 +63,7 @@ class Command:
     checkpointing: bool = False  # --gradient-checkpointing
     processes: int = 1  # FSDP shards every model over this many processes
     logprobs: bool = True  # the training pass goes through the output layer (not reward_model.py's score head)
+    lora: int = 0  # --lora-r: the rank of the adapters on every linear layer of the decoder (0: every weight trained)
 
 
 def parameters(config):
@@ -72,12 +77,21 @@ def root_parameters(config):
     return vocab * d * (1 if config["tie_word_embeddings"] else 2) + d
 
 
+def adapter_parameters(config, rank):
+    """A: rank x (inputs + outputs) of q, k, v, o, gate, up and down in every decoder layer."""
+    d, i, kv = config["hidden_size"], config["intermediate_size"], config["num_key_value_heads"]
+    kv_width = kv * d // config["num_attention_heads"]
+    return rank * config["num_hidden_layers"] * (2 * d + 2 * (d + kv_width) + 2 * d + 3 * (d + i))
+
+
 def estimate(c):
     """(static, training, generation, peak) in GiB per process."""
     n, d, i = parameters(c.model), c.model["hidden_size"], c.model["intermediate_size"]
     layers, length = c.model["num_hidden_layers"], c.prompt + c.completion
     shard, fsdp, root, vocab = c.processes, c.processes > 1, root_parameters(c.model), c.model["vocab_size"]
     static = (c.trained * 16 * n + c.frozen * 4 * n) / shard + (c.frozen * 2 * root if fsdp else 0)
+    if c.lora:  # the policy frozen, its adapters trained
+        static += 4 * n + 16 * adapter_parameters(c.model, c.lora) - 16 * n
     heads, chunk = c.model["num_attention_heads"], 2**26 // vocab * vocab * 4  # C: a chunk's float32 logits
     tokens, per_layer = c.micro_batch * length, 34 * d + 8 * i + 4 * heads + 8 + 2 * length  # bytes a token and layer
     if c.checkpointing:
@@ -108,6 +122,12 @@ COMMANDS = [
             prompt=512, completion=512, checkpointing=True),
     Command("sft.py, Qwen2.5-0.5B, my_sft_data.jsonl", QWEN_05B, trained=1, frozen=0, micro_batch=4, prompt=512,
             completion=512),
+    Command("grpo.py --lora-r 16, Qwen2.5-0.5B-Instruct, GSM8K", QWEN_05B, trained=1, frozen=0, micro_batch=8,
+            prompt=200, completion=512, rollout=16 * 8, checkpointing=True, lora=16),
+    Command("dpo.py --lora-r 16, Qwen2.5-0.5B-Instruct, my_pairs.jsonl", QWEN_05B, trained=1, frozen=0,
+            micro_batch=2 * 4, prompt=512, completion=512, checkpointing=True, lora=16),
+    Command("grpo.py --lora-r 16, Qwen2.5-7B-Instruct, GSM8K", QWEN_7B, trained=1, frozen=0, micro_batch=4, prompt=200,
+            completion=512, rollout=16 * 8, checkpointing=True, lora=16),
     Command("torchrun 8 x grpo.py --fsdp, Qwen2.5-7B-Instruct, GSM8K", QWEN_7B, trained=1, frozen=1, micro_batch=4,
             prompt=200, completion=512, rollout=64 * 8 // 8, checkpointing=True, processes=8),
 ]

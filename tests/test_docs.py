@@ -190,16 +190,16 @@ def test_the_gpu_page_gives_the_memory_estimate_of_its_commands():
     assert run_script("benchmarks/memory_estimate.py").stdout.strip() == memory_estimate.table()
     assert memory_estimate.table() in raw("docs/gpu.md")
     # each row is one of the commands given
-    commands = [line.split() for page in ("docs/gpu.md", "docs/distributed.md")
+    commands = [line.split() for page in ("docs/gpu.md", "docs/distributed.md", "docs/training.md")
                 for block in re.findall(r"```bash\n(.*?)```", raw(page), flags=re.S) for line in block.splitlines()
                 if line.startswith(("python ", "torchrun "))]
     data = {"GSM8K": "openai/gsm8k"}
     for c in memory_estimate.COMMANDS:
         script, model, dataset = (part.strip() for part in c.name.split(","))
-        script = script.split()[-2] if "--fsdp" in script else script.split()[-1]
+        script = next(word for word in script.split() if word.endswith(".py"))
         matches = [argv for argv in commands if script in argv and f"Qwen/{model}" in argv
                    and data.get(dataset, dataset) in argv and ("--fsdp" in argv) == (c.processes > 1)
-                   and "--nnodes" not in argv]  # one machine
+                   and "--nnodes" not in argv and ("--lora-r" in argv) == bool(c.lora)]  # one machine
         assert len(matches) == 1, f"no single command on the pages for the row {c.name!r}"
         argv = matches[0]
         pairs = 2 if script in ("dpo.py", "reward_model.py") else 1  # a pair is two sequences
