@@ -184,7 +184,7 @@ def test_the_one_pair_rows_run_the_old_setting(quick):
 
 def test_the_page_says_which_machine_and_date(quick):
     _, text, _ = quick
-    assert re.search(r"- Date: \d{4}-\d\d-\d\d \(UTC\)", text)
+    assert re.search(r"- Date: \d{4}-\d\d-\d\d( to \d{4}-\d\d-\d\d)? \(UTC\)", text)  # a run over midnight: two
     assert re.search(r"- Machine: .*\d+ cores, \d+ GiB of memory", text)
     assert "- Start model: the bundled `tiny-adder/`, 527,232 parameters; and a real one" in text
     assert "(134,515,008 parameters)" in text

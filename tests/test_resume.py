@@ -36,6 +36,7 @@ run["main"](found["tyro"].cli(found["Args"]))
 
 # 4 steps, a checkpoint every 2, evaluations at 0, 2 and 4; the killed run dies after step 3 is logged
 STEPS = ["--num-steps", "4", "--save-every", "2", "--log-every", "1", "--eval-every", "2"]
+SAMPLING = ("grpo.py", "async_grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py")  # they log rollouts too
 RL = ["--prompts-per-step", "4", "--micro-batch-size", "8", "--num-eval", "20", "--max-new-tokens", "6"]
 PAIRS = ["--batch-size", "4", "--micro-batch-size", "2", "--num-train-prompts", "16", "--pair-samples", "2",
          "--num-eval", "20"]
@@ -133,11 +134,16 @@ def test_a_killed_run_resumes_exactly(script, tmp_path):
     # at each evaluation (0, 2, 4), up to four held-out prompts or pairs with what the model makes of them, the same as
     # the whole run's; the console showed one
     samples = [json.loads(line) for line in open(os.path.join(killed, "samples.jsonl"))]
-    steps = [s["step"] for s in samples]
+    evals = [s for s in samples if s.get("kind", "eval") == "eval"]
+    steps = [s["step"] for s in evals]
     assert sorted(set(steps)) == [0, 2, 4] and 1 <= steps.count(0) == steps.count(2) == steps.count(4) <= 4
-    assert all(set(s) == {"step", *SAMPLE_KEYS.get(script, SAMPLE_KEYS["rl"])} for s in samples), samples[0]
+    assert all(set(s) - {"kind"} == {"step", *SAMPLE_KEYS.get(script, SAMPLE_KEYS["rl"])} for s in evals), evals[0]
+    # and, in the files that sample, at each logged step the first rollouts it trained on (docs/training.md)
+    rollouts = [s for s in samples if s.get("kind") == "rollout"]
+    assert sorted({s["step"] for s in rollouts}) == ([1, 2, 3, 4] if script in SAMPLING else [])
+    assert all(set(s) == {"step", "kind", "prompt", "completion", "answer", "reward", "advantage"} for s in rollouts)
     assert_same_records(samples, [json.loads(line) for line in open(os.path.join(whole, "samples.jsonl"))])
-    assert "\n  sample  prompt " in proc.stdout
+    assert "\n  sample  " in proc.stdout
     # the newest two checkpoints stay, each with the trained model(s) loadable on their own
     assert sorted(os.listdir(os.path.join(killed, "checkpoints"))) == ["step_000002", "step_000004"]
     trained = {"ppo.py": ["policy", "value_model"], "sft.py": ["model"], "reward_model.py": ["model"]}

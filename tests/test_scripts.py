@@ -80,6 +80,7 @@ def docstring_commands():
 def offline(argv, chat_model_dir):
     """Hub ids and the user's own files in the README become offline stand-ins of the same kind."""
     stand_ins = {"Qwen/Qwen2.5-0.5B-Instruct": chat_model_dir, "Qwen/Qwen2.5-0.5B": chat_model_dir,
+                 "Qwen/Qwen2.5-7B-Instruct": chat_model_dir,
                  "openai/gsm8k": os.path.join(FIXTURES, "gsm8k_tiny.jsonl"),
                  "my_problems.jsonl": os.path.join(FIXTURES, "gsm8k_tiny.jsonl"),
                  "my_sft_data.jsonl": os.path.join(FIXTURES, "sft_tiny.jsonl"),
