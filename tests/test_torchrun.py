@@ -202,6 +202,7 @@ ONLINE = {
     "gspo": ("gspo.py", ["--num-minibatches", "1"]),
     "cispo": ("cispo.py", ["--num-minibatches", "1"]),
     "ppo": ("ppo.py", ["--num-minibatches", "1", "--micro-batch-size", "2"]),
+    "grpo-lora": ("grpo.py", ["--lora-r", "4"]),  # DDP only: --fsdp refuses --lora-r
 }
 # batches that do not split among 2 processes (grpo.py's in a launch of its own, below)
 UNSPLIT = {"ppo.py": (["--prompts-per-step", "5"], "--prompts-per-step among the processes: 5 does not divide by 2"),
@@ -250,7 +251,7 @@ def launches(chat_model_dir, tmp_path_factory):
             flags.remove("4")
         one[f"one-{name}"] = {"argv": flags, "fixed": True}
         two[f"ddp-{name}"] = {"argv": flags, "fixed": True}
-        if name != "grpo-seq-mean-token-mean":
+        if name not in ("grpo-seq-mean-token-mean", "grpo-lora"):
             two[f"fsdp-{name}"] = {"argv": flags + ["--fsdp"], "fixed": True, "check": name == "grpo-token-mean"}
     for micro in ("2", "8"):  # each process: 8 completions a step, in 4 micro-batches or in 1
         two[f"count-{micro}"] = {"argv": ["grpo.py", "--num-steps", "2", "--prompts-per-step", "4", "--group-size",
