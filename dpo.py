@@ -164,6 +164,8 @@ def main(args):
                         "label_smoothing": "in [0, 0.5)"})
     if args.max_length is not None and (args.max_prompt_length is None or args.max_prompt_length >= args.max_length):
         fail(f"--max-length {args.max_length} needs --max-prompt-length below it (the prompt's share of it)")
+    if args.eval_dataset and not args.dataset:
+        fail("--eval-dataset needs --dataset: the addition task holds out its own prompts (--num-eval)")
     if args.dataset and args.eval_samples:
         fail("--eval-samples scores samples against the built-in task's answers; --dataset has none: leave it at 0")
     device = setup(args)
@@ -317,8 +319,6 @@ def load_preferences(args, tokenizer, device, policy=None):
     """(train, held-out) lists of {'prompt', 'chosen', 'rejected'} pairs: --dataset's records (preference_pair), or
     addition pairs (with 'answer') whose negatives the starting policy samples (loaded here when not given)."""
     if args.dataset is None:
-        if args.eval_dataset:
-            fail("--eval-dataset needs --dataset: the addition task holds out its own prompts (--num-eval)")
         policy = policy or load_model(args.model_name_or_path, args, device, frozen=True)
         train, held_out = addition_task(args.num_eval, args.task)  # held-out prompts never appear in training
         return [addition_pairs(policy, tokenizer, records, device, args)

@@ -138,9 +138,13 @@ def test_held_out_records_come_from_eval_dataset_and_all_of_dataset_is_trained_o
      "samples against the built-in task's answers; --dataset has none"),
     ("sft.py", ["--dataset", "tests/fixtures/sft_tiny.jsonl", "--num-eval", "2", "--eval-samples", "2"],
      "error: --eval-samples scores samples against the held-out records' answers, and they have none"),
+    *[(script, ["--eval-dataset", "tests/fixtures/pairs_tiny.jsonl"], "error: --eval-dataset needs --dataset: the "
+       "addition task holds out its own prompts") for script in ("dpo.py", "reward_model.py")],
     ("ppo.py", ["--reward-model-path", "rm", "--eval-samples", "2"], "error: --eval-samples scores samples with the "
      "verifier; with --reward-model-path it has none"),
 ])
 def test_options_that_cannot_work_stop_with_one_line(script, flags, message, tmp_path):
     proc = run_script(script, *flags, "--output-dir", str(tmp_path / "run"), expect_ok=False)
+    if script != "sft.py" and "--lora-target-modules" not in flags:  # refused before the run's folder is made
+        assert not (tmp_path / "run").exists()  # (sft.py finds no answers, and peft no layer, only once they read)
     assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr[-500:]
