@@ -388,10 +388,11 @@ def main(args):
                        "losses/grad_norm": torch.stack(grad_norms).mean(),  # the mean over the optimizer steps
                        "charts/step_time": step_end - step_start, "charts/generation_time": generation_time,
                        "charts/logprob_time": update_start - logprob_start,
-                       "charts/update_time": step_end - update_start,
                        "charts/tokens_per_sec": mask.sum() / (step_end - step_start),
-                       "charts/elapsed_time": time.time() - start}
-            samples = rollout_samples(batch, texts, scores, masked_mean(advantages, mask, dim=1))  # per completion
+                       "charts/update_time": step_end - update_start, "charts/elapsed_time": time.time() - start}
+            per_completion = masked_mean(advantages, mask, dim=1).tolist()  # the mean of its tokens' advantages
+            samples = [{"kind": "rollout", "prompt": r["prompt"], "completion": t, "answer": r["answer"], "reward": x,
+                        "advantage": a} for r, t, x, a in zip(batch[:4], texts, scores.tolist(), per_completion)]
             if evaluate_now:
                 metrics.update(held_out(samples))
             log(output_dir, step, metrics, samples)
@@ -416,9 +417,7 @@ def prompt_answer(record):
 
 def load_task(args, answers=True):
     """(train, held-out) records with a 'prompt' and an 'answer' (with answers=False it may be None)."""
-    needed = ("answer",) if answers else ()
-
-    def read(name, split, flag):  # a .jsonl file's records, or a hub dataset split's
+    def read(name, split, flag, needed=("answer",) if answers else ()):  # a .jsonl's records, or a hub split's
         if name.endswith(".jsonl"):
             return read_jsonl(name, ("prompt", *needed), ("question", *needed), flag=flag)
         return load_hub_split(name, args.dataset_config, split, flag)
@@ -677,12 +676,10 @@ def read_jsonl(path, *schemas, flag="--dataset"):
 
 
 def load_hub_split(name, config, split, flag="--dataset"):
-    try:
-        import datasets
-    except ImportError:
+    if importlib.util.find_spec("datasets") is None:
         fail(f"{flag} {name}: a hub dataset needs the datasets library: pip install datasets")
     try:
-        return list(datasets.load_dataset(name, config, split=split))
+        return list(__import__("datasets").load_dataset(name, config, split=split))
     except Exception as e:  # the library raises many kinds
         fail(f"{flag} {name}: could not load split {split!r} ({type(e).__name__}: {e})".splitlines()[0])
 
@@ -698,8 +695,7 @@ def from_pretrained(cls, path, args, flag="--model-name-or-path", **kwargs):
 
 
 def load_model(path, args, device, frozen=False, model=None):
-    """The model (from path unless given) with float32 weights, computing under autocast in --dtype (docs/gpu.md);
-    with --lora-r, a causal LM that is trained gets LoRA adapters on --lora-target-modules (docs/training.md)."""
+    """The model (from path unless given) with float32 weights, computing under autocast in --dtype (docs/gpu.md)."""
     model = model or from_pretrained(AutoModelForCausalLM, path, args, dtype=torch.float32)
     model.requires_grad_(not frozen)
     for module in model.modules():
@@ -714,9 +710,7 @@ def load_model(path, args, device, frozen=False, model=None):
     if getattr(args, "lora_r", 0) and not frozen and model.can_generate():  # LoRA: the adapters alone train
         if importlib.util.find_spec("peft") is None:
             fail("--lora-r: LoRA needs the peft library: pip install peft")
-        import peft
-
-        modules = args.lora_target_modules
+        peft, modules = __import__("peft"), args.lora_target_modules
         config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
                                  target_modules="all-linear" if modules == ["all-linear"] else modules)
         try:
@@ -732,9 +726,7 @@ def adapters_off(model):  # `with adapters_off(policy):` the policy without its 
 
 def merged_weights(model):
     """The model's state dict, with LoRA: its adapters merged into the weights, under the plain model's names."""
-    if not hasattr(unwrap(model), "get_base_model"):
-        return unwrap(model).state_dict()
-    model = unwrap(model).get_base_model()
+    model = unwrap(model).get_base_model() if hasattr(unwrap(model), "get_base_model") else unwrap(model)
     weights = {n.replace(".base_layer", ""): w for n, w in model.state_dict().items() if "lora_" not in n}
     with torch.no_grad():
         weights.update({f"{n}.weight": m.base_layer.weight + m.get_delta_weight("default")
@@ -761,15 +753,13 @@ def stop_token_ids(tokenizer, model):
 
 
 def tokenize_prompts(tokenizer, prompts, device, args):
-    """Left-padded ids and mask (B, P) of each prompt's last --max-prompt-length tokens, chat-templated if it can be.
-    ["1+2=", "10+20="] -> [[PAD, PAD, 1, +, 2, =], [1, 0, +, 2, 0, =]]"""
+    """Left-padded ids and mask (B, P) of each prompt's last --max-prompt-length tokens, chat-templated if it can be."""
     system = [] if args.system_prompt is None else [{"role": "system", "content": args.system_prompt}]
     if tokenizer.chat_template:
         chats = [p if isinstance(p, list) else [*system, {"role": "user", "content": p}] for p in prompts]
         prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
     elif system or any(isinstance(p, list) for p in prompts):
-        files = f"--dataset {args.dataset}" + (f", --eval-dataset {args.eval_dataset}" if args.eval_dataset else "")
-        what = "--system-prompt" if system else f"{files}: conversational records"
+        what = "--system-prompt" if system else "conversational records (--dataset, --eval-dataset)"
         fail(f"{what} need a tokenizer with a chat template, and {args.model_name_or_path} has none")
     ids = tokenizer(prompts, add_special_tokens=not tokenizer.chat_template)["input_ids"]
     ids = [i[-args.max_prompt_length :] if args.max_prompt_length else i for i in ids]
@@ -780,8 +770,7 @@ def tokenize_prompts(tokenizer, prompts, device, args):
 
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, processors=()):
-    """Completion ids (B, T) by plain temperature sampling (greedy: temperature None), whatever the model's config
-    says; logits processors see the logits before the temperature."""
+    """Completion ids (B, T) by plain sampling at temperature (None: greedy), whatever the model's config says."""
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,
                               do_sample=False, repetition_penalty=1.0, no_repeat_ngram_size=0, num_beams=1,
                               remove_invalid_values=True)  # a diverged model reaches the NaN check
@@ -895,8 +884,7 @@ def completions(model, tokenizer, records, args, stop_ids, temperature=None):
 
 
 def evaluate(model, tokenizer, records, args, stop_ids, samples=None):
-    """{eval/accuracy: the mean reward of greedy completions of the held-out records} of all processes, with
-    --eval-samples K eval/mean@k and eval/pass@k of K sampled at --eval-temperature; samples gets 4 greedy ones."""
+    """{eval/accuracy of greedy completions, eval/mean@k and eval/pass@k of --eval-samples}, of all processes."""
     records, k = share_of(records), getattr(args, "eval_samples", 0)
     texts = completions(model, tokenizer, records, args, stop_ids)
     scores = [[reward_fn(t, r) for t, r in zip(texts, records)]]
@@ -911,12 +899,6 @@ def evaluate(model, tokenizer, records, args, stop_ids, samples=None):
         scores += [sampled.mean(dim=1).tolist(), sampled.amax(dim=1).tolist()]
     totals = all_sum(torch.tensor([[sum(x), len(x)] for x in scores], dtype=torch.float64)).tolist()
     return {name: x / count for name, (x, count) in zip(["eval/accuracy", "eval/mean@k", "eval/pass@k"], totals)}
-
-
-def rollout_samples(records, texts, rewards, advantages, n=4):
-    """The first n rollouts of a step, for samples.jsonl: prompt, completion, answer, reward, advantage (B,)."""
-    return [{"kind": "rollout", "prompt": r["prompt"], "completion": t, "answer": r.get("answer"), "reward": x,
-             "advantage": a} for r, t, x, a in zip(records[:n], texts, rewards.tolist(), advantages.tolist())]
 
 
 def lr_scheduler(optimizer, args, first_step):
@@ -1056,8 +1038,7 @@ def resume(checkpoint, models, optimizer, generators):
     if checkpoint is None:
         return 1, {}
     modules = torch.nn.ModuleDict(models)
-    model_state, optimizer_state = get_state_dict(modules, optimizer)  # what to load into
-    state = {"models": model_state, "optimizer": optimizer_state}
+    state = dict(zip(("models", "optimizer"), get_state_dict(modules, optimizer)))  # what to load into
     dcp.load(state, checkpoint_id=os.path.join(checkpoint, "state"))
     set_state_dict(modules, optimizer, model_state_dict=state["models"], optim_state_dict=state["optimizer"])
     rng = torch.load(os.path.join(checkpoint, f"rng_{rank_and_world()[0]}.pt"))

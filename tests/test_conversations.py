@@ -71,8 +71,8 @@ def test_a_conversation_goes_through_the_chat_template_as_given_and_the_system_p
 def test_without_a_chat_template_conversations_and_a_system_prompt_stop_with_one_line(tmp_path):
     """The bundled model has no chat template: neither a conversational file nor --system-prompt can work."""
     data = os.path.join(FIXTURES, "prompts_chat.jsonl")
-    for i, (flags, what) in enumerate(((["--dataset", data, "--num-eval", "2"], f"--dataset {data}: conversational "
-                                        "records"), (["--system-prompt", "Be brief."], "--system-prompt"))):
+    for i, (flags, what) in enumerate(((["--dataset", data, "--num-eval", "2"], "conversational records (--dataset, "
+                                        "--eval-dataset)"), (["--system-prompt", "Be brief."], "--system-prompt"))):
         proc = run_script("grpo.py", *flags, "--output-dir", str(tmp_path / f"o{i}"), expect_ok=False)
         assert proc.returncode == 1 and "Traceback" not in proc.stderr
         assert proc.stderr.strip().splitlines()[-1] == (f"error: {what} need a tokenizer with a chat template, and "
