@@ -305,10 +305,12 @@ def load_preferences(args, tokenizer, device, policy=None):
         return [addition_pairs(policy, tokenizer, records, device, args)
                 for records in (train[: args.num_train_prompts], held_out)]
 
-    def read(name, split, flag):  # a .jsonl file's records, or a hub dataset split's
+    def read(name, split, flag):  # a .jsonl file's records, or a hub dataset split's, as pairs
         if name.endswith(".jsonl"):
-            return read_jsonl(name, ("prompt", "chosen", "rejected"), ("chosen", "rejected"), flag=flag)
-        return load_hub_split(name, args.dataset_config, split, flag)
+            records = read_jsonl(name, ("prompt", "chosen", "rejected"), ("chosen", "rejected"), flag=flag)
+        else:
+            records = load_hub_split(name, args.dataset_config, split, flag)
+        return [preference_pair(r, f"{flag} {name}") for r in records]
 
     train, held_out = read(args.dataset, args.train_split, "--dataset"), []
     if args.dataset.endswith(".jsonl") and args.eval_dataset is None:  # its last --num-eval, not trained on
@@ -318,10 +320,10 @@ def load_preferences(args, tokenizer, device, policy=None):
     if args.eval_dataset or not held_out:  # else the hub dataset's --eval-split
         name, flag = (args.eval_dataset, "--eval-dataset") if args.eval_dataset else (args.dataset, "--dataset")
         held_out = read(name, args.eval_split, flag)[: args.num_eval]
-    return [[preference_pair(r, args.dataset) for r in rs] for rs in (train, held_out)]
+    return train, held_out
 
 
-def preference_pair(record, dataset):
+def preference_pair(record, source):
     """{'prompt', 'chosen', 'rejected'} with text completions (other fields kept), from any of TRL's forms: text after
     a prompt; one assistant message or the whole conversation each; or, with no 'prompt', two conversations whose
     common beginning is the prompt. {"chosen": [user "2+2?", assistant "4"], "rejected": [user "2+2?", assistant
@@ -330,7 +332,7 @@ def preference_pair(record, dataset):
     prompt = record.get("prompt")
     if prompt is None:  # the implicit prompt: the messages both conversations begin with
         if not (isinstance(chosen, list) and isinstance(rejected, list)):
-            fail(f"--dataset {dataset}: a record with text completions needs a 'prompt' field")
+            fail(f"{source}: a record with text completions needs a 'prompt' field")
         common = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
         prompt = chosen[:common]
     start = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
@@ -340,7 +342,7 @@ def preference_pair(record, dataset):
             return completion
         rest = completion[len(start) :] if completion[: len(start)] == start else completion
         if len(rest) != 1 or rest[0]["role"] != "assistant":
-            fail(f"--dataset {dataset}: a conversational completion must be one assistant message after the prompt")
+            fail(f"{source}: a conversational completion must be one assistant message after the prompt")
         return rest[0]["content"]
 
     return {**record, "prompt": prompt, "chosen": reply(chosen), "rejected": reply(rejected)}

@@ -159,7 +159,8 @@ def main(args):
 
     # the data: the addition task's answers as completions, or prompt/completion records
     def read(name, flag):
-        return [sft_record(r, name) for r in read_jsonl(name, ("prompt", "completion"), ("messages",), flag=flag)]
+        records = read_jsonl(name, ("prompt", "completion"), ("messages",), flag=flag)
+        return [sft_record(r, f"{flag} {name}") for r in records]
 
     if args.dataset is None:
         train_records, eval_records = addition_task(args.num_eval, args.task)
@@ -253,7 +254,7 @@ def main(args):
 
 
 # ---- Helpers that only some of the files need: each is kept equal to its copy in the other files that have it
-def sft_record(record, dataset):
+def sft_record(record, source):
     """{'prompt', 'completion'} (and the record's other fields), the completion as text, from a prompt/completion
     record (the completion text or one assistant message; the prompt text or messages) or a {'messages'}
     conversation, whose last message, an assistant's, is the completion and the messages before it the prompt."""
@@ -263,7 +264,7 @@ def sft_record(record, dataset):
         prompt, completion = record["prompt"], record["completion"]
     if isinstance(completion, list):
         if len(completion) != 1 or completion[0]["role"] != "assistant" or not prompt:
-            fail(f"--dataset {dataset}: a conversation must end with one assistant message, after the prompt's")
+            fail(f"{source}: a conversation must end with one assistant message, after the prompt's")
         completion = completion[0]["content"]
     return {**record, "prompt": prompt, "completion": completion}
 

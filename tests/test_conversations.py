@@ -31,25 +31,27 @@ def message(role, content):
      ([message("system", "Be brief."), message(USER, "2+2?")], "4", "5")),  # no prompt: the common beginning
 ])
 def test_a_preference_record_in_each_form_gives_the_same_pair(record, expected):
-    pair = preference_pair({**record, "margin": 2}, "pairs.jsonl")
+    pair = preference_pair({**record, "margin": 2}, "--dataset pairs.jsonl")
     assert (pair["prompt"], pair["chosen"], pair["rejected"]) == expected and pair["margin"] == 2
 
 
 def test_conversational_records_that_cannot_be_read_stop_with_one_line():
     with pytest.raises(SystemExit, match="^error: --dataset d.jsonl: a record with text completions needs a 'prompt'"):
-        preference_pair({"chosen": "4", "rejected": "5"}, "d.jsonl")
+        preference_pair({"chosen": "4", "rejected": "5"}, "--dataset d.jsonl")
     two_turns = [message(ASSISTANT, "4"), message(ASSISTANT, "really, 4")]
     with pytest.raises(SystemExit, match="one assistant message after the prompt$"):
-        preference_pair({"prompt": "2+2?", "chosen": two_turns, "rejected": [message(ASSISTANT, "5")]}, "d.jsonl")
+        preference_pair({"prompt": "2+2?", "chosen": two_turns, "rejected": [message(ASSISTANT, "5")]},
+                        "--dataset d.jsonl")
     with pytest.raises(SystemExit, match="must end with one assistant message"):
-        sft_record({"messages": [message(USER, "2+2?"), message(USER, "well?")]}, "d.jsonl")
+        sft_record({"messages": [message(USER, "2+2?"), message(USER, "well?")]}, "--dataset d.jsonl")
 
 
 def test_an_sft_conversation_is_its_last_assistant_message_after_the_rest():
     record = sft_record({"messages": [message("system", "Be brief."), message(USER, "2+2?"),
-                                      message(ASSISTANT, "4")]}, "d.jsonl")
+                                      message(ASSISTANT, "4")]}, "--dataset d.jsonl")
     assert record["prompt"] == [message("system", "Be brief."), message(USER, "2+2?")] and record["completion"] == "4"
-    assert sft_record({"prompt": "2+2?", "completion": [message(ASSISTANT, "4")]}, "d.jsonl")["completion"] == "4"
+    record = sft_record({"prompt": "2+2?", "completion": [message(ASSISTANT, "4")]}, "--dataset d.jsonl")
+    assert record["completion"] == "4"
 
 
 def test_a_conversation_goes_through_the_chat_template_as_given_and_the_system_prompt_comes_first(chat_model_dir):

@@ -131,6 +131,19 @@ def test_held_out_records_come_from_eval_dataset_and_all_of_dataset_is_trained_o
     assert f"error: --eval-dataset {held_out}: line 1 has no field 'answer'" in bad.stderr
 
 
+@pytest.mark.parametrize("script, dataset, record", [
+    ("dpo.py", "pairs_tiny.jsonl", {"chosen": "4", "rejected": "5"}),  # text completions without a prompt
+    ("reward_model.py", "pairs_tiny.jsonl", {"chosen": "4", "rejected": "5"}),
+    ("sft.py", "sft_tiny.jsonl", {"messages": [{"role": "user", "content": "2+2?"}]}),  # no assistant message
+])
+def test_a_record_of_eval_dataset_that_cannot_be_read_is_named_by_that_flag(script, dataset, record, tmp_path):
+    held_out = tmp_path / "eval.jsonl"
+    held_out.write_text(json.dumps(record) + "\n")
+    proc = run_script(script, "--dataset", f"tests/fixtures/{dataset}", "--eval-dataset", str(held_out),
+                      "--output-dir", str(tmp_path / "run"), expect_ok=False)
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith(f"error: --eval-dataset {held_out}: ")
+
+
 @pytest.mark.parametrize("script, flags, message", [
     ("grpo.py", ["--lora-r", "4", "--lora-target-modules", "nope"], "error: --lora-target-modules nope: Target "
      "modules {'nope'} not found"),
