@@ -172,7 +172,8 @@ def test_publish_copies_the_weights_only_once_the_generator_took_the_last_ones()
     import threading
 
     copies = []
-    policy = SimpleNamespace(state_dict=lambda: copies.append(1) or {"w": torch.ones(2)})
+    policy = torch.nn.Module()  # a model whose state_dict counts its calls
+    policy.state_dict = lambda: copies.append(1) or {"w": torch.ones(2)}
     generator = Generator.__new__(Generator)
     generator.args = SimpleNamespace(max_staleness=0, num_steps=10)
     generator.model = SimpleNamespace(state_dict=lambda: {"w": torch.zeros(2)})
