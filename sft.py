@@ -413,27 +413,49 @@ def load_model(path, args, device, frozen=False, model=None):
         if importlib.util.find_spec("peft") is None:
             fail("--lora-r: LoRA needs the peft library: pip install peft")
         peft, modules = __import__("peft"), args.lora_target_modules
+        check_lora_targets(model, modules)
         config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
                                  target_modules="all-linear" if modules == ["all-linear"] else modules)
         try:
             model = peft.get_peft_model(model, config)
         except ValueError as e:
             fail(f"--lora-target-modules {' '.join(modules)}: {str(e).splitlines()[0]}")
+        head = model.get_output_embeddings()
+        for module in model.modules():  # frozen: held in --dtype, as autocast would cast them at every token (gpu.md)
+            if isinstance(module, torch.nn.Linear) and module is not head and not module.weight.requires_grad:
+                module.to(model.compute_dtype)
     return model.to(device)
+
+
+def check_lora_targets(model, modules):
+    """Stops if --lora-target-modules names the output layer, or an input embedding tied to it (docs/training.md)."""
+    names = {module: name for name, module in model.named_modules()}
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    refused = {names[head]: "the output layer, whose weight the log-probs multiply without an adapter"}
+    if head.weight is embedding.weight:
+        refused[names[embedding]] = "tied to the output layer, which would keep no adapter"
+    for name, why in refused.items():
+        if any(name == m or name.endswith("." + m) for m in modules):
+            fail(f"--lora-target-modules {' '.join(modules)}: {name} is {why}; leave it out")
 
 
 def adapters_off(model):  # `with adapters_off(policy):` the policy without its LoRA adapters: the reference
     return getattr(unwrap(model), "disable_adapter", contextlib.nullcontext)()
 
 
+@torch.no_grad()
 def merged_weights(model):
-    """The model's state dict, with LoRA: its adapters merged into the weights, under the plain model's names."""
+    """(name, float32 tensor) of each weight, under the plain model's names; with LoRA merged, a layer at a time."""
     model = unwrap(model).get_base_model() if hasattr(unwrap(model), "get_base_model") else unwrap(model)
-    weights = {n.replace(".base_layer", ""): w for n, w in model.state_dict().items() if "lora_" not in n}
-    with torch.no_grad():
-        weights.update({f"{n}.weight": m.base_layer.weight + m.get_delta_weight("default")
-                        for n, m in model.named_modules() if hasattr(m, "get_delta_weight")})
-    return weights
+    adapted = {f"{n}.base_layer.weight": m for n, m in model.named_modules() if hasattr(m, "get_delta_weight")}
+    for name, tensor in model.state_dict().items():
+        if "lora_" in name:
+            continue
+        if name in adapted:  # a new tensor: the model's weight is never merged into and back (not exact)
+            tensor = tensor + adapted[name].get_delta_weight("default")
+        if tensor.is_floating_point():  # a frozen layer held in --dtype (load_model)
+            tensor = tensor.float()
+        yield name.replace(".base_layer", ""), tensor
 
 
 def autocast(model):
@@ -585,8 +607,9 @@ def completions(model, tokenizer, records, args, stop_ids, temperature=None):
     return texts
 
 
-def evaluate(model, tokenizer, records, args, stop_ids, samples=None):
-    """{eval/accuracy of greedy completions, eval/mean@k and eval/pass@k of --eval-samples}, of all processes."""
+def evaluate(model, tokenizer, records, args, stop_ids, samples=None, pause=contextlib.nullcontext):
+    """{eval/accuracy of greedy completions, eval/mean@k and eval/pass@k of --eval-samples}, of all processes;
+    pause(): a context in which no other thread draws random numbers (async_grpo.py's generator)."""
     records, k = share_of(records), getattr(args, "eval_samples", 0)
     texts = completions(model, tokenizer, records, args, stop_ids)
     scores = [[reward_fn(t, r) for t, r in zip(texts, records)]]
@@ -594,7 +617,7 @@ def evaluate(model, tokenizer, records, args, stop_ids, samples=None):
         samples += [{"kind": "eval", "prompt": r["prompt"], "completion": t, "answer": r["answer"], "reward": x}
                     for r, t, x in zip(records[:4], texts, scores[0])]
     if k:  # its own random numbers: training draws the same ones with or without --eval-samples
-        with torch.random.fork_rng([torch.cuda.current_device()] if torch.cuda.is_initialized() else []):
+        with pause(), torch.random.fork_rng([torch.cuda.current_device()] if torch.cuda.is_initialized() else []):
             group = [r for r in records for _ in range(k)]
             texts = completions(model, tokenizer, group, args, stop_ids, args.eval_temperature)
         sampled = torch.tensor([reward_fn(t, r) for t, r in zip(texts, group)]).view(-1, k)  # (records, K)
@@ -689,20 +712,26 @@ def make_output_dir(args):
     return path, checkpoint
 
 
-def save(model, tokenizer, output_dir):
-    """The whole model and the tokenizer, loadable with from_pretrained (rank 0 writes)."""
-    state_dict = None
+def save(model, tokenizer, output_dir, merged=True):
+    """The model and the tokenizer, loadable with from_pretrained (rank 0 writes); with LoRA the adapter alone in
+    adapter/, and the model with it merged in unless merged=False."""
+    model, weights = unwrap(model), None
     if isinstance(model, FSDPModule):
-        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
-        state_dict = {k: v for k, v in state_dict.items() if k in names}  # a tied weight under one name
+        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)).items()
     try:
-        if rank_and_world()[0] == 0:
-            if hasattr(unwrap(model), "get_base_model"):  # LoRA: the adapter in adapter/, and the merged model
-                unwrap(model).save_pretrained(os.path.join(output_dir, "adapter"))
-                model, state_dict = unwrap(model).get_base_model(), merged_weights(model)
-            unwrap(model).save_pretrained(output_dir, state_dict=state_dict)
-            tokenizer.save_pretrained(output_dir)
+        if rank_and_world()[0] != 0:
+            return
+        if hasattr(model, "get_base_model"):  # LoRA
+            model.save_pretrained(os.path.join(output_dir, "adapter"))
+            if not merged:
+                return
+            model, weights = model.get_base_model(), merged_weights(model)
+        state_dict = None
+        if weights is not None:  # a tensor at a time to the CPU, a tied weight under one name
+            names = {n.replace(".base_layer", "") for n, _ in [*model.named_parameters(), *model.named_buffers()]}
+            state_dict = {name: tensor.cpu() for name, tensor in weights if name in names}
+        model.save_pretrained(output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(output_dir)
     except OSError as e:
         fail(f"--output-dir {output_dir}: cannot save the model there ({e.strerror or e})")
 
@@ -716,10 +745,9 @@ def save_checkpoint(args, output_dir, step, tokenizer, models, optimizer, genera
     if rank == 0:
         shutil.rmtree(part, ignore_errors=True)
     barrier()
-    model_state, optimizer_state = get_state_dict(torch.nn.ModuleDict(models), optimizer)
-    dcp.save({"models": model_state, "optimizer": optimizer_state}, checkpoint_id=f"{part}/state")
+    dcp.save(checkpoint_state(models, optimizer)[1], checkpoint_id=f"{part}/state")
     for name, model in models.items():
-        save(model, tokenizer, f"{part}/{name}")
+        save(model, tokenizer, f"{part}/{name}", merged=False)  # LoRA: adapter/ alone
     _, keys, *numpy = sys.modules["numpy"].random.get_state()  # vLLM's CUDA sampler draws from numpy's
     torch.save({"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all(),
                 "numpy": [torch.from_numpy(keys), *numpy], "generators": [g.getstate() if isinstance(g, random.Random)
@@ -735,14 +763,23 @@ def save_checkpoint(args, output_dir, step, tokenizer, models, optimizer, genera
     barrier()
 
 
+def checkpoint_state(models, optimizer):
+    """(the models in a ModuleDict, the state a checkpoint keeps of them and of the optimizer): frozen weights left
+    out, a tied one too (LoRA: the adapters alone; a resumed run loads the rest from --model-name-or-path)."""
+    modules = torch.nn.ModuleDict({name: unwrap(model) for name, model in models.items()})
+    frozen = {name for name, p in modules.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    model_state, optimizer_state = get_state_dict(modules, optimizer)
+    return modules, {"models": {k: v for k, v in model_state.items() if k not in frozen}, "optimizer": optimizer_state}
+
+
 def resume(checkpoint, models, optimizer, generators):
     """(the first step, the loop's state): (1, {}) for a new run, else the checkpoint's, its states put back."""
     if checkpoint is None:
         return 1, {}
-    modules = torch.nn.ModuleDict(models)
-    state = dict(zip(("models", "optimizer"), get_state_dict(modules, optimizer)))  # what to load into
+    modules, state = checkpoint_state(models, optimizer)  # what to load into
     dcp.load(state, checkpoint_id=os.path.join(checkpoint, "state"))
-    set_state_dict(modules, optimizer, model_state_dict=state["models"], optim_state_dict=state["optimizer"])
+    set_state_dict(modules, optimizer, model_state_dict=state["models"], optim_state_dict=state["optimizer"],
+                   options=StateDictOptions(strict=False))  # the frozen weights stay as loaded
     rng = torch.load(os.path.join(checkpoint, f"rng_{rank_and_world()[0]}.pt"))
     random.setstate(rng["python"])
     torch.set_rng_state(rng["torch"])
@@ -792,8 +829,13 @@ def rank_and_world():
 
 
 def share_of(items):
-    """This process's items: every N-th from its rank on (a remainder of fewer than N is left out)."""
+    """This process's held-out items: every N-th from its rank on, as many for each (a remainder is left out, said)."""
     rank, world = rank_and_world()
+    if len(items) < world:
+        fail(f"{len(items)} held-out records for {world} processes, which need one each: raise --num-eval")
+    if len(items) % world:
+        print(f"note: the last {len(items) % world} of {len(items)} held-out records are left out, so that each of "
+              f"the {world} processes evaluates as many")
     return items[: len(items) - len(items) % world][rank::world]
 
 

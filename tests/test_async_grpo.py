@@ -190,6 +190,66 @@ def test_publish_copies_the_weights_only_once_the_generator_took_the_last_ones()
     assert not thread.is_alive() and copies == [1] and generator.waiting[0] == 2
 
 
+@pytest.mark.parametrize("pause", ["generator.paused", "none"])
+def test_the_generator_draws_nothing_while_evaluate_samples(pause, monkeypatch):
+    """evaluate()'s sampled completions run inside torch.random.fork_rng, which puts torch's generator back when it
+    closes, and the generator thread samples from that same generator. A stand-in generator whose first batch waits
+    until the fork is open or it is asked to pause makes the overlap happen every time: with the pause that main()
+    passes, its draws are the seed's first three numbers; without one (the code before), its first draw is made
+    inside the fork, rewound, and drawn again by the next batch."""
+    import contextlib
+    import threading
+    import time
+
+    import async_grpo
+
+    fork_open, drawn_inside, evaluated = threading.Event(), threading.Event(), threading.Event()
+    generator = None
+
+    def stand_in_sample(self):  # a batch of one random number, drawn as generate() would draw its tokens
+        if self.next_batch > 1:  # the later batches once evaluate() has returned
+            evaluated.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while self.next_batch == 1 and not (fork_open.is_set() or self.pausing) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        value = torch.rand(1).item()
+        if fork_open.is_set():
+            drawn_inside.set()
+        return [value]
+
+    def stand_in_completions(model, tokenizer, records, args, stop_ids, temperature=None):
+        if temperature is not None:  # the sampled ones, inside the fork
+            fork_open.set()
+            deadline = time.monotonic() + 30
+            while not (drawn_inside.is_set() or generator.pausing and not generator.sampling):
+                assert time.monotonic() < deadline, "the generator neither drew nor paused"
+                time.sleep(0.001)
+            torch.rand(8)  # evaluate's own samples draw too
+            fork_open.clear()
+        return ["0"] * len(records)
+
+    monkeypatch.setattr(async_grpo.Generator, "sample", stand_in_sample)
+    monkeypatch.setattr(async_grpo, "completions", stand_in_completions)
+    args = async_grpo.Args(dtype="float32", num_steps=3, max_staleness=5, eval_samples=2, cuda=False)
+    device = torch.device("cpu")
+    tokenizer = async_grpo.load_tokenizer(args.model_name_or_path, args)
+    policy = async_grpo.load_model(args.model_name_or_path, args, device)
+    torch.manual_seed(7)
+    expected = torch.rand(3).tolist()
+    torch.manual_seed(7)
+    generator = async_grpo.Generator(policy, tokenizer, [], [2], None, args, device, version=0)
+    records = [{"prompt": "1+1=", "answer": "2"}] * 4
+    metrics = async_grpo.evaluate(policy, tokenizer, records, args, [2],
+                                  pause=generator.paused if pause == "generator.paused" else contextlib.nullcontext)
+    evaluated.set()
+    assert metrics["eval/pass@k"] == 0.0
+    drawn = [generator.take()[0] for _ in range(3)]
+    if pause == "generator.paused":
+        assert not drawn_inside.is_set() and drawn == expected
+    else:  # the check can fail: without the pause, the first draw falls inside the fork and is drawn twice
+        assert drawn_inside.is_set() and drawn == [expected[0], expected[0], expected[1]]
+
+
 # a negative --max-staleness and a --behav-imp-cap below 1: tests/test_flags.py, with every numeric flag's edges
 @pytest.mark.parametrize("flags, env, message", [
     (["--no-decoupled", "--behav-imp-cap", "3"], {}, "--behav-imp-cap 3.0 with --no-decoupled: the cap limits"),

@@ -186,6 +186,14 @@ def test_the_gpu_page_gives_the_memory_estimate_of_its_commands():
     # 151,936 logits each
     assert generation == pytest.approx(128 * (2 * 24 * 2 * 64 * 712 * 4 + 2 * 151_936 * 4) / 2**30)
     assert peak == pytest.approx(static + max(training, generation))
+    # the LoRA row at 7B: the frozen policy at 4 bytes a parameter, but 2 for its decoder's linear layers (held in
+    # bfloat16: q and o 3584 x 3584, q's bias, k and v 512 x 3584 with their biases, gate, up and down 3584 x 18944,
+    # in 28 layers), and 16 for each adapter parameter (rank 16 times the inputs and outputs of those 7 layers)
+    lora = next(c for c in memory_estimate.COMMANDS if c.lora and c.model is memory_estimate.QWEN_7B)
+    n7 = memory_estimate.parameters(memory_estimate.QWEN_7B)
+    linear = 28 * (2 * 3584 * 3584 + 3584 + 2 * (512 * 3584 + 512) + 3 * 3584 * 18944)
+    adapters = 16 * 28 * (2 * 3584 + 2 * (3584 + 512) + 2 * 3584 + 3 * (3584 + 18944))
+    assert memory_estimate.estimate(lora)[0] == pytest.approx((4 * n7 - 2 * linear + 16 * adapters) / 2**30)
     # the command the page gives prints the table, and the page gives it
     assert run_script("benchmarks/memory_estimate.py").stdout.strip() == memory_estimate.table()
     assert memory_estimate.table() in raw("docs/gpu.md")

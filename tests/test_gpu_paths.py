@@ -150,3 +150,112 @@ def test_the_bfloat16_cost_benchmark_runs_and_measures_a_gap():
     per_token, one, float32_seconds, bfloat16_seconds, gap = bf16_costs.main(hidden_size=112, intermediate_size=224,
                                                                            vocab_size=4096, repeats=1)
     assert min(per_token, one, float32_seconds, bfloat16_seconds) > 0 and gap > 1e-3
+
+
+def lora_flags(dtype, target_modules=("all-linear",)):
+    return SimpleNamespace(**vars(flags(dtype)), lora_r=4, lora_alpha=8.0, lora_target_modules=list(target_modules))
+
+
+def test_lora_under_bfloat16_casts_no_frozen_decoder_weight_at_every_token(tmp_path):
+    """Autocast caches its bfloat16 copy of a float32 weight only for a weight that is trained: peft's frozen bases
+    were cast again at every generated token. They are held in bfloat16 now, which computes exactly as autocast's
+    cast did; the embedding, the norms and the output layer (which the log-probs multiply in float32) stay float32,
+    and the output layer is the one frozen weight still cast at each token (docs/gpu.md)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from grpo import generate
+
+    device, path = torch.device("cpu"), tiny_llama(tmp_path / "m")
+    policy = load_model(path, lora_flags("bfloat16"), device)
+    dtypes = {n: p.dtype for n, p in policy.named_parameters()}
+    frozen_linear = [n for n in dtypes if "proj.base_layer" in n]
+    assert len(frozen_linear) == 14 and all(dtypes[n] == torch.bfloat16 for n in frozen_linear)
+    assert all(dtypes[n] == torch.float32 for n in dtypes if n not in frozen_linear)  # lora_, norms, embedding, head
+    names = {p.untyped_storage().data_ptr(): n for n, p in policy.named_parameters()}
+    casts = dict.fromkeys(dtypes, 0)
+
+    class CountCasts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = names.get(args[0].untyped_storage().data_ptr()) if args and torch.is_tensor(args[0]) else None
+            if func is torch.ops.aten._to_copy.default and name and kwargs.get("dtype") == torch.bfloat16:
+                casts[name] += 1
+            return func(*args, **kwargs)
+
+    prompt_ids, prompt_mask, _ = batch(length=5)
+    forwards = []
+    hook = policy.get_decoder().register_forward_hook(lambda *_: forwards.append(1))
+    with CountCasts():
+        generate(policy, SimpleNamespace(pad_token_id=0), prompt_ids, prompt_mask, 10, None, [-1])
+    hook.remove()
+    assert len(forwards) == 10
+    head = "base_model.model.lm_head.weight"
+    assert casts.pop(head) == 10  # frozen and float32: cast for each token's logits
+    assert all(n == 0 for k, n in casts.items() if k in frozen_linear)  # was 10 each
+    assert all(n == 1 for k, n in casts.items() if "lora_" in k)  # trained: cast once, cached for the rollout
+    # at no loss: the adapters start at zero, and the policy's log-probs are those of the plain model under autocast
+    plain = load_model(path, flags("bfloat16"), device)
+    input_ids, attention_mask, prompt_len = batch()
+    with torch.no_grad():
+        a = sequence_logprobs(policy, input_ids, attention_mask, prompt_len)
+        b = sequence_logprobs(plain, input_ids, attention_mask, prompt_len)
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_the_engine_takes_the_merged_weights_a_layer_at_a_time(tmp_path):
+    """sync_engine hands vLLM the LoRA-merged weights lazily: when the engine takes a merged weight, no other merged
+    copy is alive (they were all built first, a float32 copy of every adapted layer beside the trainer's weights).
+    Each is W + (alpha / r) B A, worked from the layer's own tensors, and the policy's weights are left as they were
+    (never merged into and back)."""
+    import gc
+    import weakref
+
+    from grpo import sync_engine
+
+    device, path = torch.device("cpu"), tiny_llama(tmp_path / "m")
+    policy = load_model(path, lora_flags("float32"), device)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    layers = {n: m for n, m in policy.get_base_model().named_modules() if hasattr(m, "get_delta_weight")}
+    taken, alive_at_take = {}, []
+
+    class Engine:  # vLLM's side of a weight sync: takes the weights one at a time
+        llm_engine = SimpleNamespace(is_sleeping=lambda: False)
+
+        def collective_rpc(self, method, kwargs):
+            refs = []
+            for name, tensor in kwargs["weights_iterator"]:
+                gc.collect()
+                if name[: -len(".weight")] in layers:
+                    alive_at_take.append(sum(r() is not None for r in refs))
+                    refs.append(weakref.ref(tensor))
+                taken[name] = tensor.clone()
+
+        def reset_prefix_cache(self):
+            pass
+
+    sync_engine(Engine(), policy)
+    assert len(alive_at_take) == 14 and max(alive_at_take) == 0  # was 1, 2, ..., 13
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert taken.keys() == plain.state_dict().keys()
+    for name, layer in layers.items():
+        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight  # (r, in), (out, r)
+        by_hand = layer.base_layer.weight + (8.0 / 4) * b @ a
+        torch.testing.assert_close(taken[f"{name}.weight"], by_hand.detach(), atol=1e-6, rtol=0)
+    assert all(torch.equal(p, before[n]) for n, p in policy.named_parameters())
+
+
+def test_the_lora_cast_benchmark_counts_the_casts_both_ways():
+    """benchmarks/lora_casts.py (docs/gpu.md's counts), on the bundled model: with its 14 frozen linear layers in
+    float32 (as before) a token casts them and the output layer, 15; held in bfloat16, the output layer alone."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import lora_casts
+
+    found = lora_casts.main(sequences=2, new_tokens=4, repeats=1)
+    assert found["float32 (before)"][0] == 15 and found["bfloat16 (load_model)"][0] == 1
+    assert all(speed > 0 for _, _, speed in found.values())

@@ -99,6 +99,20 @@ def test_masked_mean_ignores_padding_even_inf_and_nan():
     torch.testing.assert_close(masked_mean(x, mask, dim=1), torch.tensor([2.0, 2.0]))
 
 
+def test_held_out_records_are_shared_evenly_or_the_run_says_why(monkeypatch, capsys):
+    """Under torchrun each process evaluates every N-th held-out record, as many each: 7 records over 3 processes
+    leave the last one out and say so; 2 records over 3 processes stop the run (every process had none, and the
+    evaluation divided by zero)."""
+    import grpo
+
+    monkeypatch.setattr(grpo, "rank_and_world", lambda: (1, 3))
+    assert grpo.share_of(list(range(7))) == [1, 4]
+    assert "note: the last 1 of 7 held-out records are left out" in capsys.readouterr().out
+    assert grpo.share_of(list(range(6))) == [1, 4] and capsys.readouterr().out == ""
+    with pytest.raises(SystemExit, match="error: 2 held-out records for 3 processes, which need one each"):
+        grpo.share_of([0, 1])
+
+
 def tiny_model(kind):
     torch.manual_seed(0)
     if kind == "gpt2":  # absolute position embeddings

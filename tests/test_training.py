@@ -51,6 +51,23 @@ def test_lora_trains_only_the_adapters_against_the_policy_without_them(lora_run)
     torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_a_lora_checkpoint_holds_the_adapters_and_their_optimizer_state_alone(lora_run):
+    """state/ leaves the frozen weights out (a resume takes them from --model-name-or-path), and a checkpoint keeps
+    adapter/ and no merged model; the final save has both. (Before: state/ held the frozen float32 model, and every
+    checkpoint a merged float32 copy besides.)"""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    checkpoint = lora_run / "checkpoints" / "step_000002"
+    keys = FileSystemReader(str(checkpoint / "state")).read_metadata().state_dict_metadata.keys()
+    weights = [k for k in keys if k.startswith("models.")]
+    moments = [k for k in keys if k.startswith("optimizer.state.") and k.endswith(".exp_avg")]
+    assert len(weights) == len(moments) == 28  # A and B of each of 14 layers
+    assert all("lora_" in k for k in weights + moments)
+    assert sorted(p.name for p in (checkpoint / "policy").iterdir()) == ["adapter"]
+    assert (checkpoint / "policy" / "adapter" / "adapter_model.safetensors").is_file()
+    assert (lora_run / "model.safetensors").is_file() and (lora_run / "adapter" / "adapter_model.safetensors").is_file()
+
+
 def test_a_killed_lora_run_resumes_to_the_same_metrics_and_schedule(lora_run, tmp_path):
     copy = tmp_path / "run"
     shutil.copytree(lora_run, copy)
@@ -147,6 +164,11 @@ def test_a_record_of_eval_dataset_that_cannot_be_read_is_named_by_that_flag(scri
 @pytest.mark.parametrize("script, flags, message", [
     ("grpo.py", ["--lora-r", "4", "--lora-target-modules", "nope"], "error: --lora-target-modules nope: Target "
      "modules {'nope'} not found"),
+    # the bundled model ties its output layer to its embedding: an adapter on either would reach one of them only
+    ("grpo.py", ["--lora-r", "4", "--lora-target-modules", "q_proj", "embed_tokens"], "error: --lora-target-modules "
+     "q_proj embed_tokens: model.embed_tokens is tied to the output layer, which would keep no adapter; leave it out"),
+    ("sft.py", ["--lora-r", "4", "--lora-target-modules", "lm_head"], "error: --lora-target-modules lm_head: lm_head "
+     "is the output layer, whose weight the log-probs multiply without an adapter; leave it out"),
     ("dpo.py", ["--dataset", "tests/fixtures/pairs_tiny.jsonl", "--eval-samples", "2"], "error: --eval-samples scores "
      "samples against the built-in task's answers; --dataset has none"),
     ("sft.py", ["--dataset", "tests/fixtures/sft_tiny.jsonl", "--num-eval", "2", "--eval-samples", "2"],
