@@ -29,8 +29,9 @@ checked on the CPU under bfloat16 autocast, with a tiny Qwen2 loaded as load_mod
   (float32: the rotary embedding's float32 cos and sin promote the keys, and the cache's torch.cat under autocast
   the values), the float32 logits and probabilities of one position, 2 x vocab x 4 bytes a sequence, and under
   --fsdp the whole model gathered in bfloat16, 2 N (a rollout gathers each layer once and keeps it until its end).
-With --lora-r R (docs/training.md): the policy's weights are frozen, 4 N, and its adapters (A: R x (in + out) for
-each linear layer of the decoder) trained, 16 A; no reference model is held (it is the policy with its adapters off);
+With --lora-r R (docs/training.md): the policy's weights are frozen, 4 N, but for its decoder's linear layers (D
+parameters), which are held in the compute dtype, 2 D; its adapters (A: R x (in + out) for each linear layer of the
+decoder) are trained, 16 A; no reference model is held (it is the policy with its adapters off);
 the training pass is counted as without LoRA, an upper bound: on three tiny Qwen2 configurations under bfloat16
 autocast, the saved tensors a token and layer were fewer with LoRA on every linear layer than without.
 The peak is the static part plus the larger of the training and the generation part. Not counted: the CUDA
@@ -71,6 +72,13 @@ def parameters(config):
         return sum(p.numel() for p in AutoModelForCausalLM.from_config(Qwen2Config(**config)).parameters())
 
 
+def decoder_linear_parameters(config):
+    """D: the weights and biases of the decoder layers' linear layers (q, k, v, o, gate, up, down)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**config))
+    return sum(p.numel() for name, p in model.named_parameters() if name.endswith(("proj.weight", "proj.bias")))
+
+
 def root_parameters(config):
     """R: the parameters outside the decoder layers (embedding, output layer unless tied, final norm)."""
     d, vocab = config["hidden_size"], config["vocab_size"]
@@ -90,8 +98,8 @@ def estimate(c):
     layers, length = c.model["num_hidden_layers"], c.prompt + c.completion
     shard, fsdp, root, vocab = c.processes, c.processes > 1, root_parameters(c.model), c.model["vocab_size"]
     static = (c.trained * 16 * n + c.frozen * 4 * n) / shard + (c.frozen * 2 * root if fsdp else 0)
-    if c.lora:  # the policy frozen, its adapters trained
-        static += 4 * n + 16 * adapter_parameters(c.model, c.lora) - 16 * n
+    if c.lora:  # the policy frozen (its decoder's linear layers in bfloat16), its adapters trained
+        static += 4 * n - 2 * decoder_linear_parameters(c.model) + 16 * adapter_parameters(c.model, c.lora) - 16 * n
     heads, chunk = c.model["num_attention_heads"], 2**26 // vocab * vocab * 4  # C: a chunk's float32 logits
     tokens, per_layer = c.micro_batch * length, 34 * d + 8 * i + 4 * heads + 8 + 2 * length  # bytes a token and layer
     if c.checkpointing:
