@@ -42,8 +42,12 @@ import torch.distributed.checkpoint as dcp
 import torch.utils.checkpoint
 import transformers
 import tyro
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 
@@ -132,7 +136,7 @@ def last_token_scores(model, input_ids, attention_mask):
     attention = [[0,   1, 1, 1,  1, 1,   0  ]]    -> the score is read at index 5, the EOS
     The mask, not the pad id, finds the token, so a pad id equal to the EOS id cannot move it.
     """
-    hidden = decoder_states(model, input_ids, attention_mask)  # (B, T, hidden), positions as for the policy
+    hidden = hidden_states(model, input_ids, attention_mask)  # (B, T, hidden), positions as for the policy
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     last = (attention_mask * positions).argmax(dim=1)  # (B,) the index of the last real token
     with autocast(model):  # the score head in the compute dtype, as the decoder ran
@@ -142,7 +146,7 @@ def last_token_scores(model, input_ids, attention_mask):
 
 def token_values(value_model, input_ids, attention_mask, prompt_len):
     """V(s_t) (B, T) for each completion token t: the value head on the hidden state that predicts token t."""
-    hidden = decoder_states(value_model, input_ids, attention_mask)  # (B, P + T, hidden)
+    hidden = hidden_states(value_model, input_ids, attention_mask)  # (B, P + T, hidden)
     with autocast(value_model):  # the value head in the compute dtype, as the decoder ran
         values = unwrap(value_model).score(hidden[:, prompt_len - 1 : -1])  # (B, T, 1)
     return values.squeeze(-1).float()  # (B, T)
@@ -201,8 +205,10 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps, is_weigh
     if is_weights is not None:  # the engine sampled the tokens, not pi_old
         per_token = per_token * is_weights
     loss = masked_mean(per_token, m)
-    return loss, {"clip_frac": masked_mean((clipped > unclipped).float(), m).detach(),
-                  "approx_kl": masked_mean((ratio - 1) - log_ratio, m).detach()}
+    return loss, {
+        "clip_frac": masked_mean((clipped > unclipped).float(), m).detach(),
+        "approx_kl": masked_mean((ratio - 1) - log_ratio, m).detach(),
+    }
 
 
 def ppo_value_loss(values, old_values, returns, mask, clip_value):
@@ -224,43 +230,36 @@ def adaptive_kl_coef(beta, kl, target, num_completions, horizon):
     return beta * (1 + error * num_completions / horizon)
 
 
+def explained_variance(returns, values, mask):
+    """1 - Var(returns - values) / Var(returns) over the completion tokens (B, T): the share of the returns' variance
+    that the critic's values explain (1: all of it; 0: no more than their mean does)."""
+    residual = returns - values  # (B, T)
+    unexplained = masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
+    return 1 - unexplained / masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+
+
 def main(args):
+    check_args(args)  # and a learned reward's defaults: --learning-rate, --kl-target
     learned = args.reward_model_path is not None  # a learned reward is exploitable: smaller steps, the KL held
-    if args.learning_rate is None:
-        args.learning_rate = 3e-5 if learned else 1e-4
-    if args.kl_target is None:
-        args.kl_target = 0.5 if learned else 0.0
-    check_ranges(args, {**COMMON_RANGES, **VLLM_RANGES, "prompts_per_step": "> 0", "temperature": "> 0",
-                        "ppo_epochs": "> 0", "num_minibatches": "> 0", "beta": ">= 0", "kl_horizon": "> 0",
-                        "kl_target": ">= 0 (0: a fixed beta)", "clip_eps": "in (0, 1]", "clip_value": ">= 0",
-                        "vf_coef": ">= 0", "gamma": "in [0, 1]", "lam": "in [0, 1]", "missing_eos_penalty": ">= 0"})
-    if learned and args.eval_samples:
-        fail("--eval-samples scores samples with the verifier; with --reward-model-path it has none: leave it at 0")
     device = setup(args)
     rank, world = rank_and_world()
-    batch_size = exact_div(args.prompts_per_step, world, "--prompts-per-step among the processes")  # each one's
-    minibatch_size = exact_div(batch_size, args.num_minibatches,
-                               "--prompts-per-step (per process) by --num-minibatches")
-    args.micro_batch_size = min(args.micro_batch_size, minibatch_size)
-    exact_div(minibatch_size, args.micro_batch_size,
-              "a minibatch (--prompts-per-step / --num-minibatches, per process) by --micro-batch-size")
-    args.batch_size, args.minibatch_size = batch_size * world, minibatch_size * world  # of all processes
-    output_dir, checkpoint = make_output_dir(args)
+    batch_size, minibatch_size = batch_sizes(args)  # this process's, each step
+    checkpoint = checkpoint_to_resume(args)  # --resume-from: the run's last checkpoint, its flags checked
+    output_dir = make_output_dir(args, checkpoint)
 
     # four models: the policy, its frozen reference, the reward (a model, or the verifier) and the critic
-    tokenizer = load_tokenizer(args.model_name_or_path, args)
-    policy = load_model(args.model_name_or_path, args, device)
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    policy = add_lora(load_model(args.model_name_or_path, args, device), args)  # --lora-r: the adapters alone train
     stop_ids = stop_token_ids(tokenizer, policy)
-    policy = distribute(policy, args)  # under torchrun: DDP, or FSDP2 with --fsdp
-    ref_policy = policy if args.lora_r else distribute(  # LoRA: with adapters_off
-        load_model(args.model_name_or_path, args, device, frozen=True), args)
-    reward_model = distribute(load_scorer(args.reward_model_path, args, device, "the reward model", tokenizer,
-                                          "--reward-model-path", frozen=True), args) if learned else None
-    value_model = load_scorer(args.reward_model_path or args.model_name_or_path, args, device, "the value model",
-                              tokenizer)
-    if not learned:
-        torch.nn.init.zeros_(value_model.score.weight)  # a new head, zero: V = 0 everywhere at the start
-    value_model = distribute(value_model, args)
+    policy = distribute(policy, args.fsdp)  # under torchrun: DDP, or FSDP2 with --fsdp
+    ref_policy = reference_model(policy, args, device)
+    reward_model = None
+    if learned:
+        reward_model = load_scorer(
+            args.reward_model_path, args, device, "the reward model", tokenizer, "--reward-model-path", frozen=True
+        )
+        reward_model = distribute(reward_model, args.fsdp)
+    value_model = distribute(load_value_model(args, device, tokenizer), args.fsdp)
     params = [*policy.parameters(), *value_model.parameters()]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
     engine = load_engine(args, device)  # with --vllm
@@ -276,24 +275,19 @@ def main(args):
     signal = saved.get("signal", 0)  # batches whose scores differed in the first steps (no_signal_note)
     print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
     start = time.time()
-
-    def held_out(samples):  # greedy completions: the verifier's accuracy, or the reward model's mean score
-        if not learned:
-            return evaluate(policy, tokenizer, eval_records, args, stop_ids, samples)
-        return evaluate_with_reward_model(policy, reward_model, tokenizer, eval_records, args, stop_ids, answers,
-                                          samples)
-
     if first_step == 1:
-        samples = []
-        log(output_dir, 0, held_out(samples), samples)
+        samples = []  # a few held-out prompts with their completions, for samples.jsonl
+        metrics = held_out_metrics(policy, reward_model, tokenizer, eval_records, args, stop_ids, answers, samples)
+        reduce_and_log(output_dir, 0, metrics, samples)
     for step in range(first_step, args.num_steps + 1):
-        step_start = clock(device)
+        timer = Timer(device, start)
         # 1. rollouts: one completion per prompt from pi_old
-        batch = data_rng.choices(train_records, k=args.prompts_per_step)[rank * batch_size :][:batch_size]
+        batch = data_rng.choices(train_records, k=args.prompts_per_step)  # every process draws the same prompts
+        batch = batch[rank * batch_size : (rank + 1) * batch_size]  # and takes its share
         policy.eval()
         prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in batch], device, args)  # (B, P)
         completion_ids, engine_logprobs = sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids)
-        generation_time = clock(device) - step_start
+        timer.lap("generation")
         mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
         attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
@@ -313,55 +307,49 @@ def main(args):
 
         # 3. once per batch, without gradient: log-probs of pi_old and pi_ref, and the critic's values less the
         # reward's bias (a critic that starts as the reward model then predicts the normalised score)
-        logprob_start = clock(device)
-        old_logprobs = batched_logprobs(policy, input_ids, attention_mask, prompt_len, args.temperature,
-                                        args.micro_batch_size)  # (B, T)
+        timer.lap()  # the scores: no phase
+        old_logprobs = batched_logprobs(
+            policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
+        )  # (B, T)
         with adapters_off(ref_policy):
-            ref_logprobs = batched_logprobs(ref_policy, input_ids, attention_mask, prompt_len, args.temperature,
-                                            args.micro_batch_size)  # (B, T)
-        with torch.no_grad():
-            value_model.eval()
-            old_values = torch.cat([token_values(value_model, input_ids[i], attention_mask[i], prompt_len)
-                                    for i in torch.arange(batch_size).split(args.micro_batch_size)]) - reward_bias
-        update_start = clock(device)
+            ref_logprobs = batched_logprobs(
+                ref_policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
+            )  # (B, T)
+        old_values = (
+            batched_values(value_model, input_ids, attention_mask, prompt_len, args.micro_batch_size) - reward_bias
+        )
+        timer.lap("logprob")
 
         # 4. per-token rewards, GAE, returns (before whitening), whitened advantages; all (B, T)
         rewards = kl_penalized_rewards(scores, old_logprobs, ref_logprobs, mask, beta)
         advantages, returns = gae(rewards, old_values, mask, args.gamma, args.lam)
         advantages = whiten(advantages, mask)
 
-        # 5. ppo_epochs passes over the batch, each num_minibatches optimizer steps on both losses
+        # 5. ppo_epochs passes over the batch, each num_minibatches optimizer steps on both losses (token means: a
+        # micro-batch weighs its share of the minibatch's tokens, of all processes)
         policy.train()
         value_model.train()
         step_stats, rollout_stats, grad_norms = [], [], []
-        minibatches = [mb for _ in range(args.ppo_epochs)  # a new shuffle for each pass
-                       for mb in torch.randperm(batch_size, generator=shuffle_gen).to(device).split(minibatch_size)]
-        for mb in minibatches:
+        for minibatch in minibatches(batch_size, minibatch_size, args.ppo_epochs, shuffle_gen, device):
             optimizer.zero_grad()
-            micro_batches = mb.split(args.micro_batch_size)
-            for i, idx in enumerate(micro_batches):
-                ids, att, m = input_ids[idx], attention_mask[idx], mask[idx]
-                with gradient_sync(i == len(micro_batches) - 1, policy, value_model):  # one all-reduce a step
-                    logprobs, entropy = sequence_logprobs(policy, ids, att, prompt_len, args.temperature,
-                                                          with_entropy=True)  # (b, T), (b, T)
-                    values = token_values(value_model, ids, att, prompt_len) - reward_bias  # (b, T)
-                    is_weights = None
-                    if engine is not None:  # the engine's sampling distribution, corrected towards pi_old's
-                        is_weights, is_stats = truncated_is_weights(old_logprobs[idx], engine_logprobs[idx], m,
-                                                                    args.vllm_is_cap)
-                        rollout_stats.append((is_stats, m.sum()))
-                    pg_loss, pg_stats = ppo_policy_loss(logprobs, old_logprobs[idx], advantages[idx], m, args.clip_eps,
-                                                        is_weights)
-                    vf_loss, vf_stats = ppo_value_loss(values, old_values[idx], returns[idx], m, args.clip_value)
-                    loss = pg_loss + args.vf_coef * vf_loss
-                    if not torch.isfinite(loss):
-                        fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check the rewards")
-                    # token means: weigh each micro-batch by its share of the minibatch's tokens (of all processes:
-                    # they average their gradients, so divide by their mean token count)
-                    (loss * m.sum() / (all_sum(mask[mb].sum()) / world)).backward()
-                stats = {"loss": loss, "policy_loss": pg_loss, "value_loss": vf_loss, **pg_stats, **vf_stats,
-                         "entropy": masked_mean(entropy, m)}
-                step_stats.append(({k: v.detach() for k, v in stats.items()}, m.sum()))  # token means: by tokens
+            tokens = all_sum(mask[minibatch].sum()) / world  # the minibatch's, their mean over the processes
+            for i, _ in micro_batches(minibatch, args.micro_batch_size, [policy, value_model]):
+                ids, att, m = input_ids[i], attention_mask[i], mask[i]
+                logprobs, entropy = token_logprobs(policy, ids, att, prompt_len, args.temperature, with_entropy=True)
+                values = token_values(value_model, ids, att, prompt_len) - reward_bias  # (b, T)
+                is_weights, is_stats = truncated_is_weights(
+                    old_logprobs[i], rows(engine_logprobs, i), m, args.vllm_is_cap
+                )
+                pg_loss, pg_stats = ppo_policy_loss(
+                    logprobs, old_logprobs[i], advantages[i], m, args.clip_eps, is_weights
+                )
+                vf_loss, vf_stats = ppo_value_loss(values, old_values[i], returns[i], m, args.clip_value)
+                loss = pg_loss + args.vf_coef * vf_loss
+                check_finite(loss, step)
+                (loss * m.sum() / tokens).backward()
+                stats = {"loss": loss, "policy_loss": pg_loss, "value_loss": vf_loss, **pg_stats, **vf_stats}
+                step_stats.append(({**stats, "entropy": masked_mean(entropy, m)}, m.sum()))  # token means: by tokens
+                rollout_stats.append((is_stats, m.sum()))
             grad_norms.append(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
             optimizer.step()
 
@@ -369,40 +357,108 @@ def main(args):
         kl = torch.where(mask, old_logprobs - ref_logprobs, 0.0).sum(dim=1)  # (B,)
         kl_coef = beta
         if args.kl_target > 0:  # the mean KL of every process's completions
-            beta = adaptive_kl_coef(beta, all_sum(kl.sum()).item() / args.batch_size, args.kl_target, args.batch_size,
-                                    args.kl_horizon)
+            mean_kl = all_sum(kl.sum()).item() / args.batch_size
+            beta = adaptive_kl_coef(beta, mean_kl, args.kl_target, args.batch_size, args.kl_horizon)
+        timer.lap("update")
 
         # 7. log, and evaluate on the held-out prompts
-        step_end = clock(device)
         evaluate_now = step % args.eval_every == 0 or step == args.num_steps
         if step % args.log_every == 0 or evaluate_now:
-            residual = returns - old_values  # (B, T)
-            metrics = {**weighted_means(step_stats, "losses/"), **weighted_means(rollout_stats, "rollout/"),
-                       "charts/score": scores.mean(), **({"charts/reward": correct.mean()} if answers else {}),
-                       "losses/kl": kl.mean(), "charts/non_score_reward": (-kl_coef * kl).mean(),
-                       "charts/kl_coef": kl_coef,
-                       "losses/explained_variance": 1 - masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
-                       / masked_mean((returns - masked_mean(returns, mask)) ** 2, mask),
-                       "charts/completion_length": mask.sum(dim=1).float().mean(),
-                       "charts/learning_rate": optimizer.param_groups[0]["lr"],
-                       "losses/grad_norm": torch.stack(grad_norms).mean(),  # the mean over the optimizer steps
-                       "charts/step_time": step_end - step_start, "charts/generation_time": generation_time,
-                       "charts/logprob_time": update_start - logprob_start,
-                       "charts/tokens_per_sec": mask.sum() / (step_end - step_start),
-                       "charts/update_time": step_end - update_start, "charts/elapsed_time": time.time() - start}
-            per_completion = masked_mean(advantages, mask, dim=1).tolist()  # the mean of its tokens' advantages
-            samples = [{"kind": "rollout", "prompt": r["prompt"], "completion": t, "answer": r["answer"], "reward": x,
-                        "advantage": a} for r, t, x, a in zip(batch[:4], texts, scores.tolist(), per_completion)]
+            metrics = {
+                **weighted_means(step_stats, "losses/"),
+                **weighted_means(rollout_stats, "rollout/"),
+                "charts/score": scores.mean(),
+                "losses/kl": kl.mean(),
+                "charts/non_score_reward": (-kl_coef * kl).mean(),
+                "charts/kl_coef": kl_coef,
+                "losses/explained_variance": explained_variance(returns, old_values, mask),
+                "charts/completion_length": mask.sum(dim=1).float().mean(),
+                "charts/learning_rate": optimizer.param_groups[0]["lr"],
+                "losses/grad_norm": torch.stack(grad_norms).mean(),  # the mean over the optimizer steps
+                **timer.metrics(tokens=mask.sum()),
+            }
+            if answers:
+                metrics["charts/reward"] = correct.mean()
+            samples = rollout_samples(batch, texts, scores, masked_mean(advantages, mask, dim=1))  # token means
             if evaluate_now:
-                metrics.update(held_out(samples))
-            log(output_dir, step, metrics, samples)
+                metrics.update(
+                    held_out_metrics(policy, reward_model, tokenizer, eval_records, args, stop_ids, answers, samples)
+                )
+            reduce_and_log(output_dir, step, metrics, samples)
         scheduler.step()
-        save_checkpoint(args, output_dir, step, tokenizer, models, optimizer, generators, beta=beta,
-                        reward_bias=reward_bias, signal=signal)  # every --save-every steps
+        loop_state = {"beta": beta, "reward_bias": reward_bias, "signal": signal}
+        save_checkpoint(args, output_dir, step, tokenizer, models, optimizer, generators, **loop_state)
 
     save(policy, tokenizer, output_dir)
     print(f"saved to {output_dir} in {time.time() - start:.0f} s")
     end_processes()
+
+
+def check_args(args):
+    """Stops at a flag outside its range, or at options that cannot run together, before anything loads; a learned
+    reward (--reward-model-path) sets its own defaults: --learning-rate 3e-5 and --kl-target 0.5."""
+    learned = args.reward_model_path is not None
+    if args.learning_rate is None:
+        args.learning_rate = 3e-5 if learned else 1e-4
+    if args.kl_target is None:
+        args.kl_target = 0.5 if learned else 0.0
+    ranges = {
+        "prompts_per_step": "> 0",
+        "temperature": "> 0",
+        "ppo_epochs": "> 0",
+        "num_minibatches": "> 0",
+        "beta": ">= 0",
+        "kl_horizon": "> 0",
+        "kl_target": ">= 0 (0: a fixed beta)",
+        "clip_eps": "in (0, 1]",
+        "clip_value": ">= 0",
+        "vf_coef": ">= 0",
+        "gamma": "in [0, 1]",
+        "lam": "in [0, 1]",
+        "missing_eos_penalty": ">= 0",
+    }
+    check_ranges(args, {**COMMON_RANGES, **VLLM_RANGES, **ranges})
+    if learned and args.eval_samples:
+        fail("--eval-samples scores samples with the verifier; with --reward-model-path it has none: leave it at 0")
+    check_lora(args)
+    check_vllm(args)
+
+
+def batch_sizes(args):
+    """(completions, completions of a minibatch) of this process at each step; a division that is not exact stops
+    the run, naming the flags. Sets args.batch_size and args.minibatch_size (of all processes)."""
+    world = rank_and_world()[1]
+    batch_size = exact_div(args.prompts_per_step, world, "--prompts-per-step among the processes")
+    minibatch_size = exact_div(
+        batch_size, args.num_minibatches, "--prompts-per-step (per process) by --num-minibatches"
+    )
+    fit_micro_batches(args, minibatch_size, "a minibatch (--prompts-per-step / --num-minibatches, per process)")
+    args.batch_size, args.minibatch_size = batch_size * world, minibatch_size * world
+    return batch_size, minibatch_size
+
+
+def load_value_model(args, device, tokenizer):
+    """The critic: the reward model with its head, or the policy's start with a new head at zero (V = 0 everywhere)."""
+    if args.reward_model_path is not None:
+        return load_scorer(args.reward_model_path, args, device, "the value model", tokenizer)
+    value_model = load_scorer(args.model_name_or_path, args, device, "the value model", tokenizer)
+    torch.nn.init.zeros_(value_model.score.weight)
+    return value_model
+
+
+@torch.no_grad()
+def batched_values(value_model, input_ids, attention_mask, prompt_len, batch_size):
+    """token_values (B, T) in batches of batch_size, without gradient."""
+    value_model.eval()
+    batches = torch.arange(len(input_ids)).split(batch_size)
+    return torch.cat([token_values(value_model, input_ids[b], attention_mask[b], prompt_len) for b in batches])
+
+
+def held_out_metrics(policy, reward_model, tokenizer, records, args, stop_ids, answers, samples):
+    """The verifier's greedy accuracy on the held-out prompts, or with a reward model its mean score."""
+    if reward_model is None:
+        return evaluate(policy, tokenizer, records, args, stop_ids, samples, args.eval_samples)
+    return evaluate_with_reward_model(policy, reward_model, tokenizer, records, args, stop_ids, answers, samples)
 
 
 # ---- Helpers that only some of the files need: each is kept equal to its copy in the other files that have it
@@ -410,13 +466,15 @@ def prompt_answer(record):
     """The record with a 'prompt' and an 'answer' (text or None), from prompt/answer or question/answer (GSM8K:
     the answer after '####'); other fields stay, for reward_fn."""
     answer = None if record.get("answer") is None else str(record["answer"])
-    if "question" in record:
-        return {**record, "prompt": record["question"], "answer": answer and answer.split("####")[-1].strip()}
-    return {**record, "answer": answer}
+    if "question" not in record:
+        return {**record, "answer": answer}
+    answer = None if answer is None else answer.split("####")[-1].strip()
+    return {**record, "prompt": record["question"], "answer": answer}
 
 
 def load_task(args, answers=True):
     """(train, held-out) records with a 'prompt' and an 'answer' (with answers=False it may be None)."""
+
     def read(name, split, flag, needed=("answer",) if answers else ()):  # a .jsonl's records, or a hub split's
         if name.endswith(".jsonl"):
             return read_jsonl(name, ("prompt", *needed), ("question", *needed), flag=flag)
@@ -437,6 +495,15 @@ def load_task(args, answers=True):
     return [prompt_answer(r) for r in train], [prompt_answer(r) for r in held_out]
 
 
+def rollout_samples(records, texts, rewards, advantages):
+    """The first four rollouts of a step, for samples.jsonl: prompt, completion, answer, reward and advantage."""
+    rows = zip(records[:4], texts, rewards.tolist(), advantages.tolist())
+    return [
+        {"kind": "rollout", "prompt": r["prompt"], "completion": t, "answer": r["answer"], "reward": x, "advantage": a}
+        for r, t, x, a in rows
+    ]
+
+
 def no_signal_note(step, rewards, group_size, signal):
     """signal + the groups of this step (of every process) whose rewards differ; at step 5, if none ever did, one
     line says that nothing can be learned, and why (docs/your_own_task.md). rewards (B,) group-contiguous."""
@@ -444,27 +511,41 @@ def no_signal_note(step, rewards, group_size, signal):
         grouped = rewards.view(-1, group_size)  # (groups, G)
         signal += all_sum((grouped.amax(dim=1) > grouped.amin(dim=1)).sum()).item()
         if step == 5 and signal == 0:
-            print("note: in the first 5 steps every group of completions got equal rewards, so there is no learning"
-                  " signal; likely cause: reward_fn scores every completion alike on your records (see"
-                  " docs/your_own_task.md), or the task is too hard or too easy for this model within --max-new-tokens")
+            print(
+                "note: in the first 5 steps every group of completions got equal rewards, so there is no learning"
+                " signal; likely cause: reward_fn scores every completion alike on your records (see"
+                " docs/your_own_task.md), or the task is too hard or too easy for this model within --max-new-tokens"
+            )
     return signal
 
 
 def evaluate_with_reward_model(policy, reward_model, tokenizer, records, args, stop_ids, answers, samples):
     """{eval/score: the reward model's mean raw score of greedy completions, eval/accuracy: with answers}."""
-    records = share_of(records)
-    texts = completions(policy, tokenizer, records, args, stop_ids)
-    scores = [s for i in range(0, len(texts), 128) for s in reward_model_scores(
-        reward_model, tokenizer, [r["prompt"] for r in records[i : i + 128]], texts[i : i + 128], args).tolist()]
+    records = process_share(records)
+    texts = completion_texts(policy, tokenizer, records, args, stop_ids)
+    scores = [
+        s
+        for i in range(0, len(texts), 128)
+        for s in reward_model_scores(
+            reward_model, tokenizer, [r["prompt"] for r in records[i : i + 128]], texts[i : i + 128], args
+        ).tolist()
+    ]
     rewards = [reward_fn(t, r) if answers else 0.0 for t, r in zip(texts, records)]
-    samples += [{"kind": "eval", "prompt": r["prompt"], "completion": t, "score": s,
-                 **({"answer": r["answer"], "reward": x} if answers else {})}
-                for r, t, s, x in zip(records[:4], texts, scores, rewards)]
+    samples += [
+        {
+            "kind": "eval",
+            "prompt": r["prompt"],
+            "completion": t,
+            "score": s,
+            **({"answer": r["answer"], "reward": x} if answers else {}),
+        }
+        for r, t, s, x in zip(records[:4], texts, scores, rewards)
+    ]
     score, right, count = all_sum(torch.tensor([sum(scores), sum(rewards), len(texts)], dtype=torch.float64)).tolist()
     return {"eval/score": score / count, **({"eval/accuracy": right / count} if answers else {})}
 
 
-def completion_batch(tokenizer, prompts, completions, device, args):
+def completion_batch(tokenizer, prompts, completions, device, args, max_length=None):
     """Prompt (left-padded) then completion + EOS (right-padded): ids and attention mask (B, P + T), P, and the
     completion mask (B, T). A prompt keeps its last --max-prompt-length tokens, a completion what fits --max-length.
 
@@ -474,8 +555,8 @@ def completion_batch(tokenizer, prompts, completions, device, args):
     """
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, prompts, device, args)  # (B, P)
     ids = [tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for c in completions]
-    if getattr(args, "max_length", None) is not None:  # cut from the end: a completion cut short loses its EOS too
-        ids = [c[: args.max_length - n] for c, n in zip(ids, prompt_mask.sum(dim=1).tolist())]
+    if max_length is not None:  # cut from the end: a completion cut short loses its EOS too
+        ids = [c[: max_length - n] for c, n in zip(ids, prompt_mask.sum(dim=1).tolist())]
     width = max(len(c) for c in ids)
     completion_ids = torch.tensor([c + [tokenizer.pad_token_id] * (width - len(c)) for c in ids], device=device)
     mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in ids], device=device)  # (B, T)
@@ -496,8 +577,15 @@ def load_scorer(path, args, device, what, tokenizer, flag="--model-name-or-path"
     level = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # our line, not transformers' load report
     try:
-        model, info = from_pretrained(AutoModelForSequenceClassification, path, args, flag, num_labels=1,
-                                      dtype=torch.float32, output_loading_info=True)
+        model, info = from_pretrained(
+            AutoModelForSequenceClassification,
+            path,
+            args.trust_remote_code,
+            flag,
+            num_labels=1,
+            dtype=torch.float32,
+            output_loading_info=True,
+        )
     finally:
         transformers.logging.set_verbosity(level)
     missing, unexpected = sorted(info["missing_keys"]), sorted(info["unexpected_keys"])
@@ -513,6 +601,15 @@ def load_scorer(path, args, device, what, tokenizer, flag="--model-name-or-path"
 VLLM_RANGES = {"vllm_kv_cache_gib": "> 0", "vllm_is_cap": "> 0"}
 
 
+def check_vllm(args):
+    """Stops before anything loads if --vllm cannot run: vLLM is not installed."""
+    if args.vllm and importlib.util.find_spec("vllm") is None:
+        fail(
+            "--vllm: vLLM is not installed; install requirements-vllm.txt (CUDA) or requirements-vllm-cpu.txt (CPU), "
+            "each in an environment of its own (docs/vllm.md)"
+        )
+
+
 def load_engine(args, device):
     """With --vllm, a vLLM engine in this process (one a process under torchrun), in --dtype (docs/vllm.md)."""
     if not args.vllm:
@@ -520,33 +617,60 @@ def load_engine(args, device):
     import vllm
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its weights in reach
-    options = {"distributed_executor_backend": "external_launcher"} if dist.is_initialized() else {}
+    options = {}
+    if dist.is_initialized():
+        options["distributed_executor_backend"] = "external_launcher"
     if device.type == "cuda":  # vLLM's start checks that this share of the GPU is free
         free, total = torch.cuda.mem_get_info(device)
         options.update(gpu_memory_utilization=0.9 * free / total, enable_sleep_mode=True)
     if args.max_prompt_length is not None:
         options["max_model_len"] = args.max_prompt_length + args.max_new_tokens
     try:  # it samples from this process's torch generator, seeded by setup() and kept in checkpoints
-        return vllm.LLM(args.model_name_or_path, dtype=args.dtype, seed=args.seed + rank_and_world()[0],
-                        skip_tokenizer_init=True, logprobs_mode="processed_logprobs", model_impl="vllm",
-                        kv_cache_memory_bytes=int(args.vllm_kv_cache_gib * 2**30), enforce_eager=device.type != "cuda",
-                        trust_remote_code=args.trust_remote_code, **options)
+        return vllm.LLM(
+            args.model_name_or_path,
+            dtype=args.dtype,
+            seed=args.seed + rank_and_world()[0],
+            skip_tokenizer_init=True,
+            logprobs_mode="processed_logprobs",
+            model_impl="vllm",
+            kv_cache_memory_bytes=int(args.vllm_kv_cache_gib * 2**30),
+            enforce_eager=device.type != "cuda",
+            trust_remote_code=args.trust_remote_code,
+            **options,
+        )
     except Exception as e:  # an architecture vLLM lacks, too little KV cache for one sequence, ...
-        hint = " (--vllm-kv-cache-gib, --max-prompt-length, --max-new-tokens)" if "cache" in str(e) else ""
-        fail(f"--vllm: vLLM cannot serve --model-name-or-path {args.model_name_or_path}: {type(e).__name__}: "
-             f"{' '.join(str(e).split())[:300]}{hint}")
+        hint = ""
+        if "cache" in str(e):
+            hint = " (--vllm-kv-cache-gib, --max-prompt-length, --max-new-tokens)"
+        fail(
+            f"--vllm: vLLM cannot serve --model-name-or-path {args.model_name_or_path}: {type(e).__name__}: "
+            f"{' '.join(str(e).split())[:300]}{hint}"
+        )
 
 
 def sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids):
     """Completion ids (B, T) sampled at --temperature; with --vllm by the engine, once it has the policy's weights,
     and then also its log-prob of each sampled token (B, T), 0 after the completion."""
     if engine is None:
-        return generate(policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature,
-                        stop_ids), None
+        return generate(
+            policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature, stop_ids
+        ), None
+    import vllm
+
     sync_engine(engine, policy)
-    params = __import__("vllm").SamplingParams(
-        n=1, temperature=args.temperature, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, logprobs=0,
-        max_tokens=args.max_new_tokens, stop_token_ids=stop_ids, ignore_eos=True, detokenize=False)
+    params = vllm.SamplingParams(
+        n=1,
+        temperature=args.temperature,
+        top_p=1.0,
+        top_k=0,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        logprobs=0,
+        max_tokens=args.max_new_tokens,
+        stop_token_ids=stop_ids,
+        ignore_eos=True,
+        detokenize=False,
+    )
     prompts = [{"prompt_token_ids": ids[m.bool()].tolist()} for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
     outputs = [out.outputs[0] for out in engine.generate(prompts, params, use_tqdm=False)]
     if prompt_ids.is_cuda:
@@ -563,8 +687,10 @@ def sync_engine(engine, policy):
     if asleep:
         torch.cuda.empty_cache()
         engine.wake_up(tags=["weights"])
-    weights = ((name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor)  # FSDP: a DTensor
-               for name, tensor in merged_weights(policy))  # LoRA: merged as the engine takes them
+    weights = (
+        (name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor)  # FSDP: a DTensor
+        for name, tensor in merged_weights(policy)
+    )  # LoRA: merged as the engine takes them
     engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     engine.reset_prefix_cache()  # its keys and values came from the old weights
     if asleep:
@@ -579,12 +705,18 @@ def truncated_is_weights(old_logprobs, engine_logprobs, mask, cap):
     old_logprobs, engine_logprobs, mask: (B, T); 0 at padding.
     old = log [0.5, 0.3, 0.1], engine = log [0.5, 0.6, 0.01], cap = 2 -> w = [1, 0.5, 2 (10, truncated)]
     Also the step's statistics: logprob_diff, the mean |old - engine| over the tokens, and the weights' mean.
+    Without an engine (engine_logprobs None), no weights and no statistics.
     """
+    if engine_logprobs is None:  # generate() sampled from pi_old itself
+        return None, {}
     m = mask.bool()
     log_ratio = torch.where(m, old_logprobs - engine_logprobs, 0.0).detach()  # padding never reaches exp()
     weights = torch.where(m, torch.exp(log_ratio).clamp(max=cap), 0.0)
-    return weights, {"logprob_diff": masked_mean(log_ratio.abs(), m), "is_weight": masked_mean(weights, m),
-                     "is_truncated": masked_mean((log_ratio > math.log(cap)).float(), m)}
+    return weights, {
+        "logprob_diff": masked_mean(log_ratio.abs(), m),
+        "is_weight": masked_mean(weights, m),
+        "is_truncated": masked_mean((log_ratio > math.log(cap)).float(), m),
+    }
 
 
 # ==== Everything below this line is the same in every file, byte for byte (tests/test_shared.py checks it) ====
@@ -594,17 +726,33 @@ def fail(message):
 
 
 def exact_div(a, b, what):
+    """a // b; unless b divides a, the run stops, naming what to change."""
     if b <= 0 or a % b != 0:
         fail(f"{what}: {a} does not divide by {b}")
     return a // b
 
 
 # the range of each numeric flag that every file has; each file adds its own
-COMMON_RANGES = {"seed": "in [0, 4294967295]", "log_every": "> 0", "num_eval": "> 0", "eval_every": "> 0",
-                 "max_new_tokens": "> 0", "num_steps": "> 0", "learning_rate": "> 0", "weight_decay": ">= 0",
-                 "max_grad_norm": "> 0", "micro_batch_size": "> 0", "max_prompt_length": "> 0",
-                 "save_every": ">= 0", "keep_checkpoints": "> 0", "warmup_steps": ">= 0", "lora_r": ">= 0",
-                 "lora_alpha": "> 0", "eval_samples": ">= 0", "eval_temperature": "> 0"}
+COMMON_RANGES = {
+    "seed": "in [0, 4294967295]",
+    "log_every": "> 0",
+    "num_eval": "> 0",
+    "eval_every": "> 0",
+    "max_new_tokens": "> 0",
+    "num_steps": "> 0",
+    "learning_rate": "> 0",
+    "weight_decay": ">= 0",
+    "max_grad_norm": "> 0",
+    "micro_batch_size": "> 0",
+    "max_prompt_length": "> 0",
+    "save_every": ">= 0",
+    "keep_checkpoints": "> 0",
+    "warmup_steps": ">= 0",
+    "lora_r": ">= 0",
+    "lora_alpha": "> 0",
+    "eval_samples": ">= 0",
+    "eval_temperature": "> 0",
+}
 
 
 def flag(name):
@@ -618,19 +766,37 @@ def check_ranges(args, ranges):
         if x is None:  # an optional flag left unset, or one this file lacks
             continue
         op, bounds = re.match(r"(>=|>|in) ([\[(].*?[\])]|\S+)", spec).groups()
-        low, high = map(float, bounds[1:-1].split(",")) if op == "in" else (float(bounds), math.inf)
-        above = x >= low if op == ">=" or bounds[0] == "[" else x > low  # nan and inf are in no range
-        if not (above and (x <= high if bounds[-1] == "]" else x < high)):
+        if op != "in":  # '> 0' is 'in (0, inf)', '>= 2' is 'in [2, inf)'
+            bounds = f"{'[' if op == '>=' else '('}{bounds}, inf)"
+        low, high = map(float, bounds[1:-1].split(","))
+        above = x > low or (bounds[0] == "[" and x == low)
+        below = x < high or (bounds[-1] == "]" and x == high)
+        if not (math.isfinite(x) and above and below):  # nan and inf are in no range
             fail(f"{flag(name)} {x}: must be {'' if math.isfinite(x) else 'a finite number '}{spec}")
+
+
+def fit_micro_batches(args, minibatch_size, what):
+    """Makes --micro-batch-size no larger than a minibatch, which it must divide (or the run stops, naming what)."""
+    args.micro_batch_size = min(args.micro_batch_size, minibatch_size)
+    if minibatch_size % args.micro_batch_size != 0:
+        fail(f"{what} by --micro-batch-size: {minibatch_size} does not divide by {args.micro_batch_size}")
+
+
+def check_lora(args):
+    """Stops before anything loads if --lora-r cannot run: with --fsdp, or without peft."""
+    if args.lora_r and args.fsdp:
+        fail("--lora-r with --fsdp: LoRA runs under DDP (torchrun without --fsdp); its gradients are small to copy")
+    if args.lora_r and importlib.util.find_spec("peft") is None:
+        fail("--lora-r: LoRA needs the peft library: pip install peft")
 
 
 # ---- The task and its reward
 def addition_task(num_eval, task="addition"):
     """(train, held-out) records of a + b for 0 <= a, b <= 99, held out alike in every run."""
-    prompt = {"addition": "{a}+{b}=", "addition-question": "What is {a} + {b}? Reply with the number only."}[task]
+    prompts = {"addition": "{a}+{b}=", "addition-question": "What is {a} + {b}? Reply with the number only."}
     pairs = [(a, b) for a in range(100) for b in range(100)]
     random.Random(0).shuffle(pairs)
-    records = [{"prompt": prompt.format(a=a, b=b), "answer": str(a + b)} for a, b in pairs]
+    records = [{"prompt": prompts[task].format(a=a, b=b), "answer": str(a + b)} for a, b in pairs]
     return records[num_eval:], records[:num_eval]
 
 
@@ -668,36 +834,45 @@ def read_jsonl(path, *schemas, flag="--dataset"):
                 fail(f"{at} has no field {k!r} (a record needs {' or '.join(' and '.join(s) for s in schemas)})")
             v = record[k]
             number = type(v) in (int, float) and math.isfinite(v)
-            chat = isinstance(v, list) and v and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                     and isinstance(m.get("content"), str) for m in v)
-            if not (isinstance(v, str) or (number if k == "answer" else chat)):
-                needs = "text or a finite number" if k == "answer" else "text or a list of role/content messages"
-                fail(f"{at}: field {k!r} holds {json.dumps(v)[:40]}, where it needs {needs}")
-    return records or fail(f"{flag} {path}: the file holds no records")
+            messages = isinstance(v, list) and len(v) > 0 and all(isinstance(m, dict) for m in v)
+            chat = messages and all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in v)
+            if k == "answer" and not (isinstance(v, str) or number):
+                fail(f"{at}: field {k!r} holds {json.dumps(v)[:40]}, where it needs text or a finite number")
+            if k != "answer" and not (isinstance(v, str) or chat):
+                fail(
+                    f"{at}: field {k!r} holds {json.dumps(v)[:40]}, where it needs text or a list of role/content "
+                    "messages"
+                )
+    if not records:
+        fail(f"{flag} {path}: the file holds no records")
+    return records
 
 
 def load_hub_split(name, config, split, flag="--dataset"):
     if importlib.util.find_spec("datasets") is None:
         fail(f"{flag} {name}: a hub dataset needs the datasets library: pip install datasets")
+    import datasets
+
     try:
-        return list(__import__("datasets").load_dataset(name, config, split=split))
+        return list(datasets.load_dataset(name, config, split=split))
     except Exception as e:  # the library raises many kinds
         fail(f"{flag} {name}: could not load split {split!r} ({type(e).__name__}: {e})".splitlines()[0])
 
 
 # ---- Models, tokens, generation and log-probs
-def from_pretrained(cls, path, args, flag="--model-name-or-path", **kwargs):
+def from_pretrained(cls, path, trust_remote_code, flag="--model-name-or-path", **kwargs):
     if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1 or os.path.exists(path)):
         fail(f"{flag} {path}: no such folder")
     try:
-        return cls.from_pretrained(path, trust_remote_code=args.trust_remote_code, **kwargs)
+        return cls.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError) as e:
         fail(f"{flag} {path}: not a model folder, nor loadable from the hub ({type(e).__name__})")
 
 
 def load_model(path, args, device, frozen=False, model=None):
     """The model (from path unless given) with float32 weights, computing under autocast in --dtype (docs/gpu.md)."""
-    model = model or from_pretrained(AutoModelForCausalLM, path, args, dtype=torch.float32)
+    if model is None:
+        model = from_pretrained(AutoModelForCausalLM, path, args.trust_remote_code, dtype=torch.float32)
     model.requires_grad_(not frozen)
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
@@ -708,22 +883,30 @@ def load_model(path, args, device, frozen=False, model=None):
     model.compute_dtype = getattr(torch, args.dtype)  # setup() settled an auto --dtype
     if args.dtype != "float32":
         model.forward = torch.autocast(device.type, dtype=model.compute_dtype)(model.forward)
-    if getattr(args, "lora_r", 0) and not frozen and model.can_generate():  # LoRA: the adapters alone train
-        if importlib.util.find_spec("peft") is None:
-            fail("--lora-r: LoRA needs the peft library: pip install peft")
-        peft, modules = __import__("peft"), args.lora_target_modules
-        check_lora_targets(model, modules)
-        config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
-                                 target_modules="all-linear" if modules == ["all-linear"] else modules)
-        try:
-            model = peft.get_peft_model(model, config)
-        except ValueError as e:
-            fail(f"--lora-target-modules {' '.join(modules)}: {str(e).splitlines()[0]}")
-        head = model.get_output_embeddings()
-        for module in model.modules():  # frozen: held in --dtype, as autocast would cast them at every token (gpu.md)
-            if isinstance(module, torch.nn.Linear) and module is not head and not module.weight.requires_grad:
-                module.to(model.compute_dtype)
     return model.to(device)
+
+
+def add_lora(model, args):
+    """With --lora-r, the model with LoRA adapters (peft), which alone train (docs/training.md); else the model."""
+    if not args.lora_r:
+        return model
+    import peft
+
+    modules = args.lora_target_modules
+    check_lora_targets(model, modules)
+    targets = "all-linear" if modules == ["all-linear"] else modules
+    config = peft.LoraConfig(
+        r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=targets
+    )
+    try:
+        model = peft.get_peft_model(model, config)
+    except ValueError as e:
+        fail(f"--lora-target-modules {' '.join(modules)}: {str(e).splitlines()[0]}")
+    head = model.get_output_embeddings()
+    for module in model.modules():  # frozen: held in --dtype, as autocast would cast them at every token (gpu.md)
+        if isinstance(module, torch.nn.Linear) and module is not head and not module.weight.requires_grad:
+            module.to(model.compute_dtype)
+    return model
 
 
 def check_lora_targets(model, modules):
@@ -738,6 +921,13 @@ def check_lora_targets(model, modules):
             fail(f"--lora-target-modules {' '.join(modules)}: {name} is {why}; leave it out")
 
 
+def reference_model(policy, args, device):
+    """The frozen reference: with LoRA the policy itself (adapters_off switches its adapters off), else a copy."""
+    if args.lora_r:
+        return policy
+    return distribute(load_model(args.model_name_or_path, args, device, frozen=True).eval(), args.fsdp)
+
+
 def adapters_off(model):  # `with adapters_off(policy):` the policy without its LoRA adapters: the reference
     return getattr(unwrap(model), "disable_adapter", contextlib.nullcontext)()
 
@@ -745,14 +935,16 @@ def adapters_off(model):  # `with adapters_off(policy):` the policy without its 
 @torch.no_grad()
 def merged_weights(model):
     """(name, float32 tensor) of each weight, under the plain model's names; with LoRA merged, a layer at a time."""
-    model = unwrap(model).get_base_model() if hasattr(unwrap(model), "get_base_model") else unwrap(model)
+    model = unwrap(model)
+    if hasattr(model, "get_base_model"):  # LoRA
+        model = model.get_base_model()
     adapted = {f"{n}.base_layer.weight": m for n, m in model.named_modules() if hasattr(m, "get_delta_weight")}
     for name, tensor in model.state_dict().items():
         if "lora_" in name:
             continue
         if name in adapted:  # a new tensor: the model's weight is never merged into and back (not exact)
             tensor = tensor + adapted[name].get_delta_weight("default")
-        if tensor.is_floating_point():  # a frozen layer held in --dtype (load_model)
+        if tensor.is_floating_point():  # a frozen layer held in --dtype (add_lora)
             tensor = tensor.float()
         yield name.replace(".base_layer", ""), tensor
 
@@ -763,16 +955,21 @@ def autocast(model):
     return torch.autocast(next(model.parameters()).device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
-def load_tokenizer(path, args):
-    tokenizer = from_pretrained(AutoTokenizer, path, args)
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+def load_tokenizer(path, trust_remote_code):
+    tokenizer = from_pretrained(AutoTokenizer, path, trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
 def stop_token_ids(tokenizer, model):
     """Every id that ends a completion: the tokenizer's EOS and the generation config's."""
-    ids = model.generation_config.eos_token_id
-    return sorted({tokenizer.eos_token_id, *([] if ids is None else [ids] if isinstance(ids, int) else ids)})
+    ids = model.generation_config.eos_token_id  # None, an id, or a list of ids
+    if ids is None:
+        ids = []
+    if isinstance(ids, int):
+        ids = [ids]
+    return sorted({tokenizer.eos_token_id, *ids})
 
 
 def tokenize_prompts(tokenizer, prompts, device, args):
@@ -785,7 +982,8 @@ def tokenize_prompts(tokenizer, prompts, device, args):
         what = "--system-prompt" if system else "conversational records (--dataset, --eval-dataset)"
         fail(f"{what} need a tokenizer with a chat template, and {args.model_name_or_path} has none")
     ids = tokenizer(prompts, add_special_tokens=not tokenizer.chat_template)["input_ids"]
-    ids = [i[-args.max_prompt_length :] if args.max_prompt_length else i for i in ids]
+    if args.max_prompt_length:
+        ids = [i[-args.max_prompt_length :] for i in ids]
     width = max(len(i) for i in ids)
     input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(i)) + i for i in ids], device=device)
     return input_ids, torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=device)
@@ -794,9 +992,16 @@ def tokenize_prompts(tokenizer, prompts, device, args):
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, processors=()):
     """Completion ids (B, T) by plain sampling at temperature (None: greedy), whatever the model's config says."""
-    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id,
-                              do_sample=False, repetition_penalty=1.0, no_repeat_ngram_size=0, num_beams=1,
-                              remove_invalid_values=True)  # a diverged model reaches the NaN check
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        eos_token_id=stop_ids,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        num_beams=1,
+        remove_invalid_values=True,  # a diverged model reaches the NaN check
+    )
     if temperature is not None:
         config.do_sample, config.temperature, config.top_k, config.top_p = True, temperature, 0, 1.0
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -804,9 +1009,13 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
         model.set_reshard_after_forward(False)
     try:
         with autocast(model):  # each weight cast to --dtype once
-            out = unwrap(model).generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config,
-                                         logits_processor=transformers.LogitsProcessorList(processors),
-                                         synced_gpus=dist.is_initialized())
+            out = unwrap(model).generate(
+                input_ids=prompt_ids,
+                attention_mask=prompt_mask,
+                generation_config=config,
+                logits_processor=transformers.LogitsProcessorList(processors),
+                synced_gpus=dist.is_initialized(),
+            )
     finally:
         for module in sharded:  # then every layer but the root reshards after its forward again
             module.reshard()
@@ -824,58 +1033,83 @@ def decode_completions(tokenizer, completion_ids, mask):
     return [tokenizer.decode(ids[m], skip_special_tokens=True) for ids, m in zip(completion_ids, mask)]
 
 
-def decoder_states(model, input_ids, attention_mask, logits_to_keep=0):
-    """The decoder's last hidden state (B, L, d) with generate()'s positions (or the last logits_to_keep logits)."""
+def forward(model, input_ids, attention_mask, **kwargs):
+    """The model's output, with generate()'s positions and no KV cache (nobody would read it)."""
+    positions = (attention_mask.cumsum(1) - 1).clamp(0)
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, **kwargs)
+
+
+def hidden_states(model, input_ids, attention_mask):
+    """The decoder's last hidden states (B, L, d), as the output layer (or a score head) takes them."""
     states, causal_lm = [], unwrap(model).get_output_embeddings() is not None
     hook = unwrap(model).get_decoder().register_forward_hook(lambda module, inputs, out: states.append(out[0]))
     try:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=(attention_mask.cumsum(1) - 1)
-                    .clamp(0), use_cache=False, **({"logits_to_keep": logits_to_keep or 1} if causal_lm else {}))
+        forward(model, input_ids, attention_mask, **({"logits_to_keep": 1} if causal_lm else {}))  # its last logits
     finally:
         hook.remove()
-    return out.logits if logits_to_keep else states[0]
+    return states[0]
 
 
-def sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=1.0, with_entropy=False,
-                      chunk_values=2**26):
+def token_logprobs(
+    model, input_ids, attention_mask, prompt_len, temperature=1.0, with_entropy=False, chunk_values=2**26
+):
     """Log-probs (B, T) of the completion tokens input_ids[:, prompt_len:], float32 (and entropies (B, T)).
 
     input_ids = [PAD, PAD, 4, 7, 13 | 5, 5, EOS]   left-padded prompt | completion (T = 3)
     attention = [0,   0,   1, 1, 1  | 1, 1, 1  ]   positions [0, 0, 0, 1, 2 | 3, 4, 5], as in generate()
     The state at prompt_len - 1 + t predicts token t; chunk_values logits at a time (docs/gpu.md).
     """
-    head, length = unwrap(model).get_output_embeddings(), input_ids.shape[1] - prompt_len
-    config = unwrap(model).config.get_text_config()
-    own = getattr(config, "final_logit_softcapping", None) is not None or any(  # soft-capped or scaled: its own logits
-        getattr(config, k, None) not in (None, 1) for k in ("logit_scale", "logits_scaling"))
-    hidden = decoder_states(model, input_ids, attention_mask, own and length + 1)[:, -length - 1 : -1]
-    weight, bias = (None, None) if own else (head.weight, head.bias)
+    length, config = input_ids.shape[1] - prompt_len, unwrap(model).config.get_text_config()
+    scaled = any(getattr(config, k, None) not in (None, 1) for k in ("logit_scale", "logits_scaling"))
+    if scaled or getattr(config, "final_logit_softcapping", None) is not None:  # its own logits, under autocast
+        hidden = forward(model, input_ids, attention_mask, logits_to_keep=length + 1).logits[:, :-1]  # (B, T, vocab)
+        weight, bias, vocab = None, None, hidden.shape[-1]
+    else:  # the output layer's weight and bias, multiplied in float32 below
+        hidden = hidden_states(model, input_ids, attention_mask)[:, -length - 1 : -1]  # (B, T, d)
+        head = unwrap(model).get_output_embeddings()
+        weight, bias, vocab = head.weight, head.bias, head.weight.shape[0]
     hidden, targets = hidden.flatten(0, 1), input_ids[:, prompt_len:].flatten()  # (B T, d or vocab), (B T,)
 
     def chunk(hidden, targets, weight, bias):  # log-probs (n,) and entropies (n,) at n positions
         with torch.autocast(hidden.device.type, enabled=False):
-            logits = hidden.float() if weight is None else torch.nn.functional.linear(
-                hidden.float(), weight.float(), None if bias is None else bias.float())
+            logits = hidden.float()
+            if weight is not None:
+                logits = torch.nn.functional.linear(logits, weight.float(), None if bias is None else bias.float())
         logits = logits / temperature  # (n, vocab)
         logsumexp = torch.logsumexp(logits, dim=-1)
-        entropy = logsumexp - (logits.softmax(-1) * logits).sum(-1) if with_entropy else None
+        entropy = None
+        if with_entropy:
+            entropy = logsumexp - (logits.softmax(-1) * logits).sum(-1)
         return logits.gather(-1, targets[:, None]).squeeze(-1) - logsumexp, entropy
 
-    rows, chunks = max(1, chunk_values // (hidden.shape[1] if weight is None else weight.shape[0])), []
-    for i in range(0, len(targets), rows):
-        part = hidden[i : i + rows], targets[i : i + rows], weight, bias
-        recompute = torch.is_grad_enabled() and len(targets) > rows  # (with one chunk it would save nothing)
-        chunks.append(torch.utils.checkpoint.checkpoint(chunk, *part, use_reentrant=False, preserve_rng_state=False)
-                      if recompute else chunk(*part))
+    span, chunks = max(1, chunk_values // vocab), []
+    recompute = torch.is_grad_enabled() and len(targets) > span  # in the backward pass (one chunk: no need)
+    for i in range(0, len(targets), span):
+        part = hidden[i : i + span], targets[i : i + span], weight, bias
+        if recompute:
+            chunks.append(
+                torch.utils.checkpoint.checkpoint(chunk, *part, use_reentrant=False, preserve_rng_state=False)
+            )
+        else:
+            chunks.append(chunk(*part))
     logprobs = torch.cat([c[0] for c in chunks]).view(-1, length)  # (B, T)
-    return (logprobs, torch.cat([c[1] for c in chunks]).view(-1, length)) if with_entropy else logprobs
+    if with_entropy:
+        return logprobs, torch.cat([c[1] for c in chunks]).view(-1, length)
+    return logprobs
 
 
 @torch.no_grad()
 def batched_logprobs(model, input_ids, attention_mask, prompt_len, temperature, batch_size):
+    """token_logprobs (B, T) in batches of batch_size, without gradient; None for no model (no reference)."""
+    if model is None:
+        return None
     model.eval()
-    return torch.cat([sequence_logprobs(model, input_ids[i : i + batch_size], attention_mask[i : i + batch_size],
-                                        prompt_len, temperature) for i in range(0, len(input_ids), batch_size)])
+    batches = [slice(i, i + batch_size) for i in range(0, len(input_ids), batch_size)]
+    return torch.cat([token_logprobs(model, input_ids[b], attention_mask[b], prompt_len, temperature) for b in batches])
+
+
+def rows(tensor, idx):  # tensor[idx], or None (a run without a reference, or without an engine, has no log-probs)
+    return None if tensor is None else tensor[idx]
 
 
 def masked_mean(x, mask, dim=None):
@@ -894,8 +1128,31 @@ def weighted_means(records, prefix=""):
     return {prefix + name: sums[name] / totals[name] for name in sums}
 
 
+def minibatches(size, minibatch_size, passes, generator, device):
+    """The index blocks of `passes` passes over a batch of `size`, each pass shuffled anew and cut in minibatches."""
+    for _ in range(passes):
+        yield from torch.randperm(size, generator=generator).to(device).split(minibatch_size)
+
+
+def micro_batches(minibatch, size, models, token_mask=None):
+    """(part, share) of each micro-batch (its indices, or its records), its gradients synced (DDP) at the last one only;
+    weighed by share, they add up to the minibatch loss's: share of the sequences, or of the tokens of all processes."""
+    parts = [minibatch[i : i + size] for i in range(0, len(minibatch), size)]
+    for i, idx in enumerate(parts):
+        share = len(idx) / len(minibatch)
+        if token_mask is not None:
+            share = token_mask[idx].sum() / (all_sum(token_mask[minibatch].sum()) / rank_and_world()[1])
+        with gradient_sync(i == len(parts) - 1, *models):
+            yield idx, share
+
+
+def check_finite(loss, step, cause="the rewards"):
+    if not torch.isfinite(loss):
+        fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check {cause}")
+
+
 @torch.no_grad()
-def completions(model, tokenizer, records, args, stop_ids, temperature=None):
+def completion_texts(model, tokenizer, records, args, stop_ids, temperature=None):
     """The texts of the records' completions, greedy (or sampled at temperature)."""
     model.eval()
     texts, device = [], next(model.parameters()).device
@@ -906,19 +1163,21 @@ def completions(model, tokenizer, records, args, stop_ids, temperature=None):
     return texts
 
 
-def evaluate(model, tokenizer, records, args, stop_ids, samples=None, pause=contextlib.nullcontext):
-    """{eval/accuracy of greedy completions, eval/mean@k and eval/pass@k of --eval-samples}, of all processes;
-    pause(): a context in which no other thread draws random numbers (async_grpo.py's generator)."""
-    records, k = share_of(records), getattr(args, "eval_samples", 0)
-    texts = completions(model, tokenizer, records, args, stop_ids)
+def evaluate(model, tokenizer, records, args, stop_ids, samples=None, k=0, pause=contextlib.nullcontext):
+    """{eval/accuracy of greedy completions, and with k sampled per record eval/mean@k and eval/pass@k}, of all
+    processes; pause(): a context in which no other thread draws random numbers (async_grpo.py's generator)."""
+    records = process_share(records)
+    texts = completion_texts(model, tokenizer, records, args, stop_ids)
     scores = [[reward_fn(t, r) for t, r in zip(texts, records)]]
     if samples is not None:
-        samples += [{"kind": "eval", "prompt": r["prompt"], "completion": t, "answer": r["answer"], "reward": x}
-                    for r, t, x in zip(records[:4], texts, scores[0])]
+        samples += [
+            {"kind": "eval", "prompt": r["prompt"], "completion": t, "answer": r["answer"], "reward": x}
+            for r, t, x in zip(records[:4], texts, scores[0])
+        ]
     if k:  # its own random numbers: training draws the same ones with or without --eval-samples
+        group = [r for r in records for _ in range(k)]
         with pause(), torch.random.fork_rng([torch.cuda.current_device()] if torch.cuda.is_initialized() else []):
-            group = [r for r in records for _ in range(k)]
-            texts = completions(model, tokenizer, group, args, stop_ids, args.eval_temperature)
+            texts = completion_texts(model, tokenizer, group, args, stop_ids, args.eval_temperature)
         sampled = torch.tensor([reward_fn(t, r) for t, r in zip(texts, group)]).view(-1, k)  # (records, K)
         scores += [sampled.mean(dim=1).tolist(), sampled.amax(dim=1).tolist()]
     totals = all_sum(torch.tensor([[sum(x), len(x)] for x in scores], dtype=torch.float64)).tolist()
@@ -927,10 +1186,12 @@ def evaluate(model, tokenizer, records, args, stop_ids, samples=None, pause=cont
 
 def lr_scheduler(optimizer, args, first_step):
     """--learning-rate x factor(steps done): --warmup-steps of linear warm-up, then --lr-schedule's decay (to 0)."""
+
     def factor(done):
         progress = max(0, done - args.warmup_steps) / max(1, args.num_steps - args.warmup_steps)
         decay = {"constant": 1, "linear": 1 - progress, "cosine": (1 + math.cos(math.pi * progress)) / 2}
         return min(1, (done + 1) / max(1, args.warmup_steps)) * decay[args.lr_schedule]
+
     for group in optimizer.param_groups:  # what LambdaLR scales (a checkpoint does not keep it)
         group["initial_lr"] = args.learning_rate
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=first_step - 2)
@@ -944,8 +1205,28 @@ def clock(device):
     return time.perf_counter()
 
 
-def log(output_dir, step, metrics, samples=()):
-    """Rank 0 writes the step's metrics (the processes' mean) and samples to their files, wandb and the console."""
+class Timer:
+    """A step's seconds: timer.lap("generation") ends a phase begun at the step's start or at the last lap."""
+
+    def __init__(self, device, run_start):
+        self.device, self.run_start, self.seconds = device, run_start, {}
+        self.start = self.last = clock(device)
+
+    def lap(self, name=None):
+        now = clock(self.device)
+        if name is not None:
+            self.seconds[f"charts/{name}_time"] = now - self.last
+        self.last = now
+
+    def metrics(self, tokens):
+        step = clock(self.device) - self.start
+        times = {"charts/step_time": step, "charts/tokens_per_sec": tokens / step, **self.seconds}
+        return {**times, "charts/elapsed_time": time.time() - self.run_start}
+
+
+def reduce_and_log(output_dir, step, metrics, samples=()):
+    """Every process calls it: the step's metrics, averaged over the processes (an all-reduce); rank 0 writes them
+    and the samples to their files, wandb and the console."""
     values = all_sum(torch.tensor([float(v) for v in metrics.values()], dtype=torch.float64)) / rank_and_world()[1]
     metrics = dict(zip(metrics, values.tolist()))
     if rank_and_world()[0] != 0:
@@ -955,60 +1236,81 @@ def log(output_dir, step, metrics, samples=()):
             with open(os.path.join(output_dir, f"{name}.jsonl"), "a") as f:
                 f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
         except OSError as e:
-            fail(f"--output-dir {output_dir}: cannot write its {name} ({e.strerror or e})")
-    if getattr(sys.modules.get("wandb"), "run", None):  # --track
-        wandb, columns = sys.modules["wandb"], list(dict.fromkeys(k for s in samples for k in s))
-        table = wandb.Table(columns, [[s.get(k) for k in columns] for s in samples])
-        wandb.log({**metrics, **({"samples": table} if samples else {})}, step=step)
+            fail(f"--output-dir {output_dir}: cannot write its {name} ({e.strerror})")
+    wandb = sys.modules.get("wandb")  # --track: imported, its run started by make_output_dir
+    if wandb is not None and wandb.run is not None:
+        columns = list(dict.fromkeys(k for s in samples for k in s))
+        if samples:
+            metrics = {**metrics, "samples": wandb.Table(columns, [[s.get(k) for k in columns] for s in samples])}
+        wandb.log(metrics, step=step)
     shown = ["charts/reward", "losses/loss", "eval/loss", "eval/accuracy", "eval/pair_accuracy", "charts/step_time"]
     print(f"step {step:5d}  " + "  ".join(f"{k} {metrics[k]:.4f}" for k in shown if k in metrics), flush=True)
     if samples:
         print("  sample  " + "  ".join(f"{k} {repr(v)[:80]}" for k, v in samples[0].items()), flush=True)
 
 
-def make_output_dir(args):
-    """(the run's folder, the checkpoint to resume from or None), checked before any model loads."""
-    path, checkpoint, (rank, world) = args.output_dir or os.path.join("runs", args.run_name), None, rank_and_world()
-    if args.resume_from is not None:
-        path = args.resume_from
-        steps = sorted(glob.glob(os.path.join(path, "checkpoints", "step_" + "[0-9]" * 6)))  # whole ones
-        if not steps or not os.path.exists(os.path.join(path, "args.json")):
-            fail(f"--resume-from {path}: not a run's folder with a whole checkpoint (--save-every writes them)")
-        checkpoint = steps[-1]
-        with open(os.path.join(checkpoint, "trainer_state.json")) as f, open(os.path.join(path, "args.json")) as g:
-            state, saved = json.load(f), json.load(g)
-        keep = {"num_steps", "log_every", "eval_every", "save_every", "keep_checkpoints", "resume_from", "track",
-                "wandb_project_name", "wandb_entity", "exp_name", "run_name"}  # the flags a resumed run may change
-        run = {"file": state["file"], "processes": state["world_size"], **{flag(k): v for k, v in saved.items()}}
-        this = {"file": os.path.basename(__file__), "processes": world, **{flag(k): v for k, v in asdict(args).items()
-                                                                            if k not in keep}}
-        differ = [f"{k} {v} (the run's: {run.get(k)})" for k, v in this.items() if run.get(k) != v]
-        if differ:
-            fail(f"--resume-from {path}: differs from the run: {', '.join(differ)}")
-        if args.num_steps <= state["step"]:
-            fail(f"--num-steps {args.num_steps}: the checkpoint is at step {state['step']}; ask for more steps")
-        print(f"resuming {path} from {checkpoint} (step {state['step']})")
-        args.run_name = saved["run_name"]
-    elif os.path.exists(path):
-        fail(f"--output-dir {path} already exists; choose a new folder")
+def checkpoint_to_resume(args):
+    """With --resume-from, the run's last checkpoint, once the run's flags are checked against these; else None.
+    Checked before any model loads; a resumed run takes the run's name."""
+    if args.resume_from is None:
+        return None
+    path, world = args.resume_from, rank_and_world()[1]
+    steps = sorted(glob.glob(os.path.join(path, "checkpoints", "step_" + "[0-9]" * 6)))  # whole ones
+    if not steps or not os.path.exists(os.path.join(path, "args.json")):
+        fail(f"--resume-from {path}: not a run's folder with a whole checkpoint (--save-every writes them)")
+    with open(os.path.join(steps[-1], "trainer_state.json")) as f, open(os.path.join(path, "args.json")) as g:
+        state, saved = json.load(f), json.load(g)
+    keep = (
+        "num_steps log_every eval_every save_every keep_checkpoints resume_from track wandb_project_name wandb_entity"
+    )
+    keep = {*keep.split(), "exp_name", "run_name"}  # the flags a resumed run may change
+    run = {"file": state["file"], "processes": state["world_size"], **{flag(k): v for k, v in saved.items()}}
+    this = {"file": os.path.basename(__file__), "processes": world}
+    this.update({flag(k): v for k, v in asdict(args).items() if k not in keep})
+    differ = [f"{k} {v} (the run's: {run.get(k)})" for k, v in this.items() if run.get(k) != v]
+    if differ:
+        fail(f"--resume-from {path}: differs from the run: {', '.join(differ)}")
+    if args.num_steps <= state["step"]:
+        fail(f"--num-steps {args.num_steps}: the checkpoint is at step {state['step']}; ask for more steps")
+    print(f"resuming {path} from {steps[-1]} (step {state['step']})")
+    args.run_name = saved["run_name"]
+    return steps[-1]
+
+
+def make_output_dir(args, checkpoint):
+    """The run's folder: a new one with args.json; resumed from checkpoint, the run's own, its metrics and samples cut
+    back to the checkpoint's step (the resumed run logs the later steps again). With --track, the wandb run."""
+    path = args.resume_from
+    if checkpoint is None:
+        path = args.output_dir
+        if path is None:
+            path = os.path.join("runs", args.run_name)
+        if os.path.exists(path):
+            fail(f"--output-dir {path} already exists; choose a new folder")
     barrier()  # every process has checked before rank 0 writes
     try:
-        if rank == 0 and checkpoint is None:
+        if rank_and_world()[0] == 0 and checkpoint is None:
             os.makedirs(path)
             with open(os.path.join(path, "args.json"), "w") as f:
                 json.dump(asdict(args), f, indent=2)
-        for name in ("metrics.jsonl", "samples.jsonl") if rank == 0 and checkpoint else ():
-            with open(os.path.join(path, name), "a+") as f:  # the resumed run logs the later steps again
-                f.seek(0)
-                lines = [line for line in f if line.endswith("}\n") and json.loads(line)["step"] <= state["step"]]
-                f.truncate(0)
-                f.writelines(lines)
+        if rank_and_world()[0] == 0 and checkpoint is not None:
+            with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+                last = json.load(f)["step"]
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                with open(os.path.join(path, name), "a+") as f:
+                    f.seek(0)
+                    lines = [line for line in f if line.endswith("}\n") and json.loads(line)["step"] <= last]
+                    f.truncate(0)
+                    f.writelines(lines)
     except OSError as e:
-        fail(f"--output-dir {path}: cannot write there ({e.strerror or e}); choose a folder you can write to")
-    if args.track and rank == 0:
-        __import__("wandb").init(project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name,
-                                 config=vars(args), dir=path)
-    return path, checkpoint
+        fail(f"--output-dir {path}: cannot write there ({e.strerror}); choose a folder you can write to")
+    if args.track and rank_and_world()[0] == 0:
+        import wandb
+
+        wandb.init(
+            project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name, config=vars(args), dir=path
+        )
+    return path
 
 
 def save(model, tokenizer, output_dir, merged=True):
@@ -1032,7 +1334,7 @@ def save(model, tokenizer, output_dir, merged=True):
         model.save_pretrained(output_dir, state_dict=state_dict)
         tokenizer.save_pretrained(output_dir)
     except OSError as e:
-        fail(f"--output-dir {output_dir}: cannot save the model there ({e.strerror or e})")
+        fail(f"--output-dir {output_dir}: cannot save the model there ({e.strerror})")
 
 
 def save_checkpoint(args, output_dir, step, tokenizer, models, optimizer, generators, **loop_state):
@@ -1047,11 +1349,15 @@ def save_checkpoint(args, output_dir, step, tokenizer, models, optimizer, genera
     dcp.save(checkpoint_state(models, optimizer)[1], checkpoint_id=f"{part}/state")
     for name, model in models.items():
         save(model, tokenizer, f"{part}/{name}", merged=False)  # LoRA: adapter/ alone
-    _, keys, *numpy = sys.modules["numpy"].random.get_state()  # vLLM's CUDA sampler draws from numpy's
-    torch.save({"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all(),
-                "numpy": [torch.from_numpy(keys), *numpy], "generators": [g.getstate() if isinstance(g, random.Random)
-                                                                         else g.get_state() for g in generators]},
-               f"{part}/rng_{rank}.pt")
+    _, keys, *rest = sys.modules["numpy"].random.get_state()  # torch loaded numpy; vLLM's CUDA sampler draws from it
+    states = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all(),
+        "numpy": [torch.from_numpy(keys), *rest],
+        "generators": [g.getstate() if isinstance(g, random.Random) else g.get_state() for g in generators],
+    }
+    torch.save(states, f"{part}/rng_{rank}.pt")
     barrier()
     if rank == 0:
         with open(f"{part}/trainer_state.json", "w") as f:
@@ -1077,15 +1383,23 @@ def resume(checkpoint, models, optimizer, generators):
         return 1, {}
     modules, state = checkpoint_state(models, optimizer)  # what to load into
     dcp.load(state, checkpoint_id=os.path.join(checkpoint, "state"))
-    set_state_dict(modules, optimizer, model_state_dict=state["models"], optim_state_dict=state["optimizer"],
-                   options=StateDictOptions(strict=False))  # the frozen weights stay as loaded
+    set_state_dict(
+        modules,
+        optimizer,
+        model_state_dict=state["models"],
+        optim_state_dict=state["optimizer"],
+        options=StateDictOptions(strict=False),
+    )  # the frozen weights stay as loaded
     rng = torch.load(os.path.join(checkpoint, f"rng_{rank_and_world()[0]}.pt"))
     random.setstate(rng["python"])
     torch.set_rng_state(rng["torch"])
     torch.cuda.set_rng_state_all(rng["cuda"])
     sys.modules["numpy"].random.set_state(("MT19937", rng["numpy"][0].numpy(), *rng["numpy"][1:]))
     for generator, value in zip(generators, rng["generators"]):
-        generator.setstate(value) if isinstance(generator, random.Random) else generator.set_state(value)
+        if isinstance(generator, random.Random):
+            generator.setstate(value)
+        else:
+            generator.set_state(value)
     with open(os.path.join(checkpoint, "trainer_state.json")) as f:
         state = json.load(f)
     return state["step"] + 1, state["state"]
@@ -1095,27 +1409,26 @@ def resume(checkpoint, models, optimizer, generators):
 def setup(args):
     """The device; names the run, settles --dtype auto, seeds (seed + rank) and joins torchrun's processes."""
     transformers.utils.logging.disable_progress_bar()
-    args.run_name = args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    if not args.run_name:
+        args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before CUDA starts
-    cuda = torch.cuda.is_available() and args.cuda
+    cuda = args.cuda and torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     bfloat16 = not cuda or torch.cuda.is_bf16_supported()
     if args.dtype == "bfloat16" and not bfloat16:
         fail("--dtype bfloat16: this GPU has no bfloat16; use --dtype float32")
-    args.dtype = ("bfloat16" if cuda and bfloat16 else "float32") if args.dtype == "auto" else args.dtype
-    if args.fsdp and getattr(args, "lora_r", 0):
-        fail("--lora-r with --fsdp: LoRA runs under DDP (torchrun without --fsdp); its gradients are small to copy")
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if cuda and bfloat16 else "float32"
     if "LOCAL_RANK" in os.environ:  # torchrun: a process a GPU
         if cuda:
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
         if dist.get_rank() != 0:
             sys.stdout = open(os.devnull, "w")  # rank 0 alone prints
     elif args.fsdp:
         fail("--fsdp shards the models across processes: start them with torchrun --nproc-per-node N")
-    if getattr(args, "vllm", False) and importlib.util.find_spec("vllm") is None:
-        fail("--vllm: vLLM is not installed; install requirements-vllm.txt (CUDA) or requirements-vllm-cpu.txt (CPU), "
-             "each in an environment of its own (docs/vllm.md)")
     seed = args.seed + rank_and_world()[0]
     random.seed(seed)
     torch.manual_seed(seed)
@@ -1127,18 +1440,22 @@ def rank_and_world():
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def share_of(items):
+def process_share(items):
     """This process's held-out items: every N-th from its rank on, as many for each (a remainder is left out, said)."""
     rank, world = rank_and_world()
     if len(items) < world:
         fail(f"{len(items)} held-out records for {world} processes, which need one each: raise --num-eval")
-    if len(items) % world:
-        print(f"note: the last {len(items) % world} of {len(items)} held-out records are left out, so that each of "
-              f"the {world} processes evaluates as many")
-    return items[: len(items) - len(items) % world][rank::world]
+    left_out = len(items) % world
+    if left_out:
+        print(
+            f"note: the last {left_out} of {len(items)} held-out records are left out, so that each of the {world} "
+            "processes evaluates as many"
+        )
+    return items[: len(items) - left_out][rank::world]
 
 
-def all_sum(x):  # the sum of tensor x over the processes
+def all_sum(x):
+    """The sum of tensor x over the processes (every process calls it)."""
     if not dist.is_initialized():
         return x
     y = x.detach().to(f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu", copy=True)
@@ -1153,8 +1470,9 @@ def barrier():
 
 def end_processes():
     """Ends the wandb run; under torchrun the group, then the process (docs/distributed.md)."""
-    if getattr(sys.modules.get("wandb"), "run", None):
-        sys.modules["wandb"].finish()
+    wandb = sys.modules.get("wandb")  # --track
+    if wandb is not None and wandb.run is not None:
+        wandb.finish()
     if dist.is_initialized():
         barrier()
         dist.destroy_process_group()
@@ -1163,15 +1481,15 @@ def end_processes():
         os._exit(0)
 
 
-def distribute(model, args):
-    """The model over the processes from rank 0's weights: DDP (a frozen one: a copy each), or FSDP2 with --fsdp."""
+def distribute(model, fsdp):
+    """The model over the processes from rank 0's weights: DDP (a frozen one: a copy each), or FSDP2 with fsdp."""
     if not dist.is_initialized():
         return model
     for tensor in model.state_dict().values():
         dist.broadcast(tensor, src=0)
-    if args.fsdp:
+    if fsdp:
         precision = MixedPrecisionPolicy(param_dtype=model.compute_dtype, reduce_dtype=torch.float32)
-        layers = [m for m in model.modules() if type(m).__name__ in (model._no_split_modules or [])]
+        layers = [m for m in model.modules() if model._no_split_modules and type(m).__name__ in model._no_split_modules]
         for module in [*layers, model]:  # each decoder layer, then the rest
             fully_shard(module, mp_policy=precision)
         if model.can_generate():
@@ -1198,12 +1516,11 @@ def parse_args():
     """The flags; with --resume-from, a flag left out takes the run's own value (its args.json)."""
     about = f"{__doc__.splitlines()[0]} See docs/{os.path.basename(__file__)[:-3]}.md; the algorithm's flags come last."
     args = tyro.cli(Args, description=about)
-    saved = os.path.join(args.resume_from, "args.json") if args.resume_from else ""
-    if os.path.exists(saved):  # else a new run, or a --resume-from that make_output_dir refuses
-        with open(saved) as f:
-            saved = {k: v for k, v in json.load(f).items() if k in Args.__dataclass_fields__}
-        args = tyro.cli(Args, description=about, default=Args(**saved))
-    return args
+    if args.resume_from is None or not os.path.exists(os.path.join(args.resume_from, "args.json")):
+        return args  # a new run, or a --resume-from that checkpoint_to_resume refuses
+    with open(os.path.join(args.resume_from, "args.json")) as f:
+        saved = {k: v for k, v in json.load(f).items() if k in Args.__dataclass_fields__}
+    return tyro.cli(Args, description=about, default=Args(**saved))
 
 
 if __name__ == "__main__":

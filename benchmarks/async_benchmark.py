@@ -28,10 +28,15 @@ import tyro
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # name: (file, flags). "sync" is async_grpo.py with eta 0: the generator never runs ahead (the same metrics as
 # grpo.py with the same seed, tests/test_async_grpo.py); "-coupled" centres the clip on pi_behav (--no-decoupled)
-ROWS = {"grpo.py": ("grpo.py", []),
-        "sync": ("async_grpo.py", ["--max-staleness", "0"]),
-        **{f"eta{eta}{suffix}": ("async_grpo.py", ["--max-staleness", str(eta), *flags])
-           for eta in (1, 2, 4) for suffix, flags in (("", []), ("-coupled", ["--no-decoupled"]))}}
+ROWS = {
+    "grpo.py": ("grpo.py", []),
+    "sync": ("async_grpo.py", ["--max-staleness", "0"]),
+    **{
+        f"eta{eta}{suffix}": ("async_grpo.py", ["--max-staleness", str(eta), *flags])
+        for eta in (1, 2, 4)
+        for suffix, flags in (("", []), ("-coupled", ["--no-decoupled"]))
+    },
+}
 MARK_START, MARK_END = "<!-- results: written by benchmarks/async_benchmark.py -->", "<!-- end of results -->"
 
 
@@ -97,12 +102,19 @@ def row_cells(name, runs):
 
     stale, stale_max = per_run("charts/staleness"), per_run("charts/staleness_max", max)
     weight, capped, wait = per_run("losses/behav_weight"), per_run("losses/behav_capped"), per_run("charts/wait_time")
-    return [name, f"{mean_std(first)} → {mean_std(last)}",
-            "—" if stale is None else f"{statistics.mean(stale):.2f} / {max(stale_max):.0f}",
-            "—" if weight is None or name.endswith("-coupled") else  # the coupled objective weighs nothing
-            f"{statistics.mean(weight):.4f} / {100 * statistics.mean(capped):.2f}%",
-            mean_std(per_run("charts/step_time"), 3), mean_std(per_run("charts/generation_time"), 3),
-            "—" if wait is None else mean_std(wait, 3), mean_std([w for _, w in runs], 0)]
+    return [
+        name,
+        f"{mean_std(first)} → {mean_std(last)}",
+        "—" if stale is None else f"{statistics.mean(stale):.2f} / {max(stale_max):.0f}",
+        "—"
+        if weight is None or name.endswith("-coupled")
+        # the coupled objective weighs nothing
+        else f"{statistics.mean(weight):.4f} / {100 * statistics.mean(capped):.2f}%",
+        mean_std(per_run("charts/step_time"), 3),
+        mean_std(per_run("charts/generation_time"), 3),
+        "—" if wait is None else mean_std(wait, 3),
+        mean_std([w for _, w in runs], 0),
+    ]
 
 
 def plot(results, path):
@@ -119,8 +131,13 @@ def plot(results, path):
         steps = [c["step"] for c in curves[0][:n]]
         accuracy = [statistics.mean(100 * c[j]["eval/accuracy"] for c in curves) for j in range(n)]
         seconds = [statistics.mean(c[j].get("charts/elapsed_time", 0.0) for c in curves) for j in range(n)]
-        style = {"marker": markers[i % len(markers)], "markersize": 4, "color": colors(i % 10), "label": name,
-                 "linestyle": "--" if name.endswith("-coupled") else "-"}
+        style = {
+            "marker": markers[i % len(markers)],
+            "markersize": 4,
+            "color": colors(i % 10),
+            "label": name,
+            "linestyle": "--" if name.endswith("-coupled") else "-",
+        }
         axes[0].plot(steps, accuracy, **style)
         axes[1].plot(seconds, accuracy, **style)
     for ax, xlabel in zip(axes, ("training step", "wall-clock seconds of training (evaluations included)")):
@@ -128,8 +145,10 @@ def plot(results, path):
         ax.set_ylabel("held-out greedy accuracy (%)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"async_grpo.py on the addition task, the mean over {len(next(iter(results.values())))} seed(s): "
-                 "eta = versions the generator may run ahead; -coupled: --no-decoupled")
+    fig.suptitle(
+        f"async_grpo.py on the addition task, the mean over {len(next(iter(results.values())))} seed(s): "
+        "eta = versions the generator may run ahead; -coupled: --no-decoupled"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -143,8 +162,10 @@ def machine_line():
         with open("/proc/cpuinfo") as f:
             names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
         cpu = names[0] if names else cpu
-    return (f"{cpu}, {os.cpu_count()} cores, no GPU; Python {platform.python_version()}, torch {torch.__version__}, "
-            f"transformers {transformers.__version__}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, no GPU; Python {platform.python_version()}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}"
+    )
 
 
 def main(args):
@@ -158,19 +179,36 @@ def main(args):
     os.makedirs(args.runs_dir, exist_ok=True)
     start = time.time()
     results = {name: [run(name, seed, args) for seed in args.seeds] for name in args.rows}
-    header = ["row", "held-out accuracy, step 0 → last (%)", "staleness mean / max (versions)",
-              "pi_prox/pi_behav mean / left out", "s per step", "generation s per batch", "trainer wait s per step",
-              "wall s"]
+    header = [
+        "row",
+        "held-out accuracy, step 0 → last (%)",
+        "staleness mean / max (versions)",
+        "pi_prox/pi_behav mean / left out",
+        "s per step",
+        "generation s per batch",
+        "trainer wait s per step",
+        "wall s",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row_cells(name, runs)) + " |" for name, runs in results.items()]
     total = sum(w for runs in results.values() for _, w in runs)
-    block = "\n".join([
-        MARK_START, "",
-        f"Measured by `python benchmarks/async_benchmark.py` ({len(args.seeds)} seed(s): {' '.join(map(str, args.seeds))};"
-        f" {sum(len(r) for r in results.values())} runs, {total / 60:.0f} min of runs, one at a time) on "
-        f"{machine_line()}. Mean ± std over the seeds; staleness, weights and times are the means over the logged "
-        "steps of each run (the max: the largest lag any logged step saw).", "", *lines, "",
-        "![held-out accuracy against step and wall-clock time](async_grpo.png)", "", MARK_END])
+    block = "\n".join(
+        [
+            MARK_START,
+            "",
+            f"Measured by `python benchmarks/async_benchmark.py` ({len(args.seeds)} seed(s): "
+            f"{' '.join(map(str, args.seeds))};"
+            f" {sum(len(r) for r in results.values())} runs, {total / 60:.0f} min of runs, one at a time) on "
+            f"{machine_line()}. Mean ± std over the seeds; staleness, weights and times are the means over the logged "
+            "steps of each run (the max: the largest lag any logged step saw).",
+            "",
+            *lines,
+            "",
+            "![held-out accuracy against step and wall-clock time](async_grpo.png)",
+            "",
+            MARK_END,
+        ]
+    )
     os.makedirs(args.out_dir, exist_ok=True)
     page = os.path.join(args.out_dir, "async_grpo.md")
     text = open(page).read() if os.path.exists(page) else f"# async_grpo.py\n\n{MARK_START}\n{MARK_END}\n"

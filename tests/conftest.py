@@ -20,8 +20,11 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELI
 os.environ.update(OFFLINE)  # before transformers is imported: the runs in this process are offline too
 # the files run_script runs in this process (async_grpo.py's generator thread could outlive a run that fails); none
 # where vLLM is installed: its engine starts a process group, and a run ends its process when there is one
-IN_PROCESS = set() if importlib.util.find_spec("vllm") else {"grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py",
-                                                             "dpo.py", "reward_model.py", "sft.py"}
+IN_PROCESS = (
+    set()
+    if importlib.util.find_spec("vllm")
+    else {"grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "dpo.py", "reward_model.py", "sft.py"}
+)
 
 
 def run_script(*argv, cwd=ROOT, expect_ok=True, timeout=900, env=None, subprocess_only=False):
@@ -31,10 +34,18 @@ def run_script(*argv, cwd=ROOT, expect_ok=True, timeout=900, env=None, subproces
     if argv[0] in IN_PROCESS and not env and not subprocess_only:
         proc = run_here(argv, cwd)
     else:
-        proc = subprocess.run([sys.executable, *argv], cwd=cwd, env=dict(os.environ, **OFFLINE, **(env or {})),
-                              capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, *argv],
+            cwd=cwd,
+            env=dict(os.environ, **OFFLINE, **(env or {})),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     if expect_ok and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise AssertionError(
+            f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return proc
 
 
@@ -105,16 +116,32 @@ def chat_model_dir(tmp_path_factory):
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    bpe.train_from_iterator(corpus * 4, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.train_from_iterator(
+        corpus * 4,
+        trainers.BpeTrainer(
+            vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     tokenizer.save_pretrained(path)
     ids = tokenizer.convert_tokens_to_ids(specials)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=True, eos_token_id=ids[2], pad_token_id=ids[0], bos_token_id=ids[0])
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=ids[2],
+        pad_token_id=ids[0],
+        bos_token_id=ids[0],
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config.eos_token_id = [ids[2], ids[0]]

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import read_metrics, run_script
+from test_resume import assert_same_records, untimed
+from test_shared import tiny_model
 
 from async_grpo import SampledLogprobs, behaviour_weights, completion_mask, decoupled_loss, generate
-from test_shared import tiny_model
-from test_resume import assert_same_records, untimed
 
 L = math.log
 PAD = 1e4  # a large sentinel at the padded positions: it must reach neither the loss nor the gradient
@@ -39,8 +39,9 @@ def hand_worked_batch():
 
 def test_decoupled_loss_value_and_gradient_by_hand():
     logprobs, prox, behav, advantages, mask = hand_worked_batch()
-    loss, stats = decoupled_loss(logprobs, prox, behav, None, advantages, mask, clip_eps_low=0.2, clip_eps_high=0.2,
-                                 beta=0.0, behav_imp_cap=2.0)
+    loss, stats = decoupled_loss(
+        logprobs, prox, behav, None, advantages, mask, clip_eps_low=0.2, clip_eps_high=0.2, beta=0.0, behav_imp_cap=2.0
+    )
     assert loss.item() == pytest.approx(1 / 3, rel=1e-5)
     loss.backward()
     # d loss / d log pi_t = 1/B 1/|o_i| * (-w_t u_t A) where the term is not clipped (and the token not left out):
@@ -120,8 +121,9 @@ def test_eta_0_is_grpo(tmp_path):
     asynchronous, synchronous = read_metrics(str(tmp_path / "async")), read_metrics(str(tmp_path / "grpo"))
     steps = [m for m in asynchronous if m["step"] > 0]
     assert len(steps) == 4 and all(m["charts/staleness_max"] == 0 and m["charts/staleness"] == 0 for m in steps)
-    assert all(m["losses/behav_weight"] == pytest.approx(1.0, abs=1e-5) and m["losses/behav_capped"] == 0.0
-               for m in steps)
+    assert all(
+        m["losses/behav_weight"] == pytest.approx(1.0, abs=1e-5) and m["losses/behav_capped"] == 0.0 for m in steps
+    )
     shared = [{k: v for k, v in m.items() if k in s} for m, s in zip(untimed(asynchronous), untimed(synchronous))]
     assert_same_records(shared, untimed(synchronous))
     assert len(shared[1]) >= 10  # rewards, losses, accuracy ...
@@ -131,8 +133,19 @@ def test_eta_2_stays_within_its_staleness_and_learns(tmp_path):
     """40 steps at eta 2 from the bundled model: from step 3 on every batch is exactly 2 versions old (the generator
     ran ahead as far as it may), none more; the decoupled weights stay near 1; held-out accuracy rises by 20 points."""
     out = str(tmp_path / "run")
-    run_script("async_grpo.py", "--max-staleness", "2", "--num-steps", "40", "--log-every", "1", "--eval-every",
-               "40", "--output-dir", out)
+    run_script(
+        "async_grpo.py",
+        "--max-staleness",
+        "2",
+        "--num-steps",
+        "40",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "40",
+        "--output-dir",
+        out,
+    )
     steps = [m for m in read_metrics(out) if m["step"] > 0]
     assert [m["charts/staleness_max"] for m in steps] == [0, 1] + [2] * 38
     assert all(m["charts/staleness"] == min(m["step"] - 1, 2) for m in steps)
@@ -147,8 +160,25 @@ def test_the_behaviour_weight_is_the_samplers_at_every_lag(tmp_path):
     eta 0 the weight pi_prox / pi_behav carries that mismatch: not 1, but near it. (A rule that set pi_behav to
     pi_prox at lag 0 logged exactly 1.0 there, and the mismatch only from lag 1 on.)"""
     out = str(tmp_path / "run")
-    run_script("async_grpo.py", "--max-staleness", "0", "--dtype", "bfloat16", "--num-steps", "2", "--prompts-per-step",
-               "4", "--group-size", "4", "--num-eval", "4", "--log-every", "1", "--output-dir", out)
+    run_script(
+        "async_grpo.py",
+        "--max-staleness",
+        "0",
+        "--dtype",
+        "bfloat16",
+        "--num-steps",
+        "2",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--num-eval",
+        "4",
+        "--log-every",
+        "1",
+        "--output-dir",
+        out,
+    )
     weights = [m["losses/behav_weight"] for m in read_metrics(out) if m["step"] > 0]
     assert len(weights) == 2 and all(1e-4 < abs(w - 1) < 0.1 for w in weights), weights
 
@@ -156,8 +186,19 @@ def test_the_behaviour_weight_is_the_samplers_at_every_lag(tmp_path):
 def test_same_seed_same_metrics_with_activation_checkpointing(tmp_path):
     """The issue's command (8 steps), twice: at eta 2 with --gradient-checkpointing the trainer's recomputations no
     longer rewind the generator's random numbers (they did, and the runs parted from the 4th logged step)."""
-    flags = ["--max-staleness", "2", "--gradient-checkpointing", "--micro-batch-size", "16", "--num-steps", "8",
-             "--log-every", "1", "--num-eval", "50"]
+    flags = [
+        "--max-staleness",
+        "2",
+        "--gradient-checkpointing",
+        "--micro-batch-size",
+        "16",
+        "--num-steps",
+        "8",
+        "--log-every",
+        "1",
+        "--num-eval",
+        "50",
+    ]
     for name in ("a", "b"):
         run_script("async_grpo.py", *flags, "--output-dir", str(tmp_path / name))
     a, b = (untimed(read_metrics(str(tmp_path / name))) for name in ("a", "b"))
@@ -168,8 +209,9 @@ def test_same_seed_same_metrics_with_activation_checkpointing(tmp_path):
 def test_publish_copies_the_weights_only_once_the_generator_took_the_last_ones():
     """At most one copy waits beside the generator's own: publish waits, then copies (it copied first, and a second
     copy could wait beside the one not yet taken)."""
-    from async_grpo import Generator
     import threading
+
+    from async_grpo import Generator
 
     copies = []
     policy = torch.nn.Module()  # a model whose state_dict counts its calls
@@ -229,32 +271,35 @@ def test_the_generator_draws_nothing_while_evaluate_samples(pause, monkeypatch):
         return ["0"] * len(records)
 
     monkeypatch.setattr(async_grpo.Generator, "sample", stand_in_sample)
-    monkeypatch.setattr(async_grpo, "completions", stand_in_completions)
+    monkeypatch.setattr(async_grpo, "completion_texts", stand_in_completions)
     args = async_grpo.Args(dtype="float32", num_steps=3, max_staleness=5, eval_samples=2, cuda=False)
     device = torch.device("cpu")
-    tokenizer = async_grpo.load_tokenizer(args.model_name_or_path, args)
+    tokenizer = async_grpo.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     policy = async_grpo.load_model(args.model_name_or_path, args, device)
     torch.manual_seed(7)
     expected = torch.rand(3).tolist()
     torch.manual_seed(7)
     generator = async_grpo.Generator(policy, tokenizer, [], [2], None, args, device, version=0)
     records = [{"prompt": "1+1=", "answer": "2"}] * 4
-    metrics = async_grpo.evaluate(policy, tokenizer, records, args, [2],
-                                  pause=generator.paused if pause == "generator.paused" else contextlib.nullcontext)
+    pause = generator.paused if pause == "generator.paused" else contextlib.nullcontext
+    metrics = async_grpo.evaluate(policy, tokenizer, records, args, [2], k=args.eval_samples, pause=pause)
     evaluated.set()
     assert metrics["eval/pass@k"] == 0.0
     drawn = [generator.take()[0] for _ in range(3)]
-    if pause == "generator.paused":
+    if pause is not contextlib.nullcontext:
         assert not drawn_inside.is_set() and drawn == expected
     else:  # the check can fail: without the pause, the first draw falls inside the fork and is drawn twice
         assert drawn_inside.is_set() and drawn == [expected[0], expected[0], expected[1]]
 
 
 # a negative --max-staleness and a --behav-imp-cap below 1: tests/test_flags.py, with every numeric flag's edges
-@pytest.mark.parametrize("flags, env, message", [
-    (["--no-decoupled", "--behav-imp-cap", "3"], {}, "--behav-imp-cap 3.0 with --no-decoupled: the cap limits"),
-    ([], {"LOCAL_RANK": "0"}, "torchrun: async_grpo.py runs on one process"),
-])
+@pytest.mark.parametrize(
+    "flags, env, message",
+    [
+        (["--no-decoupled", "--behav-imp-cap", "3"], {}, "--behav-imp-cap 3.0 with --no-decoupled: the cap limits"),
+        ([], {"LOCAL_RANK": "0"}, "torchrun: async_grpo.py runs on one process"),
+    ],
+)
 def test_bad_input_is_one_line(flags, env, message, tmp_path):
     out = tmp_path / "run"
     proc = run_script("async_grpo.py", *flags, "--output-dir", str(out), env=env, expect_ok=False)
@@ -271,8 +316,19 @@ def test_the_async_benchmark_writes_its_table_and_figure_from_the_runs(tmp_path)
     page = out / "async_grpo.md"
     marks = ("<!-- results: written by benchmarks/async_benchmark.py -->", "<!-- end of results -->")
     page.write_text(f"# kept\n\n{marks[0]}\nold\n{marks[1]}\nkept too\n")
-    run_script("benchmarks/async_benchmark.py", "--seeds", "1", "--rows", "eta1", "--num-steps", "2",
-               "--runs-dir", str(tmp_path / "runs"), "--out-dir", str(out))
+    run_script(
+        "benchmarks/async_benchmark.py",
+        "--seeds",
+        "1",
+        "--rows",
+        "eta1",
+        "--num-steps",
+        "2",
+        "--runs-dir",
+        str(tmp_path / "runs"),
+        "--out-dir",
+        str(out),
+    )
     text = page.read_text()
     assert text.startswith("# kept\n\n" + marks[0]) and text.endswith(marks[1] + "\nkept too\n") and "old" not in text
     (row,) = [line for line in text.splitlines() if line.startswith("| eta1 ")]

@@ -19,8 +19,16 @@ from benchmark import REAL_COMMON, REAL_FLAGS  # noqa: E402
 # the quick benchmark's rows that this file runs: the bundled model's pipeline and every kind of row (rloo, gspo and
 # cispo are grpo's rows in another file: their quick commands are parsed below, and test_scripts runs their defaults;
 # rloo.py and dpo.py run on the real model in test_real_model.py)
-BUNDLED = ["sft", "grpo", "ppo", "dpo", "reward_model", "ppo-learned-rm", "reward_model-one-pair",
-           "ppo-learned-rm-one-pair"]
+BUNDLED = [
+    "sft",
+    "grpo",
+    "ppo",
+    "dpo",
+    "reward_model",
+    "ppo-learned-rm",
+    "reward_model-one-pair",
+    "ppo-learned-rm-one-pair",
+]
 REWARD_MODELS = ("reward_model", "reward_model-one-pair")
 REAL = ["grpo-smollm2", "grpo-smollm2-bf16"]  # SmolLM2-135M-Instruct, --task addition-question; the second is the
 # first with --dtype bfloat16
@@ -37,8 +45,19 @@ RUN_BUDGET = 600
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("benchmark")
     # the budget is per process; the whole command's limit is only a backstop far beyond the sum of its runs
-    proc = run_script("benchmarks/benchmark.py", "--quick", "--algorithms", *ALGORITHMS, "--run-timeout",
-                      str(RUN_BUDGET), "--runs-dir", str(out / "runs"), "--out-dir", str(out), timeout=4 * 3600)
+    proc = run_script(
+        "benchmarks/benchmark.py",
+        "--quick",
+        "--algorithms",
+        *ALGORITHMS,
+        "--run-timeout",
+        str(RUN_BUDGET),
+        "--runs-dir",
+        str(out / "runs"),
+        "--out-dir",
+        str(out),
+        timeout=4 * 3600,
+    )
     with open(out / "results.md") as f:
         return out, f.read(), proc.stdout
 
@@ -89,10 +108,18 @@ def test_every_quick_command_is_a_valid_command_of_its_file(name):
     import tyro
 
     module = __import__(name.split("-")[0])
-    argv = ["--seed", "1", "--output-dir", "out", *(REAL_COMMON + REAL_FLAGS[name] if name in REAL_FLAGS else []),
-            *(["--vllm"] if name.endswith("-vllm") else []), *benchmark.ONE_PAIR_FLAGS.get(name, []),
-            *(["--reward-model-path", "rm"] if name in benchmark.REWARD_MODEL_OF else []),
-            *benchmark.QUICK_FLAGS[name], *benchmark.QUICK_COMMON]
+    argv = [
+        "--seed",
+        "1",
+        "--output-dir",
+        "out",
+        *(REAL_COMMON + REAL_FLAGS[name] if name in REAL_FLAGS else []),
+        *(["--vllm"] if name.endswith("-vllm") else []),
+        *benchmark.ONE_PAIR_FLAGS.get(name, []),
+        *(["--reward-model-path", "rm"] if name in benchmark.REWARD_MODEL_OF else []),
+        *benchmark.QUICK_FLAGS[name],
+        *benchmark.QUICK_COMMON,
+    ]
     args = tyro.cli(module.Args, args=argv)
     assert args.seed == 1 and args.num_steps == (2 if name in REAL_FLAGS else 4)
 
@@ -145,8 +172,14 @@ def test_the_memory_cases_compute_the_same_log_probs(quick):
     _, text, _ = quick
     rows = table_rows(text, "## Memory of the log-prob computation")
     cases = [(r[0], r[1].startswith("forward"), r[2]) for r in rows]
-    assert cases == [("plain", False, "float32"), ("chunked", False, "float32"), ("plain", True, "float32"),
-                     ("chunked", True, "float32"), ("plain", True, "bfloat16"), ("chunked", True, "bfloat16")]
+    assert cases == [
+        ("plain", False, "float32"),
+        ("chunked", False, "float32"),
+        ("plain", True, "float32"),
+        ("chunked", True, "float32"),
+        ("plain", True, "bfloat16"),
+        ("chunked", True, "bfloat16"),
+    ]
     # the same sum of log-probs for the same weights, whichever way it was computed: equal up to float rounding
     # (the two ways sum in another order) and the page's one decimal
     for dtype in ("float32", "bfloat16"):
@@ -170,8 +203,10 @@ def test_the_figures_are_pngs(quick, figure):
 def test_the_one_pair_rows_run_the_old_setting(quick):
     """The over-optimisation figure's old setting is the pipeline's flags before: one pair, raw score, fixed beta."""
     out, _, _ = quick
-    args = {name: json.loads((out / "runs" / f"{name}__1" / "args.json").read_text())
-            for name in ("reward_model", "reward_model-one-pair", "ppo-learned-rm", "ppo-learned-rm-one-pair")}
+    args = {
+        name: json.loads((out / "runs" / f"{name}__1" / "args.json").read_text())
+        for name in ("reward_model", "reward_model-one-pair", "ppo-learned-rm", "ppo-learned-rm-one-pair")
+    }
     assert (args["reward_model"]["pairs"], args["reward_model"]["chosen"]) == ("all", "sample-or-answer")
     assert (args["reward_model-one-pair"]["pairs"], args["reward_model-one-pair"]["chosen"]) == ("first", "answer")
     new, old = args["ppo-learned-rm"], args["ppo-learned-rm-one-pair"]
@@ -198,13 +233,24 @@ def test_a_finished_run_is_read_again_only_for_the_same_command(quick, tmp_path)
     for name in ("sft", "grpo"):
         shutil.copytree(out / "runs" / f"{name}__1", runs / f"{name}__1")
         record = json.loads((out / "runs" / f"{name}__1.json").read_text())
-        record["command"] = [str(runs / f"{name}__1") if a == str(out / "runs" / f"{name}__1") else a
-                             for a in record["command"]]  # the copy's own folder
+        record["command"] = [
+            str(runs / f"{name}__1") if a == str(out / "runs" / f"{name}__1") else a for a in record["command"]
+        ]  # the copy's own folder
         if name == "grpo":
             record["command"][record["command"].index("--num-eval") + 1] = "10"  # a different command
         (runs / f"{name}__1.json").write_text(json.dumps(record))
-    proc = run_script("benchmarks/benchmark.py", "--quick", "--algorithms", "sft", "grpo", "--no-measure-memory",
-                      "--runs-dir", str(runs), "--out-dir", str(tmp_path))
+    proc = run_script(
+        "benchmarks/benchmark.py",
+        "--quick",
+        "--algorithms",
+        "sft",
+        "grpo",
+        "--no-measure-memory",
+        "--runs-dir",
+        str(runs),
+        "--out-dir",
+        str(tmp_path),
+    )
     assert "sft seed 1: finished before" in proc.stdout
     assert "grpo seed 1: grpo.py --seed 1" in proc.stdout  # run again: its record was another command's
     assert json.loads((runs / "grpo__1.json").read_text())["command"][-1] == "20"
@@ -213,25 +259,48 @@ def test_a_finished_run_is_read_again_only_for_the_same_command(quick, tmp_path)
 
 
 def test_a_run_over_its_budget_is_stopped_and_named(tmp_path):
-    proc = run_script("benchmarks/benchmark.py", "--quick", "--algorithms", "sft", "--no-measure-memory",
-                      "--run-timeout", "0.5", "--runs-dir", str(tmp_path / "runs"), "--out-dir", str(tmp_path),
-                      expect_ok=False)
+    proc = run_script(
+        "benchmarks/benchmark.py",
+        "--quick",
+        "--algorithms",
+        "sft",
+        "--no-measure-memory",
+        "--run-timeout",
+        "0.5",
+        "--runs-dir",
+        str(tmp_path / "runs"),
+        "--out-dir",
+        str(tmp_path),
+        expect_ok=False,
+    )
     assert proc.returncode == 1
-    assert proc.stderr.strip() == (f"error: sft seed 1 took more than --run-timeout 0.5 s and was stopped "
-                                   f"(its log: {tmp_path / 'runs' / 'sft__1'}.log)")
+    assert proc.stderr.strip() == (
+        f"error: sft seed 1 took more than --run-timeout 0.5 s and was stopped "
+        f"(its log: {tmp_path / 'runs' / 'sft__1'}.log)"
+    )
     assert not os.path.exists(tmp_path / "results.md") and not os.path.exists(tmp_path / "runs" / "sft__1.json")
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--algorithms", "trpo"], "--algorithms: unknown trpo"),
-    (["--run-timeout", "0"], "--run-timeout 0.0: give a number of seconds above 0"),
-    (["--algorithms", "ppo-learned-rm", "--quick"], "needs the reward_model run of that seed"),
-    (["--seeds", "1", "1"], "--seeds: give one or more different seeds"),
-    (["--real-seeds", "2", "2"], "--real-seeds: give one or more different seeds"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--algorithms", "trpo"], "--algorithms: unknown trpo"),
+        (["--run-timeout", "0"], "--run-timeout 0.0: give a number of seconds above 0"),
+        (["--algorithms", "ppo-learned-rm", "--quick"], "needs the reward_model run of that seed"),
+        (["--seeds", "1", "1"], "--seeds: give one or more different seeds"),
+        (["--real-seeds", "2", "2"], "--real-seeds: give one or more different seeds"),
+    ],
+)
 def test_bad_input_stops_with_one_line(flags, message, tmp_path):
-    proc = run_script("benchmarks/benchmark.py", *flags, "--runs-dir", str(tmp_path / "runs"),
-                      "--out-dir", str(tmp_path), expect_ok=False)
+    proc = run_script(
+        "benchmarks/benchmark.py",
+        *flags,
+        "--runs-dir",
+        str(tmp_path / "runs"),
+        "--out-dir",
+        str(tmp_path),
+        expect_ok=False,
+    )
     assert proc.returncode == 1
     assert message in proc.stderr and proc.stderr.strip().count("\n") == 0
     assert not os.path.exists(tmp_path / "results.md")
@@ -253,11 +322,17 @@ def test_the_readme_real_model_commands_are_the_benchmark_runs():
 
     # the README gives GRPO's, docs/smollm2.md the others, docs/gpu.md the bfloat16 one
     readme = sorted(shlex.split(c)[1:] for c in readme_commands() if "--task addition-question" in c)
-    expected = sorted([f"{name.split('-')[0]}.py"] + REAL_COMMON + flags for name, flags in REAL_FLAGS.items()
-                      if not name.endswith("-vllm"))
+    expected = sorted(
+        [f"{name.split('-')[0]}.py"] + REAL_COMMON + flags
+        for name, flags in REAL_FLAGS.items()
+        if not name.endswith("-vllm")
+    )
     assert readme == expected
     # and the --vllm ones, in docs/vllm.md's `shell` block (run in vLLM's own environment)
     readme = [shlex.split(c)[1:] for c in readme_commands("shell") if "--task addition-question" in c]
-    expected = [[f"{name.split('-')[0]}.py"] + REAL_COMMON + flags + ["--vllm"] for name, flags in REAL_FLAGS.items()
-                if name.endswith("-vllm")]
+    expected = [
+        [f"{name.split('-')[0]}.py"] + REAL_COMMON + flags + ["--vllm"]
+        for name, flags in REAL_FLAGS.items()
+        if name.endswith("-vllm")
+    ]
     assert readme == expected

@@ -62,8 +62,9 @@ def test_the_readme_quotes_the_rlhf_pipeline_from_the_page_it_links():
     results.md's rows of the same runs."""
     readme, rows, ppo = read("README.md"), results(), table_rows("docs/ppo.md")
     new, old = start_end(rows["ppo-learned-rm"][1]), start_end(rows["ppo-learned-rm-one-pair"][1])
-    assert (f"takes held-out accuracy from {new[0]}% to {new[1]}%, where the settings before took it down to"
-            f" {old[1]}%") in readme
+    assert (
+        f"takes held-out accuracy from {new[0]}% to {new[1]}%, where the settings before took it down to {old[1]}%"
+    ) in readme
     three_seeds = {name.split(":")[0]: cells for name, cells in ppo.items() if name.startswith(("old:", "new"))}
     assert three_seeds["new (the defaults)"][2] == f"{new[0]} → {new[1]}"
     assert three_seeds["old"][2] == f"{old[0]} → {old[1]}"
@@ -103,46 +104,66 @@ def test_the_gpu_page_quotes_the_bfloat16_comparison():
     gpu, page = read("docs/gpu.md"), read("docs/results.md")
     cells = {}
     for name in ("grpo-smollm2", "grpo-smollm2-bf16"):
-        row = re.search(rf"\| {name} \| (float32|bfloat16) \| ([\d.]+) \| [\d.]+ \| [\d.]+ \| [\d.]+ \| ([\d.]+) \|"
-                        rf" (\d+) \| ([\d.]+) → ([\d.]+) \|", page)
+        row = re.search(
+            rf"\| {name} \| (float32|bfloat16) \| ([\d.]+) \| [\d.]+ \| [\d.]+ \| [\d.]+ \| ([\d.]+) \|"
+            rf" (\d+) \| ([\d.]+) → ([\d.]+) \|",
+            page,
+        )
         assert row, f"no {name} row in the bfloat16 section of docs/results.md"
         cells[name] = row.groups()
     f32, b16 = cells["grpo-smollm2"], cells["grpo-smollm2-bf16"]
-    assert (f"{b16[1]} s a step against {f32[1]} s in float32, {b16[2]} GiB of peak memory against {f32[2]} GiB, and"
-            f" held-out accuracy {b16[4]}% → {b16[5]}% against {f32[4]}% → {f32[5]}%") in gpu
+    assert (
+        f"{b16[1]} s a step against {f32[1]} s in float32, {b16[2]} GiB of peak memory against {f32[2]} GiB, and"
+        f" held-out accuracy {b16[4]}% → {b16[5]}% against {f32[4]}% → {f32[5]}%"
+    ) in gpu
 
 
 def test_the_gpu_page_quotes_the_log_prob_memory():
     """The chunked log-probs' memory and time against the plain log_softmax, with gradient, in float32."""
     gpu, page = read("docs/gpu.md"), read("docs/results.md")
-    lines = [[c.strip() for c in line.strip().strip("|").split("|")] for line in raw("docs/results.md").splitlines()
-             if line.startswith(("| plain |", "| chunked |"))]
-    plain, chunked = (next(c for c in lines if c[:3] == [method, "forward + backward", "float32"])
-                      for method in ("plain", "chunked"))
+    lines = [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in raw("docs/results.md").splitlines()
+        if line.startswith(("| plain |", "| chunked |"))
+    ]
+    plain, chunked = (
+        next(c for c in lines if c[:3] == [method, "forward + backward", "float32"]) for method in ("plain", "chunked")
+    )
     ratio = re.search(r"with gradient, float32: ([\d.]+)× the memory, ([\d.]+)× the time", page)
     assert ratio
-    assert (f"the chunked pass added {chunked[3]} GiB of peak memory where the plain `log_softmax` added {plain[3]}"
-            f" GiB ({ratio[1]}× the memory, {ratio[2]}× the time)") in gpu
+    assert (
+        f"the chunked pass added {chunked[3]} GiB of peak memory where the plain `log_softmax` added {plain[3]}"
+        f" GiB ({ratio[1]}× the memory, {ratio[2]}× the time)"
+    ) in gpu
 
 
 def test_the_vllm_page_quotes_the_vllm_comparison():
     vllm, page, rows = read("docs/vllm.md"), read("docs/results.md"), results()
     cells = {}
     for name in ("grpo", "grpo-vllm", "grpo-smollm2", "grpo-smollm2-vllm"):
-        row = re.search(rf"\| {name} \| (generate\(\)|vLLM) \| ([\d.]+) \| ([\d.]+) \| (\d+) \| ([\d.e-]+|—) \|"
-                        rf" ([\d ±]+) \| ([\d.]+)(?: ± [\d.]+)? → ([\d.± ]+?) \|", page)
+        row = re.search(
+            rf"\| {name} \| (generate\(\)|vLLM) \| ([\d.]+) \| ([\d.]+) \| (\d+) \| ([\d.e-]+|—) \|"
+            rf" ([\d ±]+) \| ([\d.]+)(?: ± [\d.]+)? → ([\d.± ]+?) \|",
+            page,
+        )
         assert row, f"no {name} row in the vLLM section of docs/results.md"
         cells[name] = row.groups()
     hf, vl, hf2, vl2 = (cells[n] for n in ("grpo", "grpo-vllm", "grpo-smollm2", "grpo-smollm2-vllm"))
-    assert (f"{vl[2]} s of generation a step against {hf[2]} s ({vl[3]} generated tokens/s against {hf[3]}), the"
-            f" default run {vl[5]} s against {hf[5]} s") in vllm
+    assert (
+        f"{vl[2]} s of generation a step against {hf[2]} s ({vl[3]} generated tokens/s against {hf[3]}), the"
+        f" default run {vl[5]} s against {hf[5]} s"
+    ) in vllm
     assert f"held-out accuracy still climbs from {vl[6]}% to {vl[7]}% (`generate()`: {hf[7]}%)" in vllm
-    assert (f"generation takes {vl2[2]} s a step against {hf2[2]} s ({vl2[3]} generated tokens/s against {hf2[3]},"
-            f" the weight copy included), a step {vl2[1]} s against {hf2[1]} s and the run {vl2[5]} s against"
-            f" {hf2[5]} s, with {rows['grpo-smollm2-vllm'][5]} GiB of peak memory against"
-            f" {rows['grpo-smollm2'][5]}") in vllm
-    assert (f"held-out accuracy {vl2[6]}% → {vl2[7]}% (one seed; `generate()`: {hf2[6]}% → {hf2[7]}%)."
-            f" `rollout/logprob_diff` stays at {vl[4]} and {vl2[4]}") in vllm
+    assert (
+        f"generation takes {vl2[2]} s a step against {hf2[2]} s ({vl2[3]} generated tokens/s against {hf2[3]},"
+        f" the weight copy included), a step {vl2[1]} s against {hf2[1]} s and the run {vl2[5]} s against"
+        f" {hf2[5]} s, with {rows['grpo-smollm2-vllm'][5]} GiB of peak memory against"
+        f" {rows['grpo-smollm2'][5]}"
+    ) in vllm
+    assert (
+        f"held-out accuracy {vl2[6]}% → {vl2[7]}% (one seed; `generate()`: {hf2[6]}% → {hf2[7]}%)."
+        f" `rollout/logprob_diff` stays at {vl[4]} and {vl2[4]}"
+    ) in vllm
     # the versions of vLLM's environment, as results.md's section gives them
     torch, transformers = re.search(r"torch (2\.\d+)\.\d\+cpu, transformers (5\.\d+)\.\d", page).groups()
     assert f"torch {torch}." in vllm and f"transformers {transformers}." in vllm
@@ -180,8 +201,9 @@ def test_the_gpu_page_gives_the_memory_estimate_of_its_commands():
     # bytes a token, and the output layer's backward: 5 chunks of 441 rows x 151,936 float32 logits (more than
     # 8 x 151,936 x 896 bytes of weight gradients)
     assert 5 * 441 * 151_936 * 4 > 8 * 151_936 * 896
-    assert training == pytest.approx((2 * n + 8 * 712 * (24 * 4 * 896 + 34 * 896 + 8 * 4864 + 4 * 14 + 8 + 2 * 712)
-                                      + 5 * 441 * 151_936 * 4) / 2**30)
+    assert training == pytest.approx(
+        (2 * n + 8 * 712 * (24 * 4 * 896 + 34 * 896 + 8 * 4864 + 4 * 14 + 8 + 2 * 712) + 5 * 441 * 151_936 * 4) / 2**30
+    )
     # 128 rollouts of 712 tokens: keys and values of 24 layers, 2 heads of 64, in float32; and two float32 rows of
     # 151,936 logits each
     assert generation == pytest.approx(128 * (2 * 24 * 2 * 64 * 712 * 4 + 2 * 151_936 * 4) / 2**30)
@@ -198,16 +220,27 @@ def test_the_gpu_page_gives_the_memory_estimate_of_its_commands():
     assert run_script("benchmarks/memory_estimate.py").stdout.strip() == memory_estimate.table()
     assert memory_estimate.table() in raw("docs/gpu.md")
     # each row is one of the commands given
-    commands = [line.split() for page in ("docs/gpu.md", "docs/distributed.md", "docs/training.md")
-                for block in re.findall(r"```bash\n(.*?)```", raw(page), flags=re.S) for line in block.splitlines()
-                if line.startswith(("python ", "torchrun "))]
+    commands = [
+        line.split()
+        for page in ("docs/gpu.md", "docs/distributed.md", "docs/training.md")
+        for block in re.findall(r"```bash\n(.*?)```", raw(page), flags=re.S)
+        for line in block.splitlines()
+        if line.startswith(("python ", "torchrun "))
+    ]
     data = {"GSM8K": "openai/gsm8k"}
     for c in memory_estimate.COMMANDS:
         script, model, dataset = (part.strip() for part in c.name.split(","))
         script = next(word for word in script.split() if word.endswith(".py"))
-        matches = [argv for argv in commands if script in argv and f"Qwen/{model}" in argv
-                   and data.get(dataset, dataset) in argv and ("--fsdp" in argv) == (c.processes > 1)
-                   and "--nnodes" not in argv and ("--lora-r" in argv) == bool(c.lora)]  # one machine
+        matches = [
+            argv
+            for argv in commands
+            if script in argv
+            and f"Qwen/{model}" in argv
+            and data.get(dataset, dataset) in argv
+            and ("--fsdp" in argv) == (c.processes > 1)
+            and "--nnodes" not in argv
+            and ("--lora-r" in argv) == bool(c.lora)
+        ]  # one machine
         assert len(matches) == 1, f"no single command on the pages for the row {c.name!r}"
         argv = matches[0]
         pairs = 2 if script in ("dpo.py", "reward_model.py") else 1  # a pair is two sequences
@@ -226,23 +259,36 @@ def test_the_async_page_says_its_grpo_wall_time_is_another_benchmarks_run():
     walls = sorted(int(cells[7].split(" ± ")[0]) for cells in ahead)
     sync = rows["sync"][7].split(" ± ")[0]
     assert f"(the runs {sync} s against {walls[0]} to {walls[-1]} s; grpo.py {rows['grpo.py'][7]} s" in page
-    assert (f"which [results.md](results.md)'s benchmark, another set of runs of the same command, measured at"
-            f" {results()['grpo'][4]} s") in page
+    assert (
+        f"which [results.md](results.md)'s benchmark, another set of runs of the same command, measured at"
+        f" {results()['grpo'][4]} s"
+    ) in page
 
 
 def test_the_ppo_page_says_its_per_change_runs_are_older():
     """docs/ppo.md's per-change table (seed 1, made while choosing the defaults) and its three-seed table differ
     for seed 1; the page says which is which, with both tables' numbers."""
     page, text = read("docs/ppo.md"), raw("docs/ppo.md")
-    new_default = re.search(r"\| all pairs \| \*\*lr 3e-5, KL target 0\.5, normalised \(the new default\)\*\* \| 300"
-                            r" \| ([\d.]+) ", text)
-    old_default = re.search(r"\| one pair \| lr 1e-4, β 0\.05, raw score \(the old default; benchmark run\) \| 300"
-                            r" \| ([\d.]+) ", text)
-    seeds = {name.split(":")[0]: cells[3].split(", ")[0] for name, cells in table_rows("docs/ppo.md").items()
-             if name.startswith(("old:", "new"))}
+    new_default = re.search(
+        r"\| all pairs \| \*\*lr 3e-5, KL target 0\.5, normalised \(the new default\)\*\* \| 300"
+        r" \| ([\d.]+) ",
+        text,
+    )
+    old_default = re.search(
+        r"\| one pair \| lr 1e-4, β 0\.05, raw score \(the old default; benchmark run\) \| 300"
+        r" \| ([\d.]+) ",
+        text,
+    )
+    seeds = {
+        name.split(":")[0]: cells[3].split(", ")[0]
+        for name, cells in table_rows("docs/ppo.md").items()
+        if name.startswith(("old:", "new"))
+    }
     assert new_default and old_default and len(seeds) == 2
-    assert (f"their seed-1 rows for the new default ({new_default[1]}%) and the old default ({old_default[1]}%)"
-            f" are not the {seeds['new (the defaults)']}% and {seeds['old']}% that seed 1 ends at in that table") in page
+    assert (
+        f"their seed-1 rows for the new default ({new_default[1]}%) and the old default ({old_default[1]}%)"
+        f" are not the {seeds['new (the defaults)']}% and {seeds['old']}% that seed 1 ends at in that table"
+    ) in page
 
 
 def test_the_algorithm_pages_name_the_update_time_not_the_old_key():
@@ -291,10 +337,19 @@ def test_every_relative_link_resolves(page):
 
 def test_the_link_check_can_fail():
     """The checks above see a missing file and a missing heading (and GitHub's anchors as GitHub writes them)."""
-    assert slug("Rollouts from a vLLM engine (`--vllm`) against `generate()`") == \
-        "rollouts-from-a-vllm-engine---vllm-against-generate"
+    assert (
+        slug("Rollouts from a vLLM engine (`--vllm`) against `generate()`")
+        == "rollouts-from-a-vllm-engine---vllm-against-generate"
+    )
     assert slug("bfloat16 on this project's CPU") == "bfloat16-on-this-projects-cpu"
     assert ("nowhere.md", "") not in links("README.md")
     assert "no-such-heading" not in anchors("docs/gpu.md") and "memory" in anchors("docs/gpu.md")
-    assert {"docs/distributed.md", "docs/vllm.md", "docs/outputs.md", "docs/gpu.md", "docs/smollm2.md",
-            "docs/your_own_task.md", "docs/results.md"} <= {file for file, _ in links("README.md")}
+    assert {
+        "docs/distributed.md",
+        "docs/vllm.md",
+        "docs/outputs.md",
+        "docs/gpu.md",
+        "docs/smollm2.md",
+        "docs/your_own_task.md",
+        "docs/results.md",
+    } <= {file for file, _ in links("README.md")}

@@ -20,15 +20,18 @@ def log_sigmoid(x):
     return -math.log(1 + math.exp(-x))
 
 
-@pytest.mark.parametrize("loss_type, beta, smoothing, expected", [
-    ("sigmoid", 0.1, 0.0, -log_sigmoid(0.2)),  # -log sigmoid(0.1 * 2) = 0.598139
-    ("sigmoid", 0.5, 0.0, -log_sigmoid(1.0)),  # 0.313262
-    ("sigmoid", 0.5, 0.2, -0.8 * log_sigmoid(1.0) - 0.2 * log_sigmoid(-1.0)),  # 0.250610 + 0.262652 = 0.513262
-    ("ipo", 0.1, 0.0, (2 - 1 / 0.2) ** 2),  # (2 - 5)^2 = 9
-    ("ipo", 0.5, 0.0, (2 - 1) ** 2),  # 1
-    ("hinge", 0.1, 0.0, 1 - 0.2),  # max(0, 1 - 0.1 * 2) = 0.8
-    ("hinge", 1.0, 0.0, 0.0),  # max(0, 1 - 2) = 0
-])
+@pytest.mark.parametrize(
+    "loss_type, beta, smoothing, expected",
+    [
+        ("sigmoid", 0.1, 0.0, -log_sigmoid(0.2)),  # -log sigmoid(0.1 * 2) = 0.598139
+        ("sigmoid", 0.5, 0.0, -log_sigmoid(1.0)),  # 0.313262
+        ("sigmoid", 0.5, 0.2, -0.8 * log_sigmoid(1.0) - 0.2 * log_sigmoid(-1.0)),  # 0.250610 + 0.262652 = 0.513262
+        ("ipo", 0.1, 0.0, (2 - 1 / 0.2) ** 2),  # (2 - 5)^2 = 9
+        ("ipo", 0.5, 0.0, (2 - 1) ** 2),  # 1
+        ("hinge", 0.1, 0.0, 1 - 0.2),  # max(0, 1 - 0.1 * 2) = 0.8
+        ("hinge", 1.0, 0.0, 0.0),  # max(0, 1 - 2) = 0
+    ],
+)
 def test_dpo_loss_by_hand(loss_type, beta, smoothing, expected):
     loss, stats = dpo_loss(*PAIR, beta=beta, loss_type=loss_type, label_smoothing=smoothing)
     assert loss.item() == pytest.approx(expected, abs=1e-6)
@@ -83,10 +86,16 @@ def test_two_copies_of_the_bundled_model_tie_within_rounding_and_a_changed_one_d
     differ from 0 in the last bits (they do on some CPUs), but stay inside rounding_tolerance; a
     reference whose weights really differ (by about one per cent) is ranked outside it, in bfloat16
     compute too (a tolerance from bfloat16's eps, 0.2 nats here, counted nearly all of them as ties)."""
-    args = SimpleNamespace(trust_remote_code=False, dtype=dtype, gradient_checkpointing=False, system_prompt=None,
-                           max_prompt_length=None, max_length=None)
+    args = SimpleNamespace(
+        trust_remote_code=False,
+        dtype=dtype,
+        gradient_checkpointing=False,
+        system_prompt=None,
+        max_prompt_length=None,
+        max_length=None,
+    )
     path, device = os.path.join(ROOT, "tiny-adder"), torch.device("cpu")
-    tokenizer = load_tokenizer(path, args)
+    tokenizer = load_tokenizer(path, False)
     policy = load_model(path, args, device).eval()
     reference = load_model(path, args, device, frozen=True).eval()
     changed = load_model(path, args, device, frozen=True).eval()
@@ -105,8 +114,16 @@ def test_two_copies_of_the_bundled_model_tie_within_rounding_and_a_changed_one_d
 
 def tiny_llama():
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=64, pad_token_id=0, eos_token_id=2)
+    config = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        eos_token_id=2,
+    )
     return AutoModelForCausalLM.from_config(config).eval()
 
 

@@ -20,44 +20,97 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 import grpo
 import ppo
 
-SCRIPTS = ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "dpo.py", "reward_model.py", "sft.py", "async_grpo.py"]
+SCRIPTS = [
+    "grpo.py",
+    "rloo.py",
+    "gspo.py",
+    "cispo.py",
+    "ppo.py",
+    "dpo.py",
+    "reward_model.py",
+    "sft.py",
+    "async_grpo.py",
+]
 
 # (low, low included, high, high included); None: no bound on that side
 POSITIVE, NON_NEGATIVE, UNIT = (0, False, None, False), (0, True, None, False), (0, True, 1, True)
-COMMON = {"seed": (0, True, 2**32 - 1, True), "log_every": POSITIVE, "num_eval": POSITIVE, "eval_every": POSITIVE,
-          "max_new_tokens": POSITIVE, "num_steps": POSITIVE, "learning_rate": POSITIVE, "weight_decay": NON_NEGATIVE,
-          "max_grad_norm": POSITIVE, "micro_batch_size": POSITIVE, "max_prompt_length": POSITIVE,
-          "save_every": NON_NEGATIVE, "keep_checkpoints": POSITIVE, "warmup_steps": NON_NEGATIVE}
-TRAINED_LM = {"lora_r": NON_NEGATIVE, "lora_alpha": POSITIVE, "eval_samples": NON_NEGATIVE,  # not reward_model.py
-              "eval_temperature": POSITIVE}
+COMMON = {
+    "seed": (0, True, 2**32 - 1, True),
+    "log_every": POSITIVE,
+    "num_eval": POSITIVE,
+    "eval_every": POSITIVE,
+    "max_new_tokens": POSITIVE,
+    "num_steps": POSITIVE,
+    "learning_rate": POSITIVE,
+    "weight_decay": NON_NEGATIVE,
+    "max_grad_norm": POSITIVE,
+    "micro_batch_size": POSITIVE,
+    "max_prompt_length": POSITIVE,
+    "save_every": NON_NEGATIVE,
+    "keep_checkpoints": POSITIVE,
+    "warmup_steps": NON_NEGATIVE,
+}
+TRAINED_LM = {
+    "lora_r": NON_NEGATIVE,
+    "lora_alpha": POSITIVE,
+    "eval_samples": NON_NEGATIVE,  # not reward_model.py
+    "eval_temperature": POSITIVE,
+}
 GROUP = {"prompts_per_step": POSITIVE, "group_size": (2, True, None, False), "temperature": POSITIVE}
-CLIPPED = {"num_iterations": POSITIVE, "num_minibatches": POSITIVE, "clip_eps_low": UNIT,
-           "clip_eps_high": NON_NEGATIVE}
-PAIRS = {"num_train_prompts": POSITIVE, "pair_samples": POSITIVE, "pair_temperature": POSITIVE,
-         "batch_size": POSITIVE}
+CLIPPED = {"num_iterations": POSITIVE, "num_minibatches": POSITIVE, "clip_eps_low": UNIT, "clip_eps_high": NON_NEGATIVE}
+PAIRS = {"num_train_prompts": POSITIVE, "pair_samples": POSITIVE, "pair_temperature": POSITIVE, "batch_size": POSITIVE}
 LENGTH = {"max_length": (2, True, None, False)}  # with --max-prompt-length below it
 VLLM = {"vllm_kv_cache_gib": POSITIVE, "vllm_is_cap": POSITIVE}  # the files that sample
 RANGES = {
     "grpo.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM, "beta": NON_NEGATIVE},
-    "async_grpo.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, "beta": NON_NEGATIVE,
-                      "max_staleness": NON_NEGATIVE, "behav_imp_cap": (1, True, None, False)},
+    "async_grpo.py": {
+        **COMMON,
+        **TRAINED_LM,
+        **GROUP,
+        **CLIPPED,
+        "beta": NON_NEGATIVE,
+        "max_staleness": NON_NEGATIVE,
+        "behav_imp_cap": (1, True, None, False),
+    },
     "rloo.py": {**COMMON, **TRAINED_LM, **GROUP, **VLLM, "beta": NON_NEGATIVE},
     "gspo.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM},
     "cispo.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM},
-    "ppo.py": {**COMMON, **TRAINED_LM, **VLLM, "prompts_per_step": POSITIVE, "temperature": POSITIVE,
-               "ppo_epochs": POSITIVE, "num_minibatches": POSITIVE, "beta": NON_NEGATIVE, "kl_target": NON_NEGATIVE,
-               "kl_horizon": POSITIVE, "clip_eps": (0, False, 1, True), "clip_value": NON_NEGATIVE,
-               "vf_coef": NON_NEGATIVE, "gamma": UNIT, "lam": UNIT, "missing_eos_penalty": NON_NEGATIVE},
+    "ppo.py": {
+        **COMMON,
+        **TRAINED_LM,
+        **VLLM,
+        "prompts_per_step": POSITIVE,
+        "temperature": POSITIVE,
+        "ppo_epochs": POSITIVE,
+        "num_minibatches": POSITIVE,
+        "beta": NON_NEGATIVE,
+        "kl_target": NON_NEGATIVE,
+        "kl_horizon": POSITIVE,
+        "clip_eps": (0, False, 1, True),
+        "clip_value": NON_NEGATIVE,
+        "vf_coef": NON_NEGATIVE,
+        "gamma": UNIT,
+        "lam": UNIT,
+        "missing_eos_penalty": NON_NEGATIVE,
+    },
     "dpo.py": {**COMMON, **TRAINED_LM, **PAIRS, **LENGTH, "beta": POSITIVE, "label_smoothing": (0, True, 0.5, False)},
     "reward_model.py": {**COMMON, **PAIRS, **LENGTH},
-    "sft.py": {**COMMON, **TRAINED_LM, **LENGTH, "batch_size": POSITIVE, "hidden_size": POSITIVE,
-               "num_layers": POSITIVE, "num_heads": POSITIVE},
+    "sft.py": {
+        **COMMON,
+        **TRAINED_LM,
+        **LENGTH,
+        "batch_size": POSITIVE,
+        "hidden_size": POSITIVE,
+        "num_layers": POSITIVE,
+        "num_heads": POSITIVE,
+    },
 }
 # a valid value at an edge can still make a batch that does not divide: these flags keep the rest valid
-VALID_WITH = {("ppo.py", "prompts_per_step"): ["--num-minibatches", "1"],
-              ("sft.py", "hidden_size"): ["--num-heads", "1"],
-              **{(script, "max_length"): ["--max-prompt-length", "1"] for script in ("dpo.py", "reward_model.py",
-                                                                                     "sft.py")}}
+VALID_WITH = {
+    ("ppo.py", "prompts_per_step"): ["--num-minibatches", "1"],
+    ("sft.py", "hidden_size"): ["--num-heads", "1"],
+    **{(script, "max_length"): ["--max-prompt-length", "1"] for script in ("dpo.py", "reward_model.py", "sft.py")},
+}
 
 # runs each script's cases in one process, as `python script ...` does; building any model stops the case. One
 # process for every script: {name: [script, [argv, ...]]} in, {name: [[outcome, message], ...]} out
@@ -89,8 +142,14 @@ print(json.dumps(results))
 
 def run_harness(cases):
     """{name: [script, its argvs]} -> {name: [outcome, message] per argv}, every script's cases in one process."""
-    proc = subprocess.run([sys.executable, "-c", HARNESS, json.dumps(cases)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    proc = subprocess.run(
+        [sys.executable, "-c", HARNESS, json.dumps(cases)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -138,8 +197,9 @@ def edge_cases(script, folder):
         for j, value in enumerate(invalid + valid):
             out = str(folder / f"out_{i}_{j}")
             is_valid = j >= len(invalid)
-            cases.append([f"{flag}={value!r}", "--output-dir", out,
-                          *(VALID_WITH.get((script, name), []) if is_valid else [])])
+            cases.append(
+                [f"{flag}={value!r}", "--output-dir", out, *(VALID_WITH.get((script, name), []) if is_valid else [])]
+            )
             expected.append((flag, value, is_valid, out))
     (folder / "a_file").write_text("")
     cases.append(["--output-dir", str(folder / "a_file" / "run")])
@@ -147,12 +207,18 @@ def edge_cases(script, folder):
 
 
 # the flags of test_flags_that_cannot_work_together_name_what_to_change, with what grpo.py must say
-CONFLICTS = [(["--prompts-per-step", "3", "--group-size", "2", "--num-minibatches", "4"],
-              "--prompts-per-step x --group-size (per process) by --num-minibatches: 6 does not divide by 4"),
-             (["--prompts-per-step", "2", "--group-size", "4", "--micro-batch-size", "3"],
-              "a minibatch (--prompts-per-step x --group-size / --num-minibatches, per process) by "
-              "--micro-batch-size: 8 does not divide by 3"),
-             (["--lora-r", "4", "--fsdp"], "--lora-r with --fsdp: LoRA runs under DDP (torchrun without --fsdp)")]
+CONFLICTS = [
+    (
+        ["--prompts-per-step", "3", "--group-size", "2", "--num-minibatches", "4"],
+        "--prompts-per-step x --group-size (per process) by --num-minibatches: 6 does not divide by 4",
+    ),
+    (
+        ["--prompts-per-step", "2", "--group-size", "4", "--micro-batch-size", "3"],
+        "a minibatch (--prompts-per-step x --group-size / --num-minibatches, per process) by "
+        "--micro-batch-size: 8 does not divide by 3",
+    ),
+    (["--lora-r", "4", "--fsdp"], "--lora-r with --fsdp: LoRA runs under DDP (torchrun without --fsdp)"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -166,8 +232,10 @@ def harness_results(tmp_path_factory):
         cases[script] = [script, argvs]
     folders["conflicts"] = tmp_path_factory.mktemp("conflicts")
     expected["conflicts"] = [str(folders["conflicts"] / f"out{i}") for i in range(len(CONFLICTS))]
-    cases["conflicts"] = ["grpo.py", [flags + ["--output-dir", out] for (flags, _), out in zip(CONFLICTS,
-                                                                                           expected["conflicts"])]]
+    cases["conflicts"] = [
+        "grpo.py",
+        [flags + ["--output-dir", out] for (flags, _), out in zip(CONFLICTS, expected["conflicts"])],
+    ]
     results = run_harness(cases)
     assert set(results) == set(cases) and all(len(results[k]) == len(cases[k][1]) for k in cases)
     return {name: (folders[name], expected[name], results[name]) for name in cases}
@@ -183,8 +251,11 @@ def test_every_numeric_flag_is_checked_at_its_edges_before_anything_is_loaded(sc
     assert numeric_flags(module) == set(RANGES[script]), "a numeric flag without a range here, or one gone"
     folder, expected, results = harness_results[script]
     results = list(results)
-    assert results.pop() == ["exit", f"error: --output-dir {folder / 'a_file' / 'run'}: cannot write there (Not a "
-                                     "directory); choose a folder you can write to"]
+    assert results.pop() == [
+        "exit",
+        f"error: --output-dir {folder / 'a_file' / 'run'}: cannot write there (Not a "
+        "directory); choose a folder you can write to",
+    ]
     assert len(results) == len(expected)
     for (flag, value, valid, out), (outcome, message) in zip(expected, results):
         if valid:
@@ -208,15 +279,18 @@ def test_flags_that_cannot_work_together_name_what_to_change(harness_results):
 TEXT = "text or a list of role/content messages"  # a field other than an answer
 
 
-@pytest.mark.parametrize("schema, record, field, needs", [
-    (("prompt", "answer"), {"prompt": None, "answer": "2"}, "prompt", TEXT),
-    (("prompt", "answer"), {"prompt": "1+1=", "answer": None}, "answer", "text or a finite number"),
-    (("prompt", "answer"), {"prompt": "1+1=", "answer": True}, "answer", "text or a finite number"),
-    (("prompt", "answer"), {"prompt": ["1+1="], "answer": 2}, "prompt", TEXT),
-    (("question", "answer"), {"question": 7, "answer": "7"}, "question", TEXT),
-    (("prompt", "completion"), {"prompt": "a", "completion": 3}, "completion", TEXT),
-    (("prompt", "chosen", "rejected"), {"prompt": "a", "chosen": "b", "rejected": {"x": 1}}, "rejected", TEXT),
-])
+@pytest.mark.parametrize(
+    "schema, record, field, needs",
+    [
+        (("prompt", "answer"), {"prompt": None, "answer": "2"}, "prompt", TEXT),
+        (("prompt", "answer"), {"prompt": "1+1=", "answer": None}, "answer", "text or a finite number"),
+        (("prompt", "answer"), {"prompt": "1+1=", "answer": True}, "answer", "text or a finite number"),
+        (("prompt", "answer"), {"prompt": ["1+1="], "answer": 2}, "prompt", TEXT),
+        (("question", "answer"), {"question": 7, "answer": "7"}, "question", TEXT),
+        (("prompt", "completion"), {"prompt": "a", "completion": 3}, "completion", TEXT),
+        (("prompt", "chosen", "rejected"), {"prompt": "a", "chosen": "b", "rejected": {"x": 1}}, "rejected", TEXT),
+    ],
+)
 def test_a_record_of_the_wrong_type_names_the_file_the_line_and_the_field(schema, record, field, needs, tmp_path):
     path = tmp_path / "data.jsonl"
     good = {k: "1" for k in schema}
@@ -226,7 +300,8 @@ def test_a_record_of_the_wrong_type_names_the_file_the_line_and_the_field(schema
         grpo.read_jsonl(str(path), *schemas)
     message = str(stop.value)
     assert message.startswith(f"error: --dataset {path}: line 2: field {field!r} holds ") and message.endswith(
-        f"where it needs {needs}"), message
+        f"where it needs {needs}"
+    ), message
 
 
 def test_answers_may_be_finite_numbers_and_nan_is_refused(tmp_path):
@@ -242,21 +317,23 @@ def test_a_script_stops_on_a_null_field_with_one_line(tmp_path):
     """As a user runs it: the RL file's dataset holds a record whose prompt is null."""
     path = tmp_path / "data.jsonl"
     path.write_text('{"prompt": "1+1=", "answer": "2"}\n' * 3 + '{"prompt": null, "answer": "2"}\n')
-    proc = run_script("grpo.py", "--dataset", str(path), "--num-eval", "1", "--output-dir", str(tmp_path / "o"),
-                      expect_ok=False)
+    proc = run_script(
+        "grpo.py", "--dataset", str(path), "--num-eval", "1", "--output-dir", str(tmp_path / "o"), expect_ok=False
+    )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == (f"error: --dataset {path}: line 4: field 'prompt' holds null, "
-                                                    "where it needs " + TEXT)
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: --dataset {path}: line 4: field 'prompt' holds null, where it needs " + TEXT
+    )
 
 
 def test_a_failure_to_write_metrics_or_the_model_names_the_folder(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
-    grpo.log(str(out), 0, {"eval/accuracy": 0.5})
+    grpo.reduce_and_log(str(out), 0, {"eval/accuracy": 0.5})
     os.remove(out / "metrics.jsonl")
     os.mkdir(out / "metrics.jsonl")  # the file cannot be opened for writing now
     with pytest.raises(SystemExit, match=rf"^error: --output-dir {out}: cannot write its metrics \(Is a directory\)"):
-        grpo.log(str(out), 1, {"eval/accuracy": 0.5})
+        grpo.reduce_and_log(str(out), 1, {"eval/accuracy": 0.5})
     model = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "tiny-adder"))
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "tiny-adder"))
     (tmp_path / "a_file").write_text("")  # the run's folder is gone, and a file stands where it was made

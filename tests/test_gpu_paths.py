@@ -9,13 +9,21 @@ from types import SimpleNamespace
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from grpo import load_model, sequence_logprobs
+from grpo import add_lora, load_model, token_logprobs
 
 
 def tiny_llama(path, vocab_size=300):
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=64, eos_token_id=2, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # logits at a real model's scale (their std about 3, the largest about 20)
         model.lm_head.weight.mul_(60.0)
@@ -57,12 +65,14 @@ def test_a_checkpointed_backward_pass_leaves_another_threads_random_numbers_alon
     thread.start()
     try:
         for _ in range(40):  # the decoder's layers and the output layer's chunks are recomputed in backward
-            sequence_logprobs(model, input_ids, attention_mask, prompt_len, chunk_values=300 * 4).sum().backward()
+            token_logprobs(model, input_ids, attention_mask, prompt_len, chunk_values=300 * 4).sum().backward()
     finally:
         done.set()
         thread.join()
     assert len(draws) > 200
-    assert torch.equal(torch.tensor(draws), undisturbed[: len(draws)])  # random draws, not float arithmetic: bit for bit
+    assert torch.equal(
+        torch.tensor(draws), undisturbed[: len(draws)]
+    )  # random draws, not float arithmetic: bit for bit
 
 
 def test_the_output_layer_computes_in_float32_under_bfloat16_autocast(tmp_path):
@@ -75,8 +85,8 @@ def test_the_output_layer_computes_in_float32_under_bfloat16_autocast(tmp_path):
     states = []
     hook = model.get_decoder().register_forward_hook(lambda module, inputs, out: states.append(out[0]))
     with torch.no_grad():
-        plain = sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=0.7)
-    chunked = sequence_logprobs(model, input_ids, attention_mask, prompt_len, temperature=0.7, chunk_values=300 * 4)
+        plain = token_logprobs(model, input_ids, attention_mask, prompt_len, temperature=0.7)
+    chunked = token_logprobs(model, input_ids, attention_mask, prompt_len, temperature=0.7, chunk_values=300 * 4)
     hook.remove()
     hidden = states[0][:, prompt_len - 1 : -1].float()  # (B, T, d)
     logits = hidden @ model.lm_head.weight.float().T / 0.7  # (B, T, vocab), in float32
@@ -97,8 +107,8 @@ def test_the_frozen_reference_computes_as_the_policy_at_step_0_under_bfloat16(tm
     assert not any(p.requires_grad for p in reference.parameters())
     input_ids, attention_mask, prompt_len = batch()
     with torch.no_grad():
-        a = sequence_logprobs(policy, input_ids, attention_mask, prompt_len)
-        b = sequence_logprobs(reference, input_ids, attention_mask, prompt_len)
+        a = token_logprobs(policy, input_ids, attention_mask, prompt_len)
+        b = token_logprobs(reference, input_ids, attention_mask, prompt_len)
     assert (a - b).abs().max() < 1e-5
 
 
@@ -107,12 +117,13 @@ def test_forward_passes_that_are_not_generation_build_no_kv_cache(tmp_path):
     model = load_model(tiny_llama(tmp_path / "m"), flags(), device)
     seen = []
     decoder = model.get_decoder()
-    hook = decoder.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs.get("use_cache")),
-                                             with_kwargs=True)
+    hook = decoder.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs.get("use_cache")), with_kwargs=True
+    )
     input_ids, attention_mask, prompt_len = batch()
-    sequence_logprobs(model, input_ids, attention_mask, prompt_len).sum().backward()
+    token_logprobs(model, input_ids, attention_mask, prompt_len).sum().backward()
     with torch.no_grad():
-        sequence_logprobs(model, input_ids, attention_mask, prompt_len)
+        token_logprobs(model, input_ids, attention_mask, prompt_len)
     hook.remove()
     assert seen == [False, False]
 
@@ -126,16 +137,35 @@ def test_a_checkpoints_random_states_bring_back_numpys_too(tmp_path):
     import numpy
 
     from grpo import resume, save_checkpoint
+
     model = AutoModelForCausalLM.from_pretrained(tiny_llama(tmp_path / "m"))
     optimizer = torch.optim.AdamW(model.parameters())
     tokenizer = SimpleNamespace(save_pretrained=lambda path: None)
     shuffle = torch.Generator().manual_seed(5)
-    save_checkpoint(SimpleNamespace(save_every=1, keep_checkpoints=1), str(tmp_path), 3, tokenizer, {"m": model},
-                    optimizer, [shuffle], signal=2)
-    draws = lambda: (numpy.random.rand(3).tolist(), random.random(), torch.rand(2).tolist(),  # noqa: E731
-                     torch.rand(2, generator=shuffle).tolist())
+    save_checkpoint(
+        SimpleNamespace(save_every=1, keep_checkpoints=1),
+        str(tmp_path),
+        3,
+        tokenizer,
+        {"m": model},
+        optimizer,
+        [shuffle],
+        signal=2,
+    )
+
+    def draws():
+        return (
+            numpy.random.rand(3).tolist(),
+            random.random(),
+            torch.rand(2).tolist(),
+            torch.rand(2, generator=shuffle).tolist(),
+        )
+
     first = draws()
-    assert resume(str(tmp_path / "checkpoints" / "step_000003"), {"m": model}, optimizer, [shuffle]) == (4, {"signal": 2})
+    assert resume(str(tmp_path / "checkpoints" / "step_000003"), {"m": model}, optimizer, [shuffle]) == (
+        4,
+        {"signal": 2},
+    )
     assert draws() == first
 
 
@@ -144,11 +174,13 @@ def test_the_bfloat16_cost_benchmark_runs_and_measures_a_gap():
     the bfloat16 output layer's logits do move the log-probs (at a real model's logit scale)."""
     import os
     import sys
+
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     import bf16_costs
 
-    per_token, one, float32_seconds, bfloat16_seconds, gap = bf16_costs.main(hidden_size=112, intermediate_size=224,
-                                                                           vocab_size=4096, repeats=1)
+    per_token, one, float32_seconds, bfloat16_seconds, gap = bf16_costs.main(
+        hidden_size=112, intermediate_size=224, vocab_size=4096, repeats=1
+    )
     assert min(per_token, one, float32_seconds, bfloat16_seconds) > 0 and gap > 1e-3
 
 
@@ -166,7 +198,7 @@ def test_lora_under_bfloat16_casts_no_frozen_decoder_weight_at_every_token(tmp_p
     from grpo import generate
 
     device, path = torch.device("cpu"), tiny_llama(tmp_path / "m")
-    policy = load_model(path, lora_flags("bfloat16"), device)
+    policy = add_lora(load_model(path, lora_flags("bfloat16"), device), lora_flags("bfloat16"))
     dtypes = {n: p.dtype for n, p in policy.named_parameters()}
     frozen_linear = [n for n in dtypes if "proj.base_layer" in n]
     assert len(frozen_linear) == 14 and all(dtypes[n] == torch.bfloat16 for n in frozen_linear)
@@ -197,8 +229,8 @@ def test_lora_under_bfloat16_casts_no_frozen_decoder_weight_at_every_token(tmp_p
     plain = load_model(path, flags("bfloat16"), device)
     input_ids, attention_mask, prompt_len = batch()
     with torch.no_grad():
-        a = sequence_logprobs(policy, input_ids, attention_mask, prompt_len)
-        b = sequence_logprobs(plain, input_ids, attention_mask, prompt_len)
+        a = token_logprobs(policy, input_ids, attention_mask, prompt_len)
+        b = token_logprobs(plain, input_ids, attention_mask, prompt_len)
     torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
@@ -213,7 +245,7 @@ def test_the_engine_takes_the_merged_weights_a_layer_at_a_time(tmp_path):
     from grpo import sync_engine
 
     device, path = torch.device("cpu"), tiny_llama(tmp_path / "m")
-    policy = load_model(path, lora_flags("float32"), device)
+    policy = add_lora(load_model(path, lora_flags("float32"), device), lora_flags("float32"))
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if "lora_B" in name:
@@ -253,9 +285,10 @@ def test_the_lora_cast_benchmark_counts_the_casts_both_ways():
     float32 (as before) a token casts them and the output layer, 15; held in bfloat16, the output layer alone."""
     import os
     import sys
+
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     import lora_casts
 
     found = lora_casts.main(sequences=2, new_tokens=4, repeats=1)
-    assert found["float32 (before)"][0] == 15 and found["bfloat16 (load_model)"][0] == 1
+    assert found["float32 (before)"][0] == 15 and found["bfloat16 (add_lora)"][0] == 1
     assert all(speed > 0 for _, _, speed in found.values())

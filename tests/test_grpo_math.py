@@ -17,8 +17,9 @@ def test_group_advantages_by_hand():
     expected = torch.tensor([0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0]) / torch.tensor([0.5001] * 4 + [1.0] * 4)
     torch.testing.assert_close(group_advantages(rewards, group_size=4), expected)
     # Dr. GRPO: no division by the std
-    torch.testing.assert_close(group_advantages(rewards, 4, scale=False),
-                               torch.tensor([0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0]))
+    torch.testing.assert_close(
+        group_advantages(rewards, 4, scale=False), torch.tensor([0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0])
+    )
 
 
 def test_group_advantages_pairs_and_no_nan():
@@ -48,15 +49,28 @@ def make_batch():
 #   seq 1 (A = -2): r 0.5 -> min(-1.0, -1.6) = -1.6 -> 1.6 (clipped, no gradient)
 #                   r 1.5 -> min(-3.0, -2.6) = -3.0 -> 3.0 (the pessimistic side: not clipped)
 #                   r 1.0 -> -2.0 -> 2.0
-@pytest.mark.parametrize("loss_agg, expected", [
-    ("seq-mean-token-mean", ((-1.3 - 0.5) / 2 + (1.6 + 3.0 + 2.0) / 3) / 2),  # (-0.9 + 2.2) / 2 = 0.65
-    ("token-mean", (-1.3 - 0.5 + 1.6 + 3.0 + 2.0) / 5),  # 4.8 / 5 = 0.96
-    ("seq-mean-token-sum-norm", ((-1.3 - 0.5) / 4 + (1.6 + 3.0 + 2.0) / 4) / 2),  # (-0.45 + 1.65) / 2 = 0.6
-])
+@pytest.mark.parametrize(
+    "loss_agg, expected",
+    [
+        ("seq-mean-token-mean", ((-1.3 - 0.5) / 2 + (1.6 + 3.0 + 2.0) / 3) / 2),  # (-0.9 + 2.2) / 2 = 0.65
+        ("token-mean", (-1.3 - 0.5 + 1.6 + 3.0 + 2.0) / 5),  # 4.8 / 5 = 0.96
+        ("seq-mean-token-sum-norm", ((-1.3 - 0.5) / 4 + (1.6 + 3.0 + 2.0) / 4) / 2),  # (-0.45 + 1.65) / 2 = 0.6
+    ],
+)
 def test_grpo_loss_by_hand(loss_agg, expected):
     logprobs, old, adv, mask = make_batch()
-    loss, stats = grpo_loss(logprobs, old, None, adv, mask, clip_eps_low=0.2, clip_eps_high=0.3, beta=0.0,
-                            loss_agg=loss_agg, max_completion_length=4)
+    loss, stats = grpo_loss(
+        logprobs,
+        old,
+        None,
+        adv,
+        mask,
+        clip_eps_low=0.2,
+        clip_eps_high=0.3,
+        beta=0.0,
+        loss_agg=loss_agg,
+        max_completion_length=4,
+    )
     assert loss.item() == pytest.approx(expected, abs=1e-6)
     assert stats["clip_frac"].item() == pytest.approx(2 / 5)  # two of five real tokens are clipped
     assert stats["ratio"].item() == pytest.approx((1.5 + 0.5 + 0.5 + 1.5 + 1.0) / 5, abs=1e-6)

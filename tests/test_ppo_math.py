@@ -63,8 +63,9 @@ def test_ppo_policy_loss_by_hand():
     assert loss.item() == pytest.approx((-1.2 - 0.5 + 1.6 + 3.0 + 2.0) / 5, abs=1e-6)
     assert stats["clip_frac"].item() == pytest.approx(2 / 5)
     # approx KL (r - 1) - log r: 2 * (0.5 - ln 1.5) + 2 * (-0.5 - ln 0.5) + 0, over 5 tokens
-    assert stats["approx_kl"].item() == pytest.approx((2 * (0.5 - math.log(1.5)) + 2 * (-0.5 - math.log(0.5))) / 5,
-                                                      abs=1e-6)
+    assert stats["approx_kl"].item() == pytest.approx(
+        (2 * (0.5 - math.log(1.5)) + 2 * (-0.5 - math.log(0.5))) / 5, abs=1e-6
+    )
     loss.backward()
     # unclipped tokens: d(-A r)/d logp = -A r, over 5 tokens; clipped and padded tokens: 0
     torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, -0.5 / 5, 0.0], [0.0, 3.0 / 5, 2.0 / 5]]))

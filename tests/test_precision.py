@@ -17,7 +17,9 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 # runs each case's script as `python script ...` does, once with --dtype float32 and once with bfloat16 (every case
 # in one process, to start Python once), and saves the named model's weights after each run, as float32, for the test
-HARNESS = RUN_MAIN + """
+HARNESS = (
+    RUN_MAIN
+    + """
 import json, sys, torch
 for out, name, argv in json.loads(sys.argv[1]):
     for dtype in ("float32", "bfloat16"):
@@ -26,17 +28,24 @@ for out, name, argv in json.loads(sys.argv[1]):
         model = getattr(run[name], "module", run[name])
         torch.save({k: v.detach().float().clone() for k, v in model.state_dict().items()}, f"{out}/{dtype}.pt")
 """
+)
 
 SMALL = ["--num-steps", "2", "--learning-rate", "1e-6", "--num-eval", "4", "--eval-every", "3"]
 TRAINED = {  # script, the model it trains, flags that keep it small
     "policy (grpo.py)": ("grpo.py", "policy", ["--prompts-per-step", "4", "--group-size", "4"]),
     "sft.py": ("sft.py", "model", ["--model-name-or-path", "tiny-adder", "--batch-size", "16"]),
-    "reward_model.py": ("reward_model.py", "model", ["--batch-size", "8", "--num-train-prompts", "40",
-                                                     "--num-eval", "20"]),
+    "reward_model.py": (
+        "reward_model.py",
+        "model",
+        ["--batch-size", "8", "--num-train-prompts", "40", "--num-eval", "20"],
+    ),
     # from a reward model (a random head): the verifier's value head starts at zero, and no gradient reaches the
     # decoder through a zero head
-    "value model (ppo.py)": ("ppo.py", "value_model", ["--prompts-per-step", "8", "--num-minibatches", "1",
-                                                       "--reward-model-path", "{rm}"]),
+    "value model (ppo.py)": (
+        "ppo.py",
+        "value_model",
+        ["--prompts-per-step", "8", "--num-minibatches", "1", "--reward-model-path", "{rm}"],
+    ),
 }
 
 

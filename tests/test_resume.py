@@ -1,5 +1,6 @@
-"""Checkpoints and resume: a run killed (SIGKILL, or stopped at the same place) after its checkpoint and resumed ends where an uninterrupted run
-ends, in every file; bad --resume-from input stops with one line and leaves the run's folder as it was."""
+"""Checkpoints and resume: a run killed (SIGKILL, or stopped at the same place) after its checkpoint and resumed
+ends where an uninterrupted run ends, in every file; bad --resume-from input stops with one line and leaves the
+run's folder as it was."""
 
 import json
 import os
@@ -11,10 +12,9 @@ import pytest
 import torch
 from conftest import ROOT, read_metrics, run_here, run_script
 from safetensors.torch import load_file
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
 from test_flags import run_harness
 from test_scripts import TIMING_KEYS
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 # runs a file's main() as `python file ...` does, and kills its own process (SIGKILL: no clean-up, no flush) right
 # after the step KILL_AFTER_STEP is logged: every process of a torchrun run does, after that step's collectives
@@ -23,14 +23,14 @@ import os, runpy, signal, sys
 sys.argv = sys.argv[1:]
 found = runpy.run_path(sys.argv[0], run_name="harness")  # defines everything; main() is not called
 run = found["main"].__globals__
-log = run["log"]
+log = run["reduce_and_log"]
 
 def log_then_die(output_dir, step, *logged):
     log(output_dir, step, *logged)
     if step == int(os.environ["KILL_AFTER_STEP"]):
         os.kill(os.getpid(), signal.SIGKILL)
 
-run["log"] = log_then_die
+run["reduce_and_log"] = log_then_die
 run["main"](found["tyro"].cli(found["Args"]))
 """
 
@@ -38,14 +38,24 @@ run["main"](found["tyro"].cli(found["Args"]))
 STEPS = ["--num-steps", "4", "--save-every", "2", "--log-every", "1", "--eval-every", "2"]
 SAMPLING = ("grpo.py", "async_grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py")  # they log rollouts too
 RL = ["--prompts-per-step", "4", "--micro-batch-size", "8", "--num-eval", "20", "--max-new-tokens", "6"]
-PAIRS = ["--batch-size", "4", "--micro-batch-size", "2", "--num-train-prompts", "16", "--pair-samples", "2",
-         "--num-eval", "20"]
+PAIRS = [
+    "--batch-size",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--num-train-prompts",
+    "16",
+    "--pair-samples",
+    "2",
+    "--num-eval",
+    "20",
+]
 FLAGS = {  # several optimizer steps per batch where the file has them: the AdamW state must come back too
     "grpo.py": RL + ["--group-size", "4", "--num-iterations", "2", "--num-minibatches", "2"],
     # eta 1: batch 3, sampled ahead by version 1, is kept in the step-2 checkpoint; batch 4 is sampled after the
     # resume, by version 2, from the random state the checkpoint put back
-    "async_grpo.py": RL + ["--group-size", "4", "--num-iterations", "2", "--num-minibatches", "2",
-                           "--max-staleness", "1"],
+    "async_grpo.py": RL
+    + ["--group-size", "4", "--num-iterations", "2", "--num-minibatches", "2", "--max-staleness", "1"],
     "rloo.py": RL + ["--group-size", "4"],
     "gspo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],
     "cispo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],
@@ -57,10 +67,12 @@ FLAGS = {  # several optimizer steps per batch where the file has them: the Adam
 }
 
 
-SAMPLE_KEYS = {"rl": ["prompt", "completion", "answer", "reward"],  # sft.py's too: the addition task has answers
-               "ppo.py": ["prompt", "completion", "score", "answer", "reward"],
-               "dpo.py": ["prompt", "chosen", "rejected", "margin"],
-               "reward_model.py": ["prompt", "chosen", "rejected", "chosen_score", "rejected_score"]}
+SAMPLE_KEYS = {
+    "rl": ["prompt", "completion", "answer", "reward"],  # sft.py's too: the addition task has answers
+    "ppo.py": ["prompt", "completion", "score", "answer", "reward"],
+    "dpo.py": ["prompt", "chosen", "rejected", "margin"],
+    "reward_model.py": ["prompt", "chosen", "rejected", "chosen_score", "rejected_score"],
+}
 
 
 def scorer(path):
@@ -115,11 +127,15 @@ def test_a_killed_run_resumes_exactly(script, tmp_path):
     harness = tmp_path / "killed.py"
     if script in SIGKILLED:
         harness.write_text(KILLED)
-        proc = run_script(str(harness), script, *flags, "--output-dir", killed, env={"KILL_AFTER_STEP": "3"},
-                          expect_ok=False)
+        proc = run_script(
+            str(harness), script, *flags, "--output-dir", killed, env={"KILL_AFTER_STEP": "3"}, expect_ok=False
+        )
     else:  # in this process, which a SIGKILL would end: a SystemExit at the same place stands for it
-        harness.write_text(KILLED.replace('int(os.environ["KILL_AFTER_STEP"])', "3")
-                           .replace("os.kill(os.getpid(), signal.SIGKILL)", "raise SystemExit(-9)"))
+        harness.write_text(
+            KILLED.replace('int(os.environ["KILL_AFTER_STEP"])', "3").replace(
+                "os.kill(os.getpid(), signal.SIGKILL)", "raise SystemExit(-9)"
+            )
+        )
         proc = run_here([str(harness), script, *flags, "--output-dir", killed])
     assert proc.returncode == -9, proc.stderr[-2000:]
     # the README's determinism claim: a second run with the same seed (in a new process for SIGKILLED) logs the same
@@ -151,13 +167,15 @@ def test_a_killed_run_resumes_exactly(script, tmp_path):
         assert os.path.exists(os.path.join(killed, "checkpoints", "step_000004", name, "model.safetensors"))
     # the checkpoint's policy is the final model: the run ended at the checkpoint's step
     final = load_file(os.path.join(killed, "model.safetensors"))
-    saved = load_file(os.path.join(killed, "checkpoints", "step_000004", trained.get(script, ["policy"])[0],
-                                   "model.safetensors"))
+    saved = load_file(
+        os.path.join(killed, "checkpoints", "step_000004", trained.get(script, ["policy"])[0], "model.safetensors")
+    )
     assert all(torch.equal(final[k], saved[k]) for k in final)
     # and steps 3 and 4 trained it by far more than the 1e-6 the comparison allows: a resume that lost the
     # optimizer state or the weights would show
-    earlier = load_file(os.path.join(killed, "checkpoints", "step_000002", trained.get(script, ["policy"])[0],
-                                     "model.safetensors"))
+    earlier = load_file(
+        os.path.join(killed, "checkpoints", "step_000002", trained.get(script, ["policy"])[0], "model.safetensors")
+    )
     assert max((final[k] - earlier[k]).abs().max().item() for k in final) > 1e-5
 
 
@@ -168,33 +186,53 @@ def test_bad_resume_input_stops_with_one_line_and_changes_nothing(tmp_path):
     save, resume = readme_checkpoint_commands()
     run = str(tmp_path / "run")
     argv = [run if a == "runs/long" else a for a in shlex.split(save)[1:]]
-    run_script(*argv, "--num-steps", "3", "--save-every", "1", "--keep-checkpoints", "3", "--log-every", "1",
-               *FLAGS["rloo.py"])
+    run_script(
+        *argv, "--num-steps", "3", "--save-every", "1", "--keep-checkpoints", "3", "--log-every", "1", *FLAGS["rloo.py"]
+    )
     # a checkpoint cut short: its folder never got its final name
     checkpoints = os.path.join(run, "checkpoints")
     shutil.copytree(os.path.join(checkpoints, "step_000003"), os.path.join(checkpoints, "step_000004.partial"))
     os.remove(os.path.join(checkpoints, "step_000004.partial", "trainer_state.json"))
     before = {os.path.join(d, f): os.path.getmtime(os.path.join(d, f)) for d, _, fs in os.walk(run) for f in fs}
     cases = [
-        ("grpo.py", ["--resume-from", run, "--num-steps", "6", "--learning-rate", "0.5"],
-         f"--resume-from {run}: differs from the run: --learning-rate 0.5 (the run's: 0.0001)"),
-        ("rloo.py", ["--resume-from", run, "--num-steps", "6"],
-         f"--resume-from {run}: differs from the run: file rloo.py (the run's: grpo.py)"),
-        ("grpo.py", ["--resume-from", os.path.join(checkpoints, "step_000004.partial"), "--num-steps", "6"],
-         f"--resume-from {os.path.join(checkpoints, 'step_000004.partial')}: not a run's folder with a whole "
-         "checkpoint"),
-        ("grpo.py", ["--resume-from", os.path.join(checkpoints, "step_000002"), "--num-steps", "6"],
-         f"--resume-from {os.path.join(checkpoints, 'step_000002')}: not a run's folder with a whole checkpoint"),
-        ("grpo.py", ["--resume-from", str(tmp_path / "nowhere")],
-         f"--resume-from {tmp_path / 'nowhere'}: not a run's folder with a whole checkpoint"),
+        (
+            "grpo.py",
+            ["--resume-from", run, "--num-steps", "6", "--learning-rate", "0.5"],
+            f"--resume-from {run}: differs from the run: --learning-rate 0.5 (the run's: 0.0001)",
+        ),
+        (
+            "rloo.py",
+            ["--resume-from", run, "--num-steps", "6"],
+            f"--resume-from {run}: differs from the run: file rloo.py (the run's: grpo.py)",
+        ),
+        (
+            "grpo.py",
+            ["--resume-from", os.path.join(checkpoints, "step_000004.partial"), "--num-steps", "6"],
+            f"--resume-from {os.path.join(checkpoints, 'step_000004.partial')}: not a run's folder with a whole "
+            "checkpoint",
+        ),
+        (
+            "grpo.py",
+            ["--resume-from", os.path.join(checkpoints, "step_000002"), "--num-steps", "6"],
+            f"--resume-from {os.path.join(checkpoints, 'step_000002')}: not a run's folder with a whole checkpoint",
+        ),
+        (
+            "grpo.py",
+            ["--resume-from", str(tmp_path / "nowhere")],
+            f"--resume-from {tmp_path / 'nowhere'}: not a run's folder with a whole checkpoint",
+        ),
         ("grpo.py", ["--resume-from", run], "--num-steps 3: the checkpoint is at step 3; ask for more steps"),
-        ("grpo.py", ["--resume-from", run, "--num-steps", "6", "--output-dir", str(tmp_path / "elsewhere")],
-         f"--resume-from {run}: differs from the run: --output-dir {tmp_path / 'elsewhere'} (the run's: {run})"),
+        (
+            "grpo.py",
+            ["--resume-from", run, "--num-steps", "6", "--output-dir", str(tmp_path / "elsewhere")],
+            f"--resume-from {run}: differs from the run: --output-dir {tmp_path / 'elsewhere'} (the run's: {run})",
+        ),
     ]
     # each file's cases in one process (test_flags' harness: a SystemExit's message is the one line that python
     # prints, with status 1; a model built means a check let the case through), and one case as a real process
-    results = run_harness({script: [script, [argv for s, argv, _ in cases if s == script]]
-                           for script in ("grpo.py", "rloo.py")})
+    results = run_harness(
+        {script: [script, [argv for s, argv, _ in cases if s == script]] for script in ("grpo.py", "rloo.py")}
+    )
     for script in ("grpo.py", "rloo.py"):
         mine = [(argv, message) for s, argv, message in cases if s == script]
         for (argv, message), (outcome, text) in zip(mine, results[script], strict=True):

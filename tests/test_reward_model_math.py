@@ -38,9 +38,17 @@ def test_bradley_terry_gradient_pushes_chosen_up_and_rejected_down():
 @pytest.fixture(scope="module")
 def reward_model():
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, max_position_embeddings=64, num_labels=1, pad_token_id=2,
-                         eos_token_id=2)  # the pad id is the EOS id, as in many real tokenizers
+    config = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        num_labels=1,
+        pad_token_id=2,
+        eos_token_id=2,
+    )  # the pad id is the EOS id, as in many real tokenizers
     model = AutoModelForSequenceClassification.from_config(config).eval()
     torch.nn.init.normal_(model.score.weight, std=1.0)  # scores that differ from token to token
     return model
@@ -76,18 +84,23 @@ def test_score_in_the_prompt_then_completion_layout(reward_model):
     attention_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]])
     with torch.no_grad():
         got = last_token_scores(reward_model, input_ids, attention_mask)
-    expected = torch.tensor([alone(reward_model, [11, 12, 31, EOS]), alone(reward_model, [21, 22, 23, 24, 41, 42, EOS])])
+    expected = torch.tensor(
+        [alone(reward_model, [11, 12, 31, EOS]), alone(reward_model, [21, 22, 23, 24, 41, 42, EOS])]
+    )
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("pairs, chosen, expected", [
-    # prompt 1+1= (answer 2) sampled 2, 3, 2, 4; prompt 5+5= (answer 10) sampled 9, 9, 11, 12 (never right)
-    ("first", "answer", [("2", "3"), ("10", "9")]),
-    ("all", "answer", [("2", "3"), ("2", "4"), ("10", "9"), ("10", "11"), ("10", "12")]),  # distinct wrong ones
-    ("all", "sample", [("2", "3"), ("2", "4")]),  # no right sample: no pair for 5+5=
-    ("all", "sample-or-answer", [("2", "3"), ("2", "4"), ("10", "9"), ("10", "11"), ("10", "12")]),
-    ("first", "sample", [("2", "3")]),
-])
+@pytest.mark.parametrize(
+    "pairs, chosen, expected",
+    [
+        # prompt 1+1= (answer 2) sampled 2, 3, 2, 4; prompt 5+5= (answer 10) sampled 9, 9, 11, 12 (never right)
+        ("first", "answer", [("2", "3"), ("10", "9")]),
+        ("all", "answer", [("2", "3"), ("2", "4"), ("10", "9"), ("10", "11"), ("10", "12")]),  # distinct wrong ones
+        ("all", "sample", [("2", "3"), ("2", "4")]),  # no right sample: no pair for 5+5=
+        ("all", "sample-or-answer", [("2", "3"), ("2", "4"), ("10", "9"), ("10", "11"), ("10", "12")]),
+        ("first", "sample", [("2", "3")]),
+    ],
+)
 def test_addition_pairs_by_hand(monkeypatch, pairs, chosen, expected):
     import reward_model
 

@@ -16,30 +16,108 @@ import torch
 from conftest import FIXTURES, ROOT, read_metrics, run_script
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-ALL_SCRIPTS = ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "sft.py", "dpo.py", "reward_model.py",
-               "async_grpo.py"]
+ALL_SCRIPTS = [
+    "grpo.py",
+    "rloo.py",
+    "gspo.py",
+    "cispo.py",
+    "ppo.py",
+    "sft.py",
+    "dpo.py",
+    "reward_model.py",
+    "async_grpo.py",
+]
 # the metrics that measure time, which no two runs share
-TIMING_KEYS = ("charts/step_time", "charts/elapsed_time", "charts/tokens_per_sec", "charts/generation_time",
-               "charts/logprob_time", "charts/update_time", "charts/wait_time")
+TIMING_KEYS = (
+    "charts/step_time",
+    "charts/elapsed_time",
+    "charts/tokens_per_sec",
+    "charts/generation_time",
+    "charts/logprob_time",
+    "charts/update_time",
+    "charts/wait_time",
+)
 
 # flags that make a README command small enough for the test suite (later flags win in tyro)
-RL_SMALL = ["--num-steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--micro-batch-size", "2",
-            "--num-eval", "2", "--eval-every", "2", "--max-new-tokens", "6"]
+RL_SMALL = [
+    "--num-steps",
+    "2",
+    "--prompts-per-step",
+    "2",
+    "--group-size",
+    "2",
+    "--micro-batch-size",
+    "2",
+    "--num-eval",
+    "2",
+    "--eval-every",
+    "2",
+    "--max-new-tokens",
+    "6",
+]
 SMALL = {
     "grpo.py": RL_SMALL,
     "async_grpo.py": RL_SMALL + ["--max-staleness", "1"],
     "rloo.py": RL_SMALL,
     "gspo.py": RL_SMALL + ["--num-minibatches", "2"],
     "cispo.py": RL_SMALL + ["--num-minibatches", "2"],
-    "sft.py": ["--num-steps", "2", "--batch-size", "4", "--micro-batch-size", "2", "--num-eval", "2",
-               "--eval-every", "2", "--max-new-tokens", "6"],
+    "sft.py": [
+        "--num-steps",
+        "2",
+        "--batch-size",
+        "4",
+        "--micro-batch-size",
+        "2",
+        "--num-eval",
+        "2",
+        "--eval-every",
+        "2",
+        "--max-new-tokens",
+        "6",
+    ],
     # 20 held-out addition prompts (2 records of a file): enough that some sampled answer is wrong
-    "dpo.py": ["--num-steps", "2", "--batch-size", "4", "--micro-batch-size", "2", "--eval-every", "2",
-               "--num-train-prompts", "16", "--pair-samples", "2"],
-    "reward_model.py": ["--num-steps", "2", "--batch-size", "4", "--micro-batch-size", "2", "--eval-every", "2",
-                        "--num-train-prompts", "16", "--pair-samples", "2"],
-    "ppo.py": ["--num-steps", "2", "--prompts-per-step", "4", "--num-minibatches", "2", "--micro-batch-size", "2",
-               "--eval-every", "2", "--max-new-tokens", "6"],
+    "dpo.py": [
+        "--num-steps",
+        "2",
+        "--batch-size",
+        "4",
+        "--micro-batch-size",
+        "2",
+        "--eval-every",
+        "2",
+        "--num-train-prompts",
+        "16",
+        "--pair-samples",
+        "2",
+    ],
+    "reward_model.py": [
+        "--num-steps",
+        "2",
+        "--batch-size",
+        "4",
+        "--micro-batch-size",
+        "2",
+        "--eval-every",
+        "2",
+        "--num-train-prompts",
+        "16",
+        "--pair-samples",
+        "2",
+    ],
+    "ppo.py": [
+        "--num-steps",
+        "2",
+        "--prompts-per-step",
+        "4",
+        "--num-minibatches",
+        "2",
+        "--micro-batch-size",
+        "2",
+        "--eval-every",
+        "2",
+        "--max-new-tokens",
+        "6",
+    ],
 }
 EVAL_SIZE = {"dpo.py": "20", "reward_model.py": "20"}
 
@@ -63,8 +141,11 @@ def readme_commands(language="bash"):
     commands = []
     for page in DOC_PAGES:
         with open(os.path.join(ROOT, page)) as f:
-            commands += [c for block in re.findall(rf"```{language}\n(.*?)```", f.read(), flags=re.S)
-                         for c in python_commands(block)]
+            commands += [
+                c
+                for block in re.findall(rf"```{language}\n(.*?)```", f.read(), flags=re.S)
+                for c in python_commands(block)
+            ]
     return list(dict.fromkeys(commands))
 
 
@@ -79,12 +160,15 @@ def docstring_commands():
 
 def offline(argv, chat_model_dir):
     """Hub ids and the user's own files in the README become offline stand-ins of the same kind."""
-    stand_ins = {"Qwen/Qwen2.5-0.5B-Instruct": chat_model_dir, "Qwen/Qwen2.5-0.5B": chat_model_dir,
-                 "Qwen/Qwen2.5-7B-Instruct": chat_model_dir,
-                 "openai/gsm8k": os.path.join(FIXTURES, "gsm8k_tiny.jsonl"),
-                 "my_problems.jsonl": os.path.join(FIXTURES, "gsm8k_tiny.jsonl"),
-                 "my_sft_data.jsonl": os.path.join(FIXTURES, "sft_tiny.jsonl"),
-                 "my_pairs.jsonl": os.path.join(FIXTURES, "pairs_tiny.jsonl")}
+    stand_ins = {
+        "Qwen/Qwen2.5-0.5B-Instruct": chat_model_dir,
+        "Qwen/Qwen2.5-0.5B": chat_model_dir,
+        "Qwen/Qwen2.5-7B-Instruct": chat_model_dir,
+        "openai/gsm8k": os.path.join(FIXTURES, "gsm8k_tiny.jsonl"),
+        "my_problems.jsonl": os.path.join(FIXTURES, "gsm8k_tiny.jsonl"),
+        "my_sft_data.jsonl": os.path.join(FIXTURES, "sft_tiny.jsonl"),
+        "my_pairs.jsonl": os.path.join(FIXTURES, "pairs_tiny.jsonl"),
+    }
     return [stand_ins.get(a, a) for a in argv]
 
 
@@ -103,10 +187,18 @@ def test_the_readme_has_the_two_setup_lines():
 # and the commands of the files' docstrings, each once: the README's RLHF pipeline (its `sh` block, which
 # ppo.py's docstring repeats) is test_readme_rlhf_pipeline_sft_reward_model_ppo's, and its resume command
 # test_resume's
-@pytest.mark.parametrize("command", [c for c in dict.fromkeys(readme_commands() + docstring_commands())
-                                     if not c.startswith(("python -m pytest", "python benchmarks/"))
-                                     and not re.fullmatch(r"python \w+\.py", c) and "addition-question" not in c
-                                     and c not in readme_commands("sh") and "--resume-from" not in c])
+@pytest.mark.parametrize(
+    "command",
+    [
+        c
+        for c in dict.fromkeys(readme_commands() + docstring_commands())
+        if not c.startswith(("python -m pytest", "python benchmarks/"))
+        and not re.fullmatch(r"python \w+\.py", c)
+        and "addition-question" not in c
+        and c not in readme_commands("sh")
+        and "--resume-from" not in c
+    ],
+)
 def test_readme_command(command, chat_model_dir, tmp_path):
     argv = offline(shlex.split(command)[1:], chat_model_dir)
     script = argv[0]
@@ -142,9 +234,24 @@ def test_a_reward_that_never_varies_is_named_once(script, tmp_path):
     line says that there is no learning signal and names the likely cause."""
     data = tmp_path / "never.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": "banana"}) + "\n" for a in range(12)))
-    proc = run_script(script, "--dataset", str(data), "--num-eval", "2", "--num-steps", "7", "--prompts-per-step",
-                      "4", "--micro-batch-size", "4", "--eval-every", "7", "--output-dir", str(tmp_path / "run"),
-                      *(["--group-size", "2"] if script == "grpo.py" else ["--num-minibatches", "1"]))
+    proc = run_script(
+        script,
+        "--dataset",
+        str(data),
+        "--num-eval",
+        "2",
+        "--num-steps",
+        "7",
+        "--prompts-per-step",
+        "4",
+        "--micro-batch-size",
+        "4",
+        "--eval-every",
+        "7",
+        "--output-dir",
+        str(tmp_path / "run"),
+        *(["--group-size", "2"] if script == "grpo.py" else ["--num-minibatches", "1"]),
+    )
     assert proc.stdout.count("no learning signal") == 1
     assert "likely cause: reward_fn scores every completion alike" in proc.stdout
 
@@ -214,8 +321,9 @@ def test_help_works_when_copied_alone(tmp_path):
         (tmp_path / script[:-3]).mkdir()
         shutil.copy(os.path.join(ROOT, script), tmp_path / script[:-3] / script)
         folders.append(str(tmp_path / script[:-3]))
-    proc = subprocess.run([sys.executable, "-c", ALONE, *folders], cwd=str(tmp_path), capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", ALONE, *folders], cwd=str(tmp_path), capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     for script in ALL_SCRIPTS:
@@ -246,8 +354,16 @@ def no_pad_id_model(tmp_path_factory):
 def small_run(request, no_pad_id_model, tmp_path_factory):
     """Each file for 2 steps on the bundled model without a pad_token_id, every metric logged at step 2."""
     out = tmp_path_factory.mktemp("small_run") / "run"
-    run_script(request.param, "--model-name-or-path", no_pad_id_model, *SMALL[request.param], "--num-eval",
-               EVAL_SIZE.get(request.param, "2"), "--output-dir", str(out))
+    run_script(
+        request.param,
+        "--model-name-or-path",
+        no_pad_id_model,
+        *SMALL[request.param],
+        "--num-eval",
+        EVAL_SIZE.get(request.param, "2"),
+        "--output-dir",
+        str(out),
+    )
     return request.param, out
 
 
@@ -287,8 +403,9 @@ def test_each_docs_page_names_every_metric_its_file_logs_and_no_other(small_run)
 def test_length_limits_cut_prompts_from_the_left_and_completions_from_the_right(chat_model_dir):
     """--max-prompt-length keeps a prompt's last tokens (chat template included); --max-length keeps the first
     tokens of a completion that fit beside its prompt, so a completion cut short loses its EOS."""
-    from sft import Args, completion_batch, tokenize_prompts
     from transformers import AutoTokenizer
+
+    from sft import Args, completion_batch, tokenize_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
     prompts = ["What is 2 + 3?", "What is 10 - 4? Say it twice."]
@@ -297,8 +414,8 @@ def test_length_limits_cut_prompts_from_the_left_and_completions_from_the_right(
     assert cut.shape == (2, 5) and cut_mask.all() and (full_mask.sum(dim=1) > 5).all()
     assert torch.equal(cut, full[:, -5:])  # left-padded: the last 5 columns are each prompt's last 5 tokens
     completions = ["2 + 3 = 5.", "6"]
-    ids, attention, prompt_len, mask = completion_batch(tokenizer, prompts, completions, "cpu",
-                                                        Args(max_prompt_length=5, max_length=8))
+    args = Args(max_prompt_length=5, max_length=8)
+    ids, attention, prompt_len, mask = completion_batch(tokenizer, prompts, completions, "cpu", args, args.max_length)
     whole = [tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for c in completions]
     assert len(whole[0]) > 3 >= len(whole[1])  # the first needs cutting to 8 - 5 = 3 tokens, the second fits
     assert prompt_len == 5 and mask.sum(dim=1).tolist() == [3, len(whole[1])]
@@ -310,7 +427,9 @@ def test_length_limits_cut_prompts_from_the_left_and_completions_from_the_right(
 def test_max_length_needs_a_max_prompt_length_below_it(tmp_path):
     refused = run_script("dpo.py", "--max-length", "10", "--output-dir", str(tmp_path / "o"), expect_ok=False)
     assert refused.returncode == 1 and not os.path.exists(tmp_path / "o")
-    assert refused.stderr.strip() == "error: --max-length 10 needs --max-prompt-length below it (the prompt's share of it)"
+    assert (
+        refused.stderr.strip() == "error: --max-length 10 needs --max-prompt-length below it (the prompt's share of it)"
+    )
 
 
 def write(tmp_path, name, text):
@@ -340,9 +459,12 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("flags, message", BAD_INPUTS, ids=[m for _, m in BAD_INPUTS])
 def test_bad_input_gives_one_line_and_fails(flags, message, tmp_path):
-    files = {"{malformed}": write(tmp_path, "m.jsonl", '{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n'),
-             "{missing_field}": write(tmp_path, "f.jsonl", '{"prompt": "1+1="}\n'),
-             "{empty}": write(tmp_path, "e.jsonl", "\n"), "{existing}": str(tmp_path)}
+    files = {
+        "{malformed}": write(tmp_path, "m.jsonl", '{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n'),
+        "{missing_field}": write(tmp_path, "f.jsonl", '{"prompt": "1+1="}\n'),
+        "{empty}": write(tmp_path, "e.jsonl", "\n"),
+        "{existing}": str(tmp_path),
+    }
     argv = [files.get(f, f) for f in flags]
     if "--output-dir" not in argv:
         argv += ["--output-dir", str(tmp_path / "out")]
@@ -363,8 +485,9 @@ def test_sft_bad_jsonl_names_the_line(tmp_path):
 
 
 def test_hub_dataset_without_the_datasets_library_says_how_to_get_it(tmp_path):
-    proc = run_script("grpo.py", "--dataset", "someone/some-dataset", "--output-dir", str(tmp_path / "o"),
-                      expect_ok=False)
+    proc = run_script(
+        "grpo.py", "--dataset", "someone/some-dataset", "--output-dir", str(tmp_path / "o"), expect_ok=False
+    )
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode != 0 and last.startswith("error: --dataset someone/some-dataset: ")
     try:
@@ -373,15 +496,18 @@ def test_hub_dataset_without_the_datasets_library_says_how_to_get_it(tmp_path):
         assert "pip install datasets" in last
 
 
-@pytest.mark.parametrize("script, flags, message", [
-    ("rloo.py", ["--group-size", "1"], "--group-size 1"),
-    ("rloo.py", ["--micro-batch-size", "7"], "does not divide"),
-    ("gspo.py", ["--prompts-per-step", "3", "--group-size", "2"], "does not divide"),  # 6 into 4 minibatches
-    ("cispo.py", ["--temperature", "0"], "--temperature 0.0: must be > 0"),
-    ("ppo.py", ["--kl-target", "-1"], "--kl-target -1.0: must be >= 0 (0: a fixed beta)"),
-    ("ppo.py", ["--kl-horizon", "0"], "--kl-horizon 0: must be > 0"),
-    ("ppo.py", ["--gamma", "1.01"], "--gamma 1.01: must be in [0, 1]"),
-])
+@pytest.mark.parametrize(
+    "script, flags, message",
+    [
+        ("rloo.py", ["--group-size", "1"], "--group-size 1"),
+        ("rloo.py", ["--micro-batch-size", "7"], "does not divide"),
+        ("gspo.py", ["--prompts-per-step", "3", "--group-size", "2"], "does not divide"),  # 6 into 4 minibatches
+        ("cispo.py", ["--temperature", "0"], "--temperature 0.0: must be > 0"),
+        ("ppo.py", ["--kl-target", "-1"], "--kl-target -1.0: must be >= 0 (0: a fixed beta)"),
+        ("ppo.py", ["--kl-horizon", "0"], "--kl-horizon 0: must be > 0"),
+        ("ppo.py", ["--gamma", "1.01"], "--gamma 1.01: must be in [0, 1]"),
+    ],
+)
 def test_sibling_bad_input(script, flags, message, tmp_path):
     proc = run_script(script, *flags, "--output-dir", str(tmp_path / "o"), expect_ok=False)
     last = proc.stderr.strip().splitlines()[-1]
@@ -400,8 +526,9 @@ def test_dpo_learns(tmp_path):
 
 def test_reward_model_learns(tmp_path):
     out = str(tmp_path / "run")
-    proc = run_script("reward_model.py", "--num-steps", "200", "--eval-every", "200", "--output-dir", out,
-                      subprocess_only=True)  # transformers' load report would go to the subprocess's stderr
+    proc = run_script(
+        "reward_model.py", "--num-steps", "200", "--eval-every", "200", "--output-dir", out, subprocess_only=True
+    )  # transformers' load report would go to the subprocess's stderr
     # the new score head is said in one line, not in transformers' load report
     assert "the reward model: a new score head on tiny-adder" in proc.stdout and "LOAD REPORT" not in proc.stderr
     first, last = read_metrics(out)[0], read_metrics(out)[-1]
@@ -443,11 +570,32 @@ def test_ppo_with_a_reward_model_trains_on_prompts_alone(tmp_path):
     AutoTokenizer.from_pretrained(start).save_pretrained(rm)
     sums = [(a, 2 * a + 1) for a in range(12)]
     for name, fields in (("prompts", lambda a, b: {}), ("answers", lambda a, b: {"answer": str(a + b)})):
-        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+{b}=", **fields(a, b)}) + "\n"
-                                                        for a, b in sums))
-        run_script("ppo.py", "--reward-model-path", rm, "--dataset", str(tmp_path / f"{name}.jsonl"), "--num-eval",
-                   "4", "--num-steps", "2", "--prompts-per-step", "4", "--num-minibatches", "1", "--micro-batch-size",
-                   "4", "--eval-every", "2", "--log-every", "1", "--output-dir", str(tmp_path / name))
+        (tmp_path / f"{name}.jsonl").write_text(
+            "".join(json.dumps({"prompt": f"{a}+{b}=", **fields(a, b)}) + "\n" for a, b in sums)
+        )
+        run_script(
+            "ppo.py",
+            "--reward-model-path",
+            rm,
+            "--dataset",
+            str(tmp_path / f"{name}.jsonl"),
+            "--num-eval",
+            "4",
+            "--num-steps",
+            "2",
+            "--prompts-per-step",
+            "4",
+            "--num-minibatches",
+            "1",
+            "--micro-batch-size",
+            "4",
+            "--eval-every",
+            "2",
+            "--log-every",
+            "1",
+            "--output-dir",
+            str(tmp_path / name),
+        )
     prompts, answers = read_metrics(str(tmp_path / "prompts")), read_metrics(str(tmp_path / "answers"))
     assert [sorted(k for k in m if k.startswith("eval/")) for m in prompts] == [["eval/score"], [], ["eval/score"]]
     assert not any("charts/reward" in m for m in prompts) and all("charts/score" in m for m in prompts[1:])
@@ -472,9 +620,25 @@ def test_ppo_critic_from_the_reward_model_predicts_the_normalised_score(tmp_path
         scorer.score.weight[0, 0] = 1.0
     scorer.save_pretrained(rm)
     AutoTokenizer.from_pretrained(os.path.join(ROOT, "tiny-adder")).save_pretrained(rm)
-    run_script("ppo.py", "--reward-model-path", rm, "--num-steps", "1", "--log-every", "1", "--num-eval", "4",
-               "--prompts-per-step", "16", "--micro-batch-size", "8", "--missing-eos-penalty", "0",
-               "--output-dir", str(tmp_path / "run"))
+    run_script(
+        "ppo.py",
+        "--reward-model-path",
+        rm,
+        "--num-steps",
+        "1",
+        "--log-every",
+        "1",
+        "--num-eval",
+        "4",
+        "--prompts-per-step",
+        "16",
+        "--micro-batch-size",
+        "8",
+        "--missing-eos-penalty",
+        "0",
+        "--output-dir",
+        str(tmp_path / "run"),
+    )
     start, step = read_metrics(str(tmp_path / "run"))
     assert start["eval/score"] > 10  # the raw score K
     assert abs(step["charts/score"]) < 1e-5 and step["losses/value_loss"] < 1e-4, step
@@ -495,7 +659,9 @@ def test_ppo_reward_model_reads_completions_as_reward_model_py_trained_it(tmp_pa
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, one]
     model.save_pretrained(policy)
     tokenizer.save_pretrained(policy)
-    AutoModelForSequenceClassification.from_pretrained(os.path.join(ROOT, "tiny-adder"), num_labels=1).save_pretrained(rm)
+    AutoModelForSequenceClassification.from_pretrained(os.path.join(ROOT, "tiny-adder"), num_labels=1).save_pretrained(
+        rm
+    )
     tokenizer.save_pretrained(rm)
     harness = tmp_path / "harness.py"
     harness.write_text("""
@@ -519,9 +685,24 @@ json.dump({"scored": scored, "texts": caught["texts"], "prompts": [r["prompt"] f
            "stop_ids": caught["stop_ids"]}, open(sys.argv[-1] + ".json", "w"))
 """)
     out = str(tmp_path / "run")
-    run_script(str(harness), "ppo.py", "--model-name-or-path", policy, "--reward-model-path", rm,
-               "--num-steps", "1", "--num-eval", "8", "--prompts-per-step", "16", "--micro-batch-size", "8",
-               "--output-dir", out)
+    run_script(
+        str(harness),
+        "ppo.py",
+        "--model-name-or-path",
+        policy,
+        "--reward-model-path",
+        rm,
+        "--num-steps",
+        "1",
+        "--num-eval",
+        "8",
+        "--prompts-per-step",
+        "16",
+        "--micro-batch-size",
+        "8",
+        "--output-dir",
+        out,
+    )
     with open(out + ".json") as f:
         got = json.load(f)
     assert one in got["stop_ids"] and any(t.endswith("1") for t in got["texts"])  # the other stop id was sampled
@@ -535,11 +716,28 @@ json.dump({"scored": scored, "texts": caught["texts"], "prompts": [r["prompt"] f
     assert got["scored"][8 : 8 + 16] == trained_form
 
 
-@pytest.mark.parametrize("script,flags", [
-    ("grpo.py", ["--prompts-per-step", "4", "--group-size", "4", "--num-iterations", "2", "--beta", "0.04",
-                 "--loss-agg", "token-mean"]),
-    ("cispo.py", ["--prompts-per-step", "4", "--group-size", "4", "--num-iterations", "2"]),
-    ("ppo.py", ["--prompts-per-step", "16", "--ppo-epochs", "2"])])
+@pytest.mark.parametrize(
+    "script,flags",
+    [
+        (
+            "grpo.py",
+            [
+                "--prompts-per-step",
+                "4",
+                "--group-size",
+                "4",
+                "--num-iterations",
+                "2",
+                "--beta",
+                "0.04",
+                "--loss-agg",
+                "token-mean",
+            ],
+        ),
+        ("cispo.py", ["--prompts-per-step", "4", "--group-size", "4", "--num-iterations", "2"]),
+        ("ppo.py", ["--prompts-per-step", "16", "--ppo-epochs", "2"]),
+    ],
+)
 def test_token_mean_metrics_do_not_depend_on_the_micro_batch(script, flags, tmp_path):
     """losses/* that are token means are the token mean of the whole step: the same with 16 completions in one
     micro-batch as in eight micro-batches of two, whose token counts differ (a plain mean of the micro-batches'
@@ -547,8 +745,22 @@ def test_token_mean_metrics_do_not_depend_on_the_micro_batch(script, flags, tmp_
     logged = {}
     for micro in ("16", "2"):
         out = str(tmp_path / micro)
-        run_script(script, *flags, "--num-steps", "1", "--num-minibatches", "1", "--micro-batch-size", micro,
-                   "--num-eval", "2", "--max-new-tokens", "6", "--output-dir", out)
+        run_script(
+            script,
+            *flags,
+            "--num-steps",
+            "1",
+            "--num-minibatches",
+            "1",
+            "--micro-batch-size",
+            micro,
+            "--num-eval",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--output-dir",
+            out,
+        )
         logged[micro] = {k: v for k, v in read_metrics(out)[1].items() if k.startswith("losses/")}
     assert logged["16"].keys() == logged["2"].keys()
     for k in logged["16"]:
@@ -559,15 +771,30 @@ def test_token_mean_metrics_do_not_depend_on_the_micro_batch(script, flags, tmp_
 def test_ppo_with_a_reward_model_normalises_the_score_and_adapts_beta(tmp_path):
     """--reward-model-path: the first batch's mean score is the bias (so it scores 0), and beta follows
     adaptive_kl_coef from the logged KL; the verifier keeps a fixed beta. The defaults differ by reward."""
-    from ppo import adaptive_kl_coef
     from transformers import AutoTokenizer
+
+    from ppo import adaptive_kl_coef
 
     rm = str(tmp_path / "rm")  # a reward model with a random head: any scorer will do here
     start = os.path.join(ROOT, "tiny-adder")
     AutoModelForSequenceClassification.from_pretrained(start, num_labels=1).save_pretrained(rm)
     AutoTokenizer.from_pretrained(start).save_pretrained(rm)
-    small = ["--num-steps", "3", "--log-every", "1", "--eval-every", "3", "--num-eval", "10",
-             "--prompts-per-step", "16", "--micro-batch-size", "16", "--missing-eos-penalty", "0"]
+    small = [
+        "--num-steps",
+        "3",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "3",
+        "--num-eval",
+        "10",
+        "--prompts-per-step",
+        "16",
+        "--micro-batch-size",
+        "16",
+        "--missing-eos-penalty",
+        "0",
+    ]
     run_script("ppo.py", *small, "--reward-model-path", rm, "--output-dir", str(tmp_path / "learned"))
     run_script("ppo.py", *small, "--output-dir", str(tmp_path / "verifier"))
     learned, verifier = read_metrics(str(tmp_path / "learned"))[1:], read_metrics(str(tmp_path / "verifier"))[1:]

@@ -22,10 +22,10 @@ import pytest
 import torch
 from conftest import FIXTURES, ROOT, read_metrics
 from safetensors.torch import load_file
+from test_scripts import SMALL, offline
 from transformers import AutoModelForCausalLM
 
-from grpo import sequence_logprobs
-from test_scripts import SMALL, offline
+from grpo import token_logprobs
 
 # runs files one after another in each process, each as `python file ...` runs it, the process group kept from one
 # to the next: argv[1] is {name: run}, a run {"argv": [file, flags...]} with, optionally, "fixed" (SGD for AdamW,
@@ -94,7 +94,7 @@ for name, run in runs.items():
     sys.argv = run["argv"]
     main = runpy.run_path(sys.argv[0], run_name="harness")["main"]  # defines everything; main() is not called
     found, caught, result = main.__globals__, {}, {}
-    end, log = found["end_processes"], found["log"]
+    end, log = found["end_processes"], found["reduce_and_log"]
 
     def catch_and_end():
         caught.update(sys._getframe(1).f_locals)  # main's variables: the models, the output folder
@@ -105,7 +105,7 @@ for name, run in runs.items():
         if step == run.get("kill_after"):
             raise Killed
 
-    found["end_processes"], found["log"] = catch_and_end, log_then_stop
+    found["end_processes"], found["reduce_and_log"] = catch_and_end, log_then_stop
     try:
         main(found["parse_args"]())
         result["outcome"] = "finished"
@@ -121,10 +121,10 @@ for name, run in runs.items():
         input_ids = torch.randint(4, len(tokenizer), (4, 9), generator=torch.Generator().manual_seed(0))
         mask = torch.ones_like(input_ids)
         with torch.no_grad():
-            result["in_memory"] = found["sequence_logprobs"](caught["policy"], input_ids, mask, 5).tolist()
+            result["in_memory"] = found["token_logprobs"](caught["policy"], input_ids, mask, 5).tolist()
             if rank == 0:
                 saved = transformers.AutoModelForCausalLM.from_pretrained(caught["output_dir"])
-                result["loaded"] = found["sequence_logprobs"](saved, input_ids, mask, 5).tolist()
+                result["loaded"] = found["token_logprobs"](saved, input_ids, mask, 5).tolist()
     result["allreduces"] = allreduces[0]
     with open(os.path.join(out, f"{name}_{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -139,12 +139,15 @@ leave(0)
 
 def torchrun(*argv, nproc=2, expect_ok=True, timeout=600):
     """`torchrun --standalone --nproc-per-node nproc *argv` (a free port), offline; output on failure."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false",
-               OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1"
+    )
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *argv]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if expect_ok and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(
+            f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
     return proc
 
 
@@ -157,11 +160,16 @@ def run_many(runs, folder, nproc=2):
     if nproc > 1:
         torchrun(*argv, nproc=nproc, timeout=900)
     else:
-        proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                              env=dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline"))
+        proc = subprocess.run(
+            [sys.executable, *argv],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env=dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline"),
+        )
         assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return {name: [json.loads((folder / f"{name}_{rank}.json").read_text()) for rank in range(nproc)]
-            for name in runs}
+    return {name: [json.loads((folder / f"{name}_{rank}.json").read_text()) for rank in range(nproc)] for name in runs}
 
 
 def assert_same_update(one, two, start, what):
@@ -187,11 +195,31 @@ def assert_same_update(one, two, start, what):
 
 OFFLINE = {
     "sft.py": ["--num-steps", "3", "--batch-size", "8", "--micro-batch-size", "2", "--num-eval", "20"],
-    "dpo.py": ["--num-steps", "3", "--batch-size", "4", "--micro-batch-size", "1", "--num-eval", "2",
-               "--dataset", os.path.join(FIXTURES, "pairs_tiny.jsonl")],
+    "dpo.py": [
+        "--num-steps",
+        "3",
+        "--batch-size",
+        "4",
+        "--micro-batch-size",
+        "1",
+        "--num-eval",
+        "2",
+        "--dataset",
+        os.path.join(FIXTURES, "pairs_tiny.jsonl"),
+    ],
     # a prompt's pairs are one element of a batch: 1 to 3 pairs, so the processes hold different numbers of pairs
-    "reward_model.py": ["--num-steps", "3", "--batch-size", "4", "--micro-batch-size", "1", "--num-eval", "2",
-                        "--dataset", os.path.join(FIXTURES, "pairs_grouped.jsonl")],
+    "reward_model.py": [
+        "--num-steps",
+        "3",
+        "--batch-size",
+        "4",
+        "--micro-batch-size",
+        "1",
+        "--num-eval",
+        "2",
+        "--dataset",
+        os.path.join(FIXTURES, "pairs_grouped.jsonl"),
+    ],
 }
 SGD = ["--learning-rate", "0.1", "--max-grad-norm", "1e9"]  # SGD's step, no clipping (MANY's "fixed")
 ONLINE = {
@@ -205,9 +233,13 @@ ONLINE = {
     "grpo-lora": ("grpo.py", ["--lora-r", "4"]),  # DDP only: --fsdp refuses --lora-r
 }
 # batches that do not split among 2 processes (grpo.py's in a launch of its own, below)
-UNSPLIT = {"ppo.py": (["--prompts-per-step", "5"], "--prompts-per-step among the processes: 5 does not divide by 2"),
-           "dpo.py": (["--batch-size", "7", "--micro-batch-size", "1"],
-                      "--batch-size among the processes: 7 does not divide by 2")}
+UNSPLIT = {
+    "ppo.py": (["--prompts-per-step", "5"], "--prompts-per-step among the processes: 5 does not divide by 2"),
+    "dpo.py": (
+        ["--batch-size", "7", "--micro-batch-size", "1"],
+        "--batch-size among the processes: 7 does not divide by 2",
+    ),
+}
 
 
 def readme_torchrun_commands():
@@ -216,8 +248,11 @@ def readme_torchrun_commands():
     for page in ("README.md", os.path.join("docs", "distributed.md")):
         with open(os.path.join(ROOT, page)) as f:
             blocks += re.findall(r"```bash\n(.*?)```", f.read(), flags=re.S)
-    return list(dict.fromkeys(line.strip() for block in blocks for line in block.splitlines()
-                              if line.strip().startswith("torchrun ")))
+    return list(
+        dict.fromkeys(
+            line.strip() for block in blocks for line in block.splitlines() if line.strip().startswith("torchrun ")
+        )
+    )
 
 
 def readme_torchrun_flags(command, chat_model_dir):
@@ -244,8 +279,25 @@ def launches(chat_model_dir, tmp_path_factory):
         two[f"ddp-{script}"] = {"argv": flags, "fixed": True}
         two[f"fsdp-{script}"] = {"argv": flags + ["--fsdp"], "fixed": True}
     for name, (script, flags) in ONLINE.items():
-        flags = [script, "--num-steps", "2", "--prompts-per-step", "8", "--group-size", "4", "--micro-batch-size",
-                 "4", "--num-eval", "20", "--eval-every", "2", "--log-every", "1", *SGD, *flags]
+        flags = [
+            script,
+            "--num-steps",
+            "2",
+            "--prompts-per-step",
+            "8",
+            "--group-size",
+            "4",
+            "--micro-batch-size",
+            "4",
+            "--num-eval",
+            "20",
+            "--eval-every",
+            "2",
+            "--log-every",
+            "1",
+            *SGD,
+            *flags,
+        ]
         if script == "ppo.py":
             flags.remove("--group-size")
             flags.remove("4")
@@ -254,9 +306,24 @@ def launches(chat_model_dir, tmp_path_factory):
         if name not in ("grpo-seq-mean-token-mean", "grpo-lora"):
             two[f"fsdp-{name}"] = {"argv": flags + ["--fsdp"], "fixed": True, "check": name == "grpo-token-mean"}
     for micro in ("2", "8"):  # each process: 8 completions a step, in 4 micro-batches or in 1
-        two[f"count-{micro}"] = {"argv": ["grpo.py", "--num-steps", "2", "--prompts-per-step", "4", "--group-size",
-                                          "4", "--micro-batch-size", micro, "--num-eval", "4", "--eval-every", "2"],
-                                 "count": True}
+        two[f"count-{micro}"] = {
+            "argv": [
+                "grpo.py",
+                "--num-steps",
+                "2",
+                "--prompts-per-step",
+                "4",
+                "--group-size",
+                "4",
+                "--micro-batch-size",
+                micro,
+                "--num-eval",
+                "4",
+                "--eval-every",
+                "2",
+            ],
+            "count": True,
+        }
     for script, (flags, _) in UNSPLIT.items():
         two[f"unsplit-{script}"] = {"argv": [script, *flags]}
     for i, command in enumerate(readme_torchrun_commands()):
@@ -304,15 +371,20 @@ def test_fsdp_online_run_saves_the_full_model_it_trained(launches):
     that the sharded model in memory gave (the update is that of one process, above)."""
     outs, results = launches
     in_memory, other = (torch.tensor(r["in_memory"]) for r in results["fsdp-grpo-token-mean"])
-    torch.testing.assert_close(torch.tensor(results["fsdp-grpo-token-mean"][0]["loaded"]), in_memory,
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(results["fsdp-grpo-token-mean"][0]["loaded"]), in_memory, atol=1e-5, rtol=1e-5
+    )
     torch.testing.assert_close(other, in_memory, atol=1e-5, rtol=1e-5)  # both processes scored with the whole model
     # and a model that was not trained gives other log-probs: the check can fail
     start = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "tiny-adder"))
     input_ids = torch.randint(4, 18, (4, 9))
-    assert not torch.allclose(sequence_logprobs(start, input_ids, torch.ones_like(input_ids), 5),
-                              sequence_logprobs(AutoModelForCausalLM.from_pretrained(outs["fsdp-grpo-token-mean"]),
-                                                input_ids, torch.ones_like(input_ids), 5), atol=1e-4)
+    assert not torch.allclose(
+        token_logprobs(start, input_ids, torch.ones_like(input_ids), 5),
+        token_logprobs(
+            AutoModelForCausalLM.from_pretrained(outs["fsdp-grpo-token-mean"]), input_ids, torch.ones_like(input_ids), 5
+        ),
+        atol=1e-4,
+    )
 
 
 def test_gradient_accumulation_all_reduces_once_per_optimizer_step(launches):
@@ -393,8 +465,9 @@ def test_two_processes_learn_and_leave_without_the_teardown_that_can_abort(scrip
     harness.write_text(EXIT_CHECK)
     marks.mkdir()
     steps = "20" if script == "ppo.py" else "30"  # the default flags otherwise, as in test_scripts' test_learns
-    proc = torchrun(str(harness), str(marks), script, "--num-steps", steps, "--eval-every", steps, "--output-dir",
-                    str(out))
+    proc = torchrun(
+        str(harness), str(marks), script, "--num-steps", steps, "--eval-every", steps, "--output-dir", str(out)
+    )
     assert proc.returncode == 0 and sorted(os.listdir(marks)) == ["destroyed_0", "destroyed_1"]
     metrics = read_metrics(out)
     before, after = metrics[0]["eval/accuracy"], metrics[-1]["eval/accuracy"]
@@ -423,9 +496,9 @@ _fsdp_param_group.foreach_all_gather = counted
 model_dir, out = sys.argv[1], sys.argv[2]
 args = grpo.Args(fsdp=True, model_name_or_path=model_dir)
 device = grpo.setup(args)
-tokenizer = grpo.load_tokenizer(model_dir, args)
+tokenizer = grpo.load_tokenizer(model_dir, args.trust_remote_code)
 whole = grpo.load_model(model_dir, args, device)
-sharded = grpo.distribute(grpo.load_model(model_dir, args, device), args)
+sharded = grpo.distribute(grpo.load_model(model_dir, args, device), args.fsdp)
 prompt_ids, prompt_mask = grpo.tokenize_prompts(tokenizer, ["What is 2 + 3?", "Name a colour."], device, args)
 never = [len(tokenizer) + 7]  # no id ends a completion: every rollout writes all its tokens
 result = {}
@@ -435,7 +508,8 @@ for n in (4, 16):
     tokens = grpo.generate(sharded, tokenizer, prompt_ids, prompt_mask, n, 1.0, never)
     result[n] = {"gathers": gathers[0], "length": tokens.shape[1]}
     torch.manual_seed(5)
-    result[n]["same_tokens"] = torch.equal(tokens, grpo.generate(whole, tokenizer, prompt_ids, prompt_mask, n, 1.0, never))
+    again = grpo.generate(whole, tokenizer, prompt_ids, prompt_mask, n, 1.0, never)
+    result[n]["same_tokens"] = torch.equal(tokens, again)
 rank = torch.distributed.get_rank()
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(result, f)

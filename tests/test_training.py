@@ -15,8 +15,20 @@ from transformers import AutoModelForCausalLM
 
 import grpo
 
-SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--micro-batch-size", "16", "--num-eval", "16",
-         "--max-new-tokens", "4", "--log-every", "1"]
+SMALL = [
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+    "--micro-batch-size",
+    "16",
+    "--num-eval",
+    "16",
+    "--max-new-tokens",
+    "4",
+    "--log-every",
+    "1",
+]
 
 
 def untimed(metrics):
@@ -31,8 +43,26 @@ def read_samples(folder):
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("lora") / "run"
-    run_script("grpo.py", *SMALL, "--num-steps", "4", "--eval-every", "4", "--save-every", "2", "--lora-r", "4",
-               "--learning-rate", "1e-2", "--lr-schedule", "cosine", "--warmup-steps", "1", "--output-dir", str(out))
+    run_script(
+        "grpo.py",
+        *SMALL,
+        "--num-steps",
+        "4",
+        "--eval-every",
+        "4",
+        "--save-every",
+        "2",
+        "--lora-r",
+        "4",
+        "--learning-rate",
+        "1e-2",
+        "--lr-schedule",
+        "cosine",
+        "--warmup-steps",
+        "1",
+        "--output-dir",
+        str(out),
+    )
     return out
 
 
@@ -78,11 +108,14 @@ def test_a_killed_lora_run_resumes_to_the_same_metrics_and_schedule(lora_run, tm
     assert rates == pytest.approx([1e-2, 1e-2, 0.75e-2, 0.25e-2])  # 1 step of warm-up, then cosine over 3
 
 
-@pytest.mark.parametrize("schedule, factors", [
-    ("constant", [0.5, 1, 1, 1, 1, 1]),
-    ("linear", [0.5, 1, 1, 0.75, 0.5, 0.25]),
-    ("cosine", [0.5, 1, 1, (1 + math.sqrt(0.5)) / 2, 0.5, (1 - math.sqrt(0.5)) / 2]),
-])
+@pytest.mark.parametrize(
+    "schedule, factors",
+    [
+        ("constant", [0.5, 1, 1, 1, 1, 1]),
+        ("linear", [0.5, 1, 1, 0.75, 0.5, 0.25]),
+        ("cosine", [0.5, 1, 1, (1 + math.sqrt(0.5)) / 2, 0.5, (1 - math.sqrt(0.5)) / 2]),
+    ],
+)
 def test_the_learning_rate_warms_up_then_decays_as_worked_out_by_hand(schedule, factors):
     """--warmup-steps 2 of --num-steps 6: step 1 at half the rate, step 2 at all of it, then the decay over the
     4 steps after the warm-up: progress 0, 1/4, 1/2, 3/4 at steps 3 to 6. A resumed run picks it up at its step."""
@@ -102,16 +135,31 @@ def test_the_learning_rate_warms_up_then_decays_as_worked_out_by_hand(schedule, 
 def test_sampled_evaluation_leaves_training_alone_and_at_a_tiny_temperature_is_greedy(tmp_path):
     plain, cold, warm = (tmp_path / name for name in ("plain", "cold", "warm"))
     run_script("grpo.py", *SMALL, "--num-steps", "2", "--eval-every", "2", "--output-dir", str(plain))
-    run_script("grpo.py", *SMALL, "--num-steps", "2", "--eval-every", "2", "--eval-samples", "3",
-               "--eval-temperature", "1e-6", "--output-dir", str(cold))
-    run_script("grpo.py", *SMALL, "--num-steps", "2", "--eval-every", "2", "--eval-samples", "3",
-               "--output-dir", str(warm))
+    run_script(
+        "grpo.py",
+        *SMALL,
+        "--num-steps",
+        "2",
+        "--eval-every",
+        "2",
+        "--eval-samples",
+        "3",
+        "--eval-temperature",
+        "1e-6",
+        "--output-dir",
+        str(cold),
+    )
+    run_script(
+        "grpo.py", *SMALL, "--num-steps", "2", "--eval-every", "2", "--eval-samples", "3", "--output-dir", str(warm)
+    )
     for m in read_metrics(cold):
         if "eval/accuracy" in m:
             assert m["eval/mean@k"] == m["eval/pass@k"] == m["eval/accuracy"]
     drop = ("eval/mean@k", "eval/pass@k")
-    assert_same_records([{k: v for k, v in m.items() if k not in drop} for m in untimed(read_metrics(warm))],
-                        untimed(read_metrics(plain)))  # the samples draw their own random numbers
+    assert_same_records(
+        [{k: v for k, v in m.items() if k not in drop} for m in untimed(read_metrics(warm))],
+        untimed(read_metrics(plain)),
+    )  # the samples draw their own random numbers
     evals = [m for m in read_metrics(warm) if "eval/pass@k" in m]
     assert len(evals) == 2 and all(0 <= m["eval/mean@k"] <= m["eval/pass@k"] <= 1 for m in evals)
     assert any(m["eval/mean@k"] != m["eval/accuracy"] for m in evals)  # sampled, not greedy
@@ -134,13 +182,26 @@ def test_held_out_records_come_from_eval_dataset_and_all_of_dataset_is_trained_o
     train.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": a + 1}) + "\n" for a in range(10)))
     held_out.write_text("".join(json.dumps({"prompt": f"{a}+2=", "answer": a + 2}) + "\n" for a in range(6)))
     out = tmp_path / "run"
-    proc = run_script("grpo.py", *SMALL, "--num-steps", "1", "--dataset", str(train), "--eval-dataset", str(held_out),
-                      "--num-eval", "4", "--output-dir", str(out))
+    proc = run_script(
+        "grpo.py",
+        *SMALL,
+        "--num-steps",
+        "1",
+        "--dataset",
+        str(train),
+        "--eval-dataset",
+        str(held_out),
+        "--num-eval",
+        "4",
+        "--output-dir",
+        str(out),
+    )
     assert ": 10 training prompts, 4 held out," in proc.stdout
     evals = [r["prompt"] for r in read_samples(out) if r["kind"] == "eval"]
     assert evals and all(p in {f"{a}+2=" for a in range(4)} for p in evals)
-    missing = run_script("grpo.py", "--eval-dataset", str(tmp_path / "none.jsonl"), "--output-dir",
-                         str(tmp_path / "r2"), expect_ok=False)
+    missing = run_script(
+        "grpo.py", "--eval-dataset", str(tmp_path / "none.jsonl"), "--output-dir", str(tmp_path / "r2"), expect_ok=False
+    )
     assert missing.returncode != 0
     assert f"error: --eval-dataset {tmp_path / 'none.jsonl'}: no such file" in missing.stderr
     held_out.write_text('{"prompt": "1+1="}\n')
@@ -148,36 +209,78 @@ def test_held_out_records_come_from_eval_dataset_and_all_of_dataset_is_trained_o
     assert f"error: --eval-dataset {held_out}: line 1 has no field 'answer'" in bad.stderr
 
 
-@pytest.mark.parametrize("script, dataset, record", [
-    ("dpo.py", "pairs_tiny.jsonl", {"chosen": "4", "rejected": "5"}),  # text completions without a prompt
-    ("reward_model.py", "pairs_tiny.jsonl", {"chosen": "4", "rejected": "5"}),
-    ("sft.py", "sft_tiny.jsonl", {"messages": [{"role": "user", "content": "2+2?"}]}),  # no assistant message
-])
+@pytest.mark.parametrize(
+    "script, dataset, record",
+    [
+        ("dpo.py", "pairs_tiny.jsonl", {"chosen": "4", "rejected": "5"}),  # text completions without a prompt
+        ("reward_model.py", "pairs_tiny.jsonl", {"chosen": "4", "rejected": "5"}),
+        ("sft.py", "sft_tiny.jsonl", {"messages": [{"role": "user", "content": "2+2?"}]}),  # no assistant message
+    ],
+)
 def test_a_record_of_eval_dataset_that_cannot_be_read_is_named_by_that_flag(script, dataset, record, tmp_path):
     held_out = tmp_path / "eval.jsonl"
     held_out.write_text(json.dumps(record) + "\n")
-    proc = run_script(script, "--dataset", f"tests/fixtures/{dataset}", "--eval-dataset", str(held_out),
-                      "--output-dir", str(tmp_path / "run"), expect_ok=False)
-    assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith(f"error: --eval-dataset {held_out}: ")
+    proc = run_script(
+        script,
+        "--dataset",
+        f"tests/fixtures/{dataset}",
+        "--eval-dataset",
+        str(held_out),
+        "--output-dir",
+        str(tmp_path / "run"),
+        expect_ok=False,
+    )
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith(
+        f"error: --eval-dataset {held_out}: "
+    )
 
 
-@pytest.mark.parametrize("script, flags, message", [
-    ("grpo.py", ["--lora-r", "4", "--lora-target-modules", "nope"], "error: --lora-target-modules nope: Target "
-     "modules {'nope'} not found"),
-    # the bundled model ties its output layer to its embedding: an adapter on either would reach one of them only
-    ("grpo.py", ["--lora-r", "4", "--lora-target-modules", "q_proj", "embed_tokens"], "error: --lora-target-modules "
-     "q_proj embed_tokens: model.embed_tokens is tied to the output layer, which would keep no adapter; leave it out"),
-    ("sft.py", ["--lora-r", "4", "--lora-target-modules", "lm_head"], "error: --lora-target-modules lm_head: lm_head "
-     "is the output layer, whose weight the log-probs multiply without an adapter; leave it out"),
-    ("dpo.py", ["--dataset", "tests/fixtures/pairs_tiny.jsonl", "--eval-samples", "2"], "error: --eval-samples scores "
-     "samples against the built-in task's answers; --dataset has none"),
-    ("sft.py", ["--dataset", "tests/fixtures/sft_tiny.jsonl", "--num-eval", "2", "--eval-samples", "2"],
-     "error: --eval-samples scores samples against the held-out records' answers, and they have none"),
-    *[(script, ["--eval-dataset", "tests/fixtures/pairs_tiny.jsonl"], "error: --eval-dataset needs --dataset: the "
-       "addition task holds out its own prompts") for script in ("dpo.py", "reward_model.py")],
-    ("ppo.py", ["--reward-model-path", "rm", "--eval-samples", "2"], "error: --eval-samples scores samples with the "
-     "verifier; with --reward-model-path it has none"),
-])
+@pytest.mark.parametrize(
+    "script, flags, message",
+    [
+        (
+            "grpo.py",
+            ["--lora-r", "4", "--lora-target-modules", "nope"],
+            "error: --lora-target-modules nope: Target modules {'nope'} not found",
+        ),
+        # the bundled model ties its output layer to its embedding: an adapter on either would reach one of them only
+        (
+            "grpo.py",
+            ["--lora-r", "4", "--lora-target-modules", "q_proj", "embed_tokens"],
+            "error: --lora-target-modules q_proj embed_tokens: model.embed_tokens is tied to the output layer, which "
+            "would keep no adapter; leave it out",
+        ),
+        (
+            "sft.py",
+            ["--lora-r", "4", "--lora-target-modules", "lm_head"],
+            "error: --lora-target-modules lm_head: lm_head "
+            "is the output layer, whose weight the log-probs multiply without an adapter; leave it out",
+        ),
+        (
+            "dpo.py",
+            ["--dataset", "tests/fixtures/pairs_tiny.jsonl", "--eval-samples", "2"],
+            "error: --eval-samples scores samples against the built-in task's answers; --dataset has none",
+        ),
+        (
+            "sft.py",
+            ["--dataset", "tests/fixtures/sft_tiny.jsonl", "--num-eval", "2", "--eval-samples", "2"],
+            "error: --eval-samples scores samples against the held-out records' answers, and they have none",
+        ),
+        *[
+            (
+                script,
+                ["--eval-dataset", "tests/fixtures/pairs_tiny.jsonl"],
+                "error: --eval-dataset needs --dataset: the addition task holds out its own prompts",
+            )
+            for script in ("dpo.py", "reward_model.py")
+        ],
+        (
+            "ppo.py",
+            ["--reward-model-path", "rm", "--eval-samples", "2"],
+            "error: --eval-samples scores samples with the verifier; with --reward-model-path it has none",
+        ),
+    ],
+)
 def test_options_that_cannot_work_stop_with_one_line(script, flags, message, tmp_path):
     proc = run_script(script, *flags, "--output-dir", str(tmp_path / "run"), expect_ok=False)
     if script != "sft.py" and "--lora-target-modules" not in flags:  # refused before the run's folder is made

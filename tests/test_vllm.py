@@ -17,13 +17,25 @@ from test_torchrun import torchrun
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM and not os.environ.get("VLLM_REQUIRED"), reason="vLLM not installed")
 SAMPLING_FILES = ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py"]
-SMALL = ["--prompts-per-step", "4", "--num-eval", "10", "--eval-every", "2", "--log-every", "1",
-         "--vllm-kv-cache-gib", "0.25"]
+SMALL = [
+    "--prompts-per-step",
+    "4",
+    "--num-eval",
+    "10",
+    "--eval-every",
+    "2",
+    "--log-every",
+    "1",
+    "--vllm-kv-cache-gib",
+    "0.25",
+]
 GROUPS = ["--group-size", "4"]  # all but ppo.py
 
 # runs a file's main() with --vllm, then copies the trained policy into the engine and scores one fixed completion
 # with both: the engine's log-prob of each completion token (its prompt log-probs) and the trainer's
-CHECK = RUN_MAIN + """
+CHECK = (
+    RUN_MAIN
+    + """
 import json, os, sys, torch
 from vllm import SamplingParams
 sys.argv = sys.argv[1:]
@@ -44,12 +56,13 @@ out = engine.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, 
 by_engine = [out.prompt_logprobs[t][ids[t]].logprob for t in range(len(prompt), len(ids))]
 input_ids = torch.tensor([ids])
 with torch.no_grad():
-    by_trainer = run["sequence_logprobs"](policy, input_ids, torch.ones_like(input_ids), len(prompt), 1.0)[0]
+    by_trainer = run["token_logprobs"](policy, input_ids, torch.ones_like(input_ids), len(prompt), 1.0)[0]
     start = run["load_model"](run["args"].model_name_or_path, run["args"], torch.device("cpu"))
-    at_start = run["sequence_logprobs"](start, input_ids, torch.ones_like(input_ids), len(prompt), 1.0)[0]
+    at_start = run["token_logprobs"](start, input_ids, torch.ones_like(input_ids), len(prompt), 1.0)[0]
 with open(os.path.join(run["output_dir"], "check.json"), "w") as f:
     json.dump({"engine": by_engine, "trainer": by_trainer.tolist(), "start": at_start.tolist()}, f)
 """
+)
 
 
 def test_vllm_without_vllm_installed_is_one_line(tmp_path):
@@ -104,6 +117,7 @@ def test_a_step_with_vllm_on_a_tied_qwen2(chat_model_dir, tmp_path):
     no reward, so the check moves its weights by noise before the sync. Its heads made 32 wide (hidden 64, 2 query
     heads, 1 key-value head): vLLM's CPU attention has no 8-wide heads."""
     import transformers
+
     model_dir = tmp_path / "qwen2"
     config = transformers.AutoConfig.from_pretrained(chat_model_dir)
     config.update({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
@@ -113,9 +127,24 @@ def test_a_step_with_vllm_on_a_tied_qwen2(chat_model_dir, tmp_path):
     harness = tmp_path / "check.py"
     harness.write_text(CHECK)
     out = tmp_path / "run"
-    run_script(str(harness), "grpo.py", "--vllm", "--model-name-or-path", str(model_dir), "--task",
-               "addition-question", *SMALL, *GROUPS, "--num-steps", "2", "--learning-rate", "1e-2", "--output-dir",
-               str(out), env={"PERTURB": "1"})
+    run_script(
+        str(harness),
+        "grpo.py",
+        "--vllm",
+        "--model-name-or-path",
+        str(model_dir),
+        "--task",
+        "addition-question",
+        *SMALL,
+        *GROUPS,
+        "--num-steps",
+        "2",
+        "--learning-rate",
+        "1e-2",
+        "--output-dir",
+        str(out),
+        env={"PERTURB": "1"},
+    )
     step2 = [m for m in read_metrics(out) if m["step"] == 2][0]
     assert step2["rollout/logprob_diff"] < 1e-4, step2
     check_synced(out, minimum_move=0.05)  # after the run, every weight moved by noise, the tied embedding too
@@ -127,8 +156,12 @@ def test_same_seed_same_metrics_with_vllm(tmp_path):
     runs = []
     for name in ("a", "b"):
         run_script("grpo.py", "--vllm", *SMALL, *GROUPS, "--num-steps", "2", "--output-dir", str(tmp_path / name))
-        runs.append([{k: v for k, v in m.items() if k.startswith(("charts/reward", "charts/completion_length"))}
-                     for m in read_metrics(tmp_path / name)])
+        runs.append(
+            [
+                {k: v for k, v in m.items() if k.startswith(("charts/reward", "charts/completion_length"))}
+                for m in read_metrics(tmp_path / name)
+            ]
+        )
     assert runs[0] == runs[1]
 
 
@@ -136,7 +169,9 @@ def test_same_seed_same_metrics_with_vllm(tmp_path):
 # weights changed, the same prompt sampled again after the sync: the engine's log-probs of the second sample against
 # the trainer's. Keys and values of the prompt's full blocks kept in the prefix cache from before the change would
 # give the engine the old model's log-probs.
-PREFIX = RUN_MAIN + """
+PREFIX = (
+    RUN_MAIN
+    + """
 import json, os, sys, torch
 sys.argv = sys.argv[1:]
 torch.distributed.destroy_process_group, os._exit = lambda *group: None, lambda status: None
@@ -149,7 +184,7 @@ for _ in range(2):
     completion, by_engine = run["sample"](policy, engine, tokenizer, prompt_ids, mask, run["args"], stop_ids)
     completion_mask = run["completion_mask"](completion, stop_ids)
     with torch.no_grad():
-        by_trainer = run["sequence_logprobs"](policy, torch.cat([prompt_ids, completion], 1),
+        by_trainer = run["token_logprobs"](policy, torch.cat([prompt_ids, completion], 1),
                                               torch.cat([mask, completion_mask.long()], 1), prompt_ids.shape[1])
         gaps.append((by_engine - by_trainer)[completion_mask].abs().max().item())
         for parameter in policy.parameters():
@@ -157,6 +192,7 @@ for _ in range(2):
 with open(os.path.join(run["output_dir"], "gaps.json"), "w") as f:
     json.dump(gaps, f)
 """
+)
 
 
 @needs_vllm
@@ -165,6 +201,7 @@ def test_the_engine_forgets_its_prefix_cache_when_the_weights_change(chat_model_
     tokens as the trainer does (the prefix cache is emptied at every sync), where keys and values cached from the
     old weights would put the second sample's log-probs off."""
     import transformers
+
     model_dir = tmp_path / "qwen2"
     config = transformers.AutoConfig.from_pretrained(chat_model_dir)
     config.update({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
@@ -173,8 +210,21 @@ def test_the_engine_forgets_its_prefix_cache_when_the_weights_change(chat_model_
     harness = tmp_path / "prefix.py"
     harness.write_text(PREFIX)
     out = tmp_path / "run"
-    run_script(str(harness), "grpo.py", "--vllm", "--model-name-or-path", str(model_dir), "--task",
-               "addition-question", *SMALL, *GROUPS, "--num-steps", "1", "--output-dir", str(out))
+    run_script(
+        str(harness),
+        "grpo.py",
+        "--vllm",
+        "--model-name-or-path",
+        str(model_dir),
+        "--task",
+        "addition-question",
+        *SMALL,
+        *GROUPS,
+        "--num-steps",
+        "1",
+        "--output-dir",
+        str(out),
+    )
     gaps = json.loads((out / "gaps.json").read_text())
     assert max(gaps) < 1e-3, gaps
 
@@ -183,14 +233,29 @@ def test_the_engine_forgets_its_prefix_cache_when_the_weights_change(chat_model_
 def test_a_model_vllm_does_not_serve_is_one_line(tmp_path):
     """A transformers architecture that vLLM lacks (BioGPT): one line that names the flag and vLLM's reason."""
     import transformers
+
     tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.join(ROOT, "tiny-adder"))
-    config = transformers.BioGptConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
-                                       num_attention_heads=2, intermediate_size=64, max_position_embeddings=64,
-                                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = transformers.BioGptConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "biogpt")
     tokenizer.save_pretrained(tmp_path / "biogpt")
-    proc = run_script("grpo.py", "--vllm", "--model-name-or-path", str(tmp_path / "biogpt"), "--output-dir",
-                      str(tmp_path / "run"), expect_ok=False)
+    proc = run_script(
+        "grpo.py",
+        "--vllm",
+        "--model-name-or-path",
+        str(tmp_path / "biogpt"),
+        "--output-dir",
+        str(tmp_path / "run"),
+        expect_ok=False,
+    )
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert last.startswith(f"error: --vllm: vLLM cannot serve --model-name-or-path {tmp_path / 'biogpt'}: "), last
@@ -202,8 +267,20 @@ def test_vllm_with_lora_samples_from_the_merged_weights(tmp_path):
     """--lora-r: the engine takes the policy's weights with its adapters merged, under the plain model's names: at
     step 2, after an update that moved the policy from its reference, it samples as the trainer scores."""
     out = tmp_path / "run"
-    run_script("grpo.py", "--vllm", "--lora-r", "8", *SMALL, *GROUPS, "--num-steps", "2", "--learning-rate", "1e-2",
-               "--output-dir", str(out))
+    run_script(
+        "grpo.py",
+        "--vllm",
+        "--lora-r",
+        "8",
+        *SMALL,
+        *GROUPS,
+        "--num-steps",
+        "2",
+        "--learning-rate",
+        "1e-2",
+        "--output-dir",
+        str(out),
+    )
     step2 = [m for m in read_metrics(out) if m["step"] == 2][0]
     assert step2["rollout/logprob_diff"] < 1e-4 and step2["losses/kl"] > 1e-4, step2
 
@@ -232,8 +309,9 @@ def test_a_killed_vllm_run_resumes_exactly(tmp_path):
     run_script("grpo.py", *flags, "--output-dir", whole)
     harness = tmp_path / "killed.py"
     harness.write_text(KILLED)
-    proc = run_script(str(harness), "grpo.py", *flags, "--output-dir", killed, env={"KILL_AFTER_STEP": "3"},
-                      expect_ok=False)
+    proc = run_script(
+        str(harness), "grpo.py", *flags, "--output-dir", killed, env={"KILL_AFTER_STEP": "3"}, expect_ok=False
+    )
     assert proc.returncode == -9, proc.stderr[-2000:]
     run_script("grpo.py", "--resume-from", killed)
     assert_resumed_exactly(whole, killed)
@@ -259,8 +337,9 @@ def test_the_readmes_vllm_commands(tmp_path):
 @needs_vllm
 def test_a_kv_cache_too_small_for_one_sequence_is_one_line(tmp_path):
     """vLLM's own message names its gpu_memory_utilization; the line also names the flag that sizes the cache."""
-    proc = run_script("grpo.py", "--vllm", "--vllm-kv-cache-gib", "0.0001", "--output-dir", str(tmp_path / "run"),
-                      expect_ok=False)
+    proc = run_script(
+        "grpo.py", "--vllm", "--vllm-kv-cache-gib", "0.0001", "--output-dir", str(tmp_path / "run"), expect_ok=False
+    )
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert last.startswith("error: --vllm: vLLM cannot serve --model-name-or-path tiny-adder: "), last

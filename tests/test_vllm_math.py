@@ -109,11 +109,13 @@ def test_weights_of_one_change_nothing(loss):
     torch.manual_seed(0)
     logprobs = (-torch.rand(3, 4)).requires_grad_()
     old, mask, adv = -torch.rand(3, 4), torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]]), torch.randn(3)
-    call = {"grpo": lambda w: grpo_loss(logprobs, old, None, adv, mask, beta=0.0, is_weights=w),
-            "gspo": lambda w: gspo_loss(logprobs, old, adv, mask, 0.2, 0.2, is_weights=w),
-            "cispo": lambda w: cispo_loss(logprobs, old, adv, mask, 0.2, 0.2, is_weights=w),
-            "rloo": lambda w: rloo_loss(logprobs, adv, mask, is_weights=w),
-            "ppo": lambda w: ppo_policy_loss(logprobs, old, adv[:, None].expand(3, 4), mask, 0.2, is_weights=w)}[loss]
+    call = {
+        "grpo": lambda w: grpo_loss(logprobs, old, None, adv, mask, beta=0.0, is_weights=w),
+        "gspo": lambda w: gspo_loss(logprobs, old, adv, mask, 0.2, 0.2, is_weights=w),
+        "cispo": lambda w: cispo_loss(logprobs, old, adv, mask, 0.2, 0.2, is_weights=w),
+        "rloo": lambda w: rloo_loss(logprobs, adv, mask, is_weights=w),
+        "ppo": lambda w: ppo_policy_loss(logprobs, old, adv[:, None].expand(3, 4), mask, 0.2, is_weights=w),
+    }[loss]
     without = call(None)[0]
     (grad_without,) = torch.autograd.grad(without, logprobs)
     weighed = call(mask.float())[0]
