@@ -72,7 +72,8 @@ class Args:
     # Model and data
     model_name_or_path: str | None = None  # a local folder or a hub id; None builds the tiny model from a config
     dataset: str | None = None  # a .jsonl of prompt/completion records or of {"messages": [...]} conversations
-    task: Literal["addition", "addition-question"] = "addition"  # without --dataset: `47+8=`, or as a question
+    task: Literal["addition", "addition-question", "chain"] = "addition"  # without --dataset: `47+8=`, as a question,
+    # or `7+3-2+5=` answered step by step, `7+3=10 10-2=8 8+5=13` (process_grpo.py's start: docs/process_grpo.md)
     eval_dataset: str | None = None  # a .jsonl of held-out records (as --dataset's)
     num_eval: int = 500  # held-out records: --eval-dataset's first, else the task's first, else a .jsonl's last
     eval_every: int = 100  # held-out loss (and greedy accuracy) every this many steps, and at 0
@@ -262,7 +263,11 @@ def load_sft_data(args):
         records = read_jsonl(name, ("prompt", "completion"), ("messages",), flag=flag)
         return [sft_record(r, f"{flag} {name}") for r in records]
 
-    if args.dataset is None:
+    if args.dataset is None and args.task == "chain":  # the steps are the completion
+        train_records, eval_records = chain_task(args.num_eval)
+        train_records = [{"prompt": r["prompt"], "completion": r["steps"]} for r in train_records]
+        eval_records = [{**r, "completion": r["steps"]} for r in eval_records]
+    elif args.dataset is None:
         train_records, eval_records = addition_task(args.num_eval, args.task)
         train_records = [{"prompt": r["prompt"], "completion": r["answer"]} for r in train_records]
     else:
@@ -308,6 +313,28 @@ def held_out_metrics(model, tokenizer, eval_records, args, stop_ids):
 
 
 # ---- Helpers that only some of the files need: each is kept equal to its copy in the other files that have it
+def chain_task(num_eval, num_train=50000):
+    """(train, held-out) records of a number below 100 and three digits added or subtracted in turn, held out alike
+    in every run, a step an equation: {"prompt": "47+8-3+5=", "answer": "57", "steps": "47+8=55 55-3=52 52+5=57"}."""
+    rng, records, seen = random.Random(0), [], set()
+    while len(records) < num_eval + num_train:
+        numbers, ops = (
+            [rng.randrange(100), *[rng.randrange(10) for _ in range(3)]],
+            [rng.choice("+-") for _ in range(3)],
+        )
+        prompt = "".join(f"{n}{op}" for n, op in zip(numbers, (*ops, "=")))
+        if prompt in seen:
+            continue
+        seen.add(prompt)
+        value, steps = numbers[0], []
+        for op, n in zip(ops, numbers[1:]):
+            result = value + n if op == "+" else value - n
+            steps.append(f"{value}{op}{n}={result}")
+            value = result
+        records.append({"prompt": prompt, "answer": str(value), "steps": " ".join(steps)})
+    return records[num_eval:], records[:num_eval]
+
+
 def sft_record(record, source):
     """{'prompt', 'completion'} (and the record's other fields), the completion as text, from a prompt/completion
     record (the completion text or one assistant message; the prompt text or messages) or a {'messages'}

@@ -847,8 +847,15 @@ def write_results(runs, memory, args, path):
             + ".",
         ]
         lines.append("")
+    kept = ""  # the block that benchmarks/process_benchmark.py writes, kept as it is
+    if os.path.exists(path):
+        with open(path) as f:
+            page = f.read()
+        start, end = "<!-- process: written by benchmarks/process_benchmark.py -->", "<!-- end of process -->"
+        if start in page and end in page:
+            kept = "\n" + page[page.index(start) : page.index(end) + len(end)] + "\n"
     with open(path, "w") as f:
-        f.write("\n".join(lines))
+        f.write("\n".join(lines) + kept)
 
 
 if __name__ == "__main__":

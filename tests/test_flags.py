@@ -30,6 +30,7 @@ SCRIPTS = [
     "reward_model.py",
     "sft.py",
     "async_grpo.py",
+    "process_grpo.py",
 ]
 
 # (low, low included, high, high included); None: no bound on that side
@@ -63,6 +64,7 @@ LENGTH = {"max_length": (2, True, None, False)}  # with --max-prompt-length belo
 VLLM = {"vllm_kv_cache_gib": POSITIVE, "vllm_is_cap": POSITIVE}  # the files that sample
 RANGES = {
     "grpo.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM, "beta": NON_NEGATIVE},
+    "process_grpo.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM, "beta": NON_NEGATIVE},
     "async_grpo.py": {
         **COMMON,
         **TRAINED_LM,

@@ -36,7 +36,15 @@ run["main"](found["tyro"].cli(found["Args"]))
 
 # 4 steps, a checkpoint every 2, evaluations at 0, 2 and 4; the killed run dies after step 3 is logged
 STEPS = ["--num-steps", "4", "--save-every", "2", "--log-every", "1", "--eval-every", "2"]
-SAMPLING = ("grpo.py", "async_grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py")  # they log rollouts too
+SAMPLING = (
+    "grpo.py",
+    "async_grpo.py",
+    "rloo.py",
+    "gspo.py",
+    "cispo.py",
+    "ppo.py",
+    "process_grpo.py",
+)  # they log rollouts too
 RL = ["--prompts-per-step", "4", "--micro-batch-size", "8", "--num-eval", "20", "--max-new-tokens", "6"]
 PAIRS = [
     "--batch-size",
@@ -57,6 +65,7 @@ FLAGS = {  # several optimizer steps per batch where the file has them: the Adam
     "async_grpo.py": RL
     + ["--group-size", "4", "--num-iterations", "2", "--num-minibatches", "2", "--max-staleness", "1"],
     "rloo.py": RL + ["--group-size", "4"],
+    "process_grpo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],
     "gspo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],
     "cispo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],
     # a reward model: the KL coefficient adapts and the score's bias is set at step 1, loop state to bring back

@@ -58,6 +58,7 @@ RL_SMALL = [
 SMALL = {
     "grpo.py": RL_SMALL,
     "async_grpo.py": RL_SMALL + ["--max-staleness", "1"],
+    "process_grpo.py": RL_SMALL,
     "rloo.py": RL_SMALL,
     "gspo.py": RL_SMALL + ["--num-minibatches", "2"],
     "cispo.py": RL_SMALL + ["--num-minibatches", "2"],
@@ -216,11 +217,12 @@ def test_readme_command(command, chat_model_dir, tmp_path):
         assert json.load(f)["num_steps"] == 2
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py"])
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "process_grpo.py"])
 def test_learns(script, tmp_path):
-    """A short run from the bundled model raises held-out accuracy clearly (a sign and wiring check)."""
+    """A short run from the bundled model raises held-out accuracy clearly (a sign and wiring check); process_grpo.py
+    from tiny-chainer/, in 10 steps of its longer completions."""
     out = str(tmp_path / "run")
-    steps = "20" if script == "ppo.py" else "30"
+    steps = {"ppo.py": "20", "process_grpo.py": "10"}.get(script, "30")
     proc = run_script(script, "--num-steps", steps, "--eval-every", steps, "--output-dir", out)
     metrics = read_metrics(out)
     before, after = metrics[0]["eval/accuracy"], metrics[-1]["eval/accuracy"]

@@ -35,6 +35,7 @@ ALGORITHM_FILES = [
     "reward_model.py",
     "sft.py",
     "async_grpo.py",
+    "process_grpo.py",
 ]
 
 
@@ -259,6 +260,7 @@ LOSSES = {
     "reward_model.py": "bradley_terry_loss",
     "sft.py": "sft_loss",
     "async_grpo.py": "decoupled_loss",
+    "process_grpo.py": "process_grpo_loss",
 }
 
 

@@ -17,12 +17,21 @@ import reading  # noqa: E402
 MAIN = {
     "grpo.py": 120,
     "ppo.py": 180,
-    **{name: int(0.7 * reading.START[name]["main"]) for name in reading.FILES if name not in ("grpo.py", "ppo.py")},
+    "process_grpo.py": 125,  # grpo.py's, and two lines more for the steps' rewards (written after the redesign)
+    **{name: int(0.7 * reading.START[name]["main"]) for name in reading.START if name not in ("grpo.py", "ppo.py")},
 }
 # code lines (comments and docstrings aside) by which a sibling differs from its nearest file, measured: rloo 119,
 # gspo 77, cispo 73, async_grpo 250 (and 90 more of grpo.py's vLLM and torchrun code it lacks), ppo 326 against
-# rloo.py, dpo 180 against reward_model.py
-DIFF = {"rloo.py": 125, "gspo.py": 80, "cispo.py": 80, "async_grpo.py": 255, "ppo.py": 330, "dpo.py": 185}
+# rloo.py, dpo 180 against reward_model.py, process_grpo 127 against grpo.py
+DIFF = {
+    "rloo.py": 125,
+    "gspo.py": 80,
+    "cispo.py": 80,
+    "async_grpo.py": 255,
+    "ppo.py": 330,
+    "dpo.py": 185,
+    "process_grpo.py": 135,
+}
 
 
 def test_ruff_lays_out_and_lints_every_python_file():
