@@ -65,7 +65,8 @@ FLAGS = {  # several optimizer steps per batch where the file has them: the Adam
     "async_grpo.py": RL
     + ["--group-size", "4", "--num-iterations", "2", "--num-minibatches", "2", "--max-staleness", "1"],
     "rloo.py": RL + ["--group-size", "4"],
-    "process_grpo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],
+    # a chain's steps need room: in 6 tokens every completion ends inside its first step, all rewards 0, no update
+    "process_grpo.py": RL + ["--group-size", "4", "--num-minibatches", "2", "--max-new-tokens", "16"],
     "gspo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],
     "cispo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],
     # a reward model: the KL coefficient adapts and the score's bias is set at step 1, loop state to bring back

@@ -37,7 +37,7 @@ from grpo import token_logprobs
 # saved). Each run's result goes to argv[2]/<name>_<rank>.json: its outcome ("finished", "killed" or its error
 # line) and the rest. Any other error ends the launch at once, with its traceback.
 MANY = """
-import json, os, runpy, sys, traceback, zlib
+import json, os, re, runpy, sys, traceback, zlib
 import torch, torch.distributed as dist, transformers
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -59,10 +59,17 @@ def fixed(self, input_ids=None, attention_mask=None, generation_config=None, **k
     first = int(os.environ.get("RANK", 0)) * len(input_ids)  # this process's first row in the whole batch
     rows = []
     for i, prompt in enumerate(tokenizer.batch_decode(input_ids, skip_special_tokens=True)):
-        a, b = map(int, prompt.rstrip("=").split("+"))
-        h = zlib.crc32(f"{calls[0]} {first + i}".encode())
-        rows.append(tokenizer(str(max(0, a + b + h % 5 - 2)), add_special_tokens=False)["input_ids"]
-                    + [tokenizer.eos_token_id])
+        numbers, h = [int(n) for n in re.findall(r"[0-9]+", prompt)], zlib.crc32(f"{calls[0]} {first + i}".encode())
+        if len(numbers) == 2:  # the addition task: a + b - 2 to a + b + 2
+            text = str(max(0, sum(numbers) + h % 5 - 2))
+        else:  # process_grpo.py's chain: a step an equation, each step's result right or one off
+            value, steps = numbers[0], []
+            for j, (op, n) in enumerate(zip(re.findall(r"[+-]", prompt), numbers[1:])):
+                result = (value + n if op == "+" else value - n) + (h >> 3 * j) % 3 - 1
+                steps.append(f"{value}{op}{n}={result}")
+                value = result
+            text = " ".join(steps)
+        rows.append(tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
     length = max(len(r) for r in rows)
     rows = [r + [tokenizer.pad_token_id] * (length - len(r)) for r in rows]
     return torch.cat([input_ids, torch.tensor(rows, device=input_ids.device)], dim=1)
@@ -230,6 +237,7 @@ ONLINE = {
     "gspo": ("gspo.py", ["--num-minibatches", "1"]),
     "cispo": ("cispo.py", ["--num-minibatches", "1"]),
     "ppo": ("ppo.py", ["--num-minibatches", "1", "--micro-batch-size", "2"]),
+    "process": ("process_grpo.py", ["--num-minibatches", "1"]),  # an advantage a token, from tiny-chainer
     "grpo-lora": ("grpo.py", ["--lora-r", "4"]),  # DDP only: --fsdp refuses --lora-r
 }
 # batches that do not split among 2 processes (grpo.py's in a launch of its own, below)
@@ -357,10 +365,11 @@ def test_two_processes_make_the_update_of_one(script, chat_model_dir, launches):
 @pytest.mark.parametrize("name", list(ONLINE))
 def test_two_processes_make_the_update_of_one_on_the_same_rollouts(name, launches):
     """Every way the online files normalise over the batch (GRPO's three loss aggregations, CISPO's and
-    PPO's token means, PPO's advantage whitening) gives the same update from 1 process and from 2, with DDP
-    and, for every file but the first grpo.py case, with FSDP2 (ppo.py shards its four models)."""
+    PPO's token means, PPO's advantage whitening, process_grpo.py's steps normalised over the group) gives the same
+    update from 1 process and from 2, with DDP and, for every file but the first grpo.py case, with FSDP2 (ppo.py
+    shards its four models)."""
     outs, results = launches
-    start = os.path.join(ROOT, "tiny-adder")
+    start = os.path.join(ROOT, "tiny-chainer" if ONLINE[name][0] == "process_grpo.py" else "tiny-adder")
     assert_same_update(outs[f"one-{name}"], outs[f"ddp-{name}"], start, name)
     if f"fsdp-{name}" in outs:
         assert_same_update(outs[f"one-{name}"], outs[f"fsdp-{name}"], start, f"{name} FSDP2")
