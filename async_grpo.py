@@ -878,12 +878,15 @@ def stop_token_ids(tokenizer, model):
     return sorted({tokenizer.eos_token_id, *ids})
 
 
-def tokenize_prompts(tokenizer, prompts, device, args):
-    """Left-padded ids and mask (B, P) of each prompt's last --max-prompt-length tokens, chat-templated if it can be."""
+def tokenize_prompts(tokenizer, prompts, device, args, tools=None):
+    """Left-padded ids and mask (B, P) of each prompt's last --max-prompt-length tokens, chat-templated if it can be
+    (with the tools' descriptions, tool_grpo.py's)."""
     system = [] if args.system_prompt is None else [{"role": "system", "content": args.system_prompt}]
     if tokenizer.chat_template:
         chats = [p if isinstance(p, list) else [*system, {"role": "user", "content": p}] for p in prompts]
-        prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+        prompts = [
+            tokenizer.apply_chat_template(c, tools=tools, tokenize=False, add_generation_prompt=True) for c in chats
+        ]
     elif system or any(isinstance(p, list) for p in prompts):
         what = "--system-prompt" if system else "conversational records (--dataset, --eval-dataset)"
         fail(f"{what} need a tokenizer with a chat template, and {args.model_name_or_path} has none")

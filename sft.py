@@ -72,8 +72,9 @@ class Args:
     # Model and data
     model_name_or_path: str | None = None  # a local folder or a hub id; None builds the tiny model from a config
     dataset: str | None = None  # a .jsonl of prompt/completion records or of {"messages": [...]} conversations
-    task: Literal["addition", "addition-question", "chain"] = "addition"  # without --dataset: `47+8=`, as a question,
-    # or `7+3-2+5=` answered step by step, `7+3=10 10-2=8 8+5=13` (process_grpo.py's start: docs/process_grpo.md)
+    task: Literal["addition", "addition-question", "chain", "tool"] = "addition"  # without --dataset: `47+8=`, as a
+    # question, or `7+3-2+5=` answered step by step, `7+3=10 10-2=8 8+5=13` (process_grpo.py's start), or `347*86=`
+    # answered with a calculator's call or without (tool_grpo.py's start: docs/tool_grpo.md)
     eval_dataset: str | None = None  # a .jsonl of held-out records (as --dataset's)
     num_eval: int = 500  # held-out records: --eval-dataset's first, else the task's first, else a .jsonl's last
     eval_every: int = 100  # held-out loss (and greedy accuracy) every this many steps, and at 0
@@ -101,6 +102,8 @@ class Args:
     hidden_size: int = 128  # the tiny model's width (only when it is built from a config)
     num_layers: int = 2  # the tiny model's transformer blocks
     num_heads: int = 4  # the tiny model's attention heads
+    extra_tokens: list[str] | None = None  # the tiny model's tokens beyond `0123456789+-= ` (None: its --task's)
+    num_train: int = 50000  # the built-in --task's training records
 
     # to be filled in at runtime (not flags: the command line cannot set them)
     run_name: tyro.conf.Suppress[str] = ""  # exp_name__seed__time
@@ -114,7 +117,9 @@ def build_tiny_model(args):
     spaces), so it is a real Hugging Face tokenizer that AutoTokenizer loads offline.
     """
     specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
-    vocab = {token: i for i, token in enumerate(specials + list("0123456789+-= "))}
+    extra = TASK_TOKENS.get(args.task, []) if args.extra_tokens is None else args.extra_tokens
+    vocab = {token: i for i, token in enumerate(specials + list("0123456789+-= ") + extra)}
+    words = [t for t in extra if len(t) > 1]  # matched whole, before the text is split into characters
     spec = {
         "version": "1.0",
         "truncation": None,
@@ -129,9 +134,9 @@ def build_tiny_model(args):
                 "lstrip": False,
                 "rstrip": False,
                 "normalized": False,
-                "special": True,
+                "special": t in specials,
             }
-            for t in specials
+            for t in specials + words
         ],
         "pre_tokenizer": {"type": "Split", "pattern": {"String": ""}, "behavior": "Isolated", "invert": False},
         "decoder": {"type": "Fuse"},
@@ -239,7 +244,14 @@ def main(args):
 
 def check_args(args):
     """Stops at a flag outside its range, or at options that cannot run together, before anything loads."""
-    ranges = {"max_length": ">= 2", "batch_size": "> 0", "hidden_size": "> 0", "num_layers": "> 0", "num_heads": "> 0"}
+    ranges = {
+        "max_length": ">= 2",
+        "batch_size": "> 0",
+        "hidden_size": "> 0",
+        "num_layers": "> 0",
+        "num_heads": "> 0",
+        "num_train": "> 0",
+    }
     check_ranges(args, {**COMMON_RANGES, **ranges})
     if args.model_name_or_path is None:
         exact_div(args.hidden_size, args.num_heads, "--hidden-size by --num-heads")
@@ -264,12 +276,17 @@ def load_sft_data(args):
         return [sft_record(r, f"{flag} {name}") for r in records]
 
     if args.dataset is None and args.task == "chain":  # the steps are the completion
-        train_records, eval_records = chain_task(args.num_eval)
+        train_records, eval_records = chain_task(args.num_eval, args.num_train)
         train_records = [{"prompt": r["prompt"], "completion": r["steps"]} for r in train_records]
         eval_records = [{**r, "completion": r["steps"]} for r in eval_records]
+    elif args.dataset is None and args.task == "tool":  # every other record calls the calculator, the rest answer
+        train_records, eval_records = multiplication_task(args.num_eval, args.num_train)
+        completions = [r["trace"] if i % 2 == 0 else r["answer"] for i, r in enumerate(train_records)]
+        train_records = [{"prompt": r["prompt"], "completion": c} for r, c in zip(train_records, completions)]
+        eval_records = [{**r, "completion": r["trace"]} for r in eval_records]
     elif args.dataset is None:
         train_records, eval_records = addition_task(args.num_eval, args.task)
-        train_records = [{"prompt": r["prompt"], "completion": r["answer"]} for r in train_records]
+        train_records = [{"prompt": r["prompt"], "completion": r["answer"]} for r in train_records[: args.num_train]]
     else:
         train_records = records = read(args.dataset, "--dataset")
         if args.eval_dataset is None:  # its last --num-eval, not trained on
@@ -332,6 +349,24 @@ def chain_task(num_eval, num_train=50000):
             steps.append(f"{value}{op}{n}={result}")
             value = result
         records.append({"prompt": prompt, "answer": str(value), "steps": " ".join(steps)})
+    return records[num_eval:], records[:num_eval]
+
+
+TASK_TOKENS = {"tool": ["*", "<call>", "</call>", "<result>", "</result>"]}  # what --task needs beyond the digits
+
+
+def multiplication_task(num_eval, num_train=50000):
+    """(train, held-out) records of a 3-digit number times a 2-digit one, held out alike in every run, with the trace
+    of a calculator's call: {"prompt": "347*86=", "answer": "29842",
+    "trace": "<call>347*86</call><result>29842</result>29842"}."""
+    rng, records, seen = random.Random(0), [], set()
+    while len(records) < num_eval + num_train:
+        a, b = rng.randrange(100, 1000), rng.randrange(10, 100)
+        if (a, b) in seen:
+            continue
+        seen.add((a, b))
+        trace = f"<call>{a}*{b}</call><result>{a * b}</result>{a * b}"
+        records.append({"prompt": f"{a}*{b}=", "answer": str(a * b), "trace": trace})
     return records[num_eval:], records[:num_eval]
 
 
@@ -622,12 +657,15 @@ def stop_token_ids(tokenizer, model):
     return sorted({tokenizer.eos_token_id, *ids})
 
 
-def tokenize_prompts(tokenizer, prompts, device, args):
-    """Left-padded ids and mask (B, P) of each prompt's last --max-prompt-length tokens, chat-templated if it can be."""
+def tokenize_prompts(tokenizer, prompts, device, args, tools=None):
+    """Left-padded ids and mask (B, P) of each prompt's last --max-prompt-length tokens, chat-templated if it can be
+    (with the tools' descriptions, tool_grpo.py's)."""
     system = [] if args.system_prompt is None else [{"role": "system", "content": args.system_prompt}]
     if tokenizer.chat_template:
         chats = [p if isinstance(p, list) else [*system, {"role": "user", "content": p}] for p in prompts]
-        prompts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+        prompts = [
+            tokenizer.apply_chat_template(c, tools=tools, tokenize=False, add_generation_prompt=True) for c in chats
+        ]
     elif system or any(isinstance(p, list) for p in prompts):
         what = "--system-prompt" if system else "conversational records (--dataset, --eval-dataset)"
         fail(f"{what} need a tokenizer with a chat template, and {args.model_name_or_path} has none")

@@ -847,13 +847,14 @@ def write_results(runs, memory, args, path):
             + ".",
         ]
         lines.append("")
-    kept = ""  # the block that benchmarks/process_benchmark.py writes, kept as it is
+    kept = ""  # the blocks that benchmarks/process_benchmark.py and tool_benchmark.py write, kept as they are
     if os.path.exists(path):
         with open(path) as f:
             page = f.read()
-        start, end = "<!-- process: written by benchmarks/process_benchmark.py -->", "<!-- end of process -->"
-        if start in page and end in page:
-            kept = "\n" + page[page.index(start) : page.index(end) + len(end)] + "\n"
+        for name in ("process", "tool"):
+            start, end = f"<!-- {name}: written by benchmarks/{name}_benchmark.py -->", f"<!-- end of {name} -->"
+            if start in page and end in page:
+                kept += "\n" + page[page.index(start) : page.index(end) + len(end)] + "\n"
     with open(path, "w") as f:
         f.write("\n".join(lines) + kept)
 

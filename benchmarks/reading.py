@@ -31,6 +31,7 @@ FILES = [
     "sft.py",
     "async_grpo.py",
     "process_grpo.py",
+    "tool_grpo.py",
 ]
 BANNER = "# ==== Everything below this line is the same in every file"
 # each sibling against the file it is closest to: the files that sample against grpo.py (ppo.py against rloo.py:
@@ -41,10 +42,12 @@ PAIRS = {
     "cispo.py": "grpo.py",
     "async_grpo.py": "grpo.py",
     "process_grpo.py": "grpo.py",
+    "tool_grpo.py": "grpo.py",
     "ppo.py": "rloo.py",
     "dpo.py": "reward_model.py",
 }
-# the same measures at commit e8763f5, formatted with ruff 0.17.5 (line length 120); process_grpo.py came after
+# the same measures at commit e8763f5, formatted with ruff 0.17.5 (line length 120); process_grpo.py and
+# tool_grpo.py came after
 START = {
     "grpo.py": {"lines": 1245, "main": 190, "inner_loop": 39, "ifexp_above": 12, "ifexp_below": 41},
     "rloo.py": {"lines": 1157, "main": 155, "inner_loop": 21, "ifexp_above": 7, "ifexp_below": 41},
@@ -56,10 +59,11 @@ START = {
     "sft.py": {"lines": 1050, "main": 134, "inner_loop": 11, "ifexp_above": 0, "ifexp_below": 41},
     "async_grpo.py": {"lines": 1363, "main": 206, "inner_loop": 31, "ifexp_above": 15, "ifexp_below": 41},
 }
-# the functions a sibling lacks because it runs one process and samples without vLLM (async_grpo.py): listed apart
+# the functions a sibling lacks because it samples without vLLM (async_grpo.py, tool_grpo.py): listed apart
 # from the algorithm's lines in its diff with grpo.py
 NOT_ALGORITHM = {
-    "async_grpo.py": ["VLLM_RANGES", "check_vllm", "load_engine", "sample", "sync_engine", "truncated_is_weights"]
+    "async_grpo.py": ["VLLM_RANGES", "check_vllm", "load_engine", "sample", "sync_engine", "truncated_is_weights"],
+    "tool_grpo.py": ["VLLM_RANGES", "check_vllm", "load_engine", "sample", "sync_engine", "truncated_is_weights"],
 }
 BOOLEAN_CALLS = {
     "isinstance",

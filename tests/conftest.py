@@ -23,7 +23,18 @@ os.environ.update(OFFLINE)  # before transformers is imported: the runs in this 
 IN_PROCESS = (
     set()
     if importlib.util.find_spec("vllm")
-    else {"grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "dpo.py", "reward_model.py", "sft.py"}
+    else {
+        "grpo.py",
+        "rloo.py",
+        "gspo.py",
+        "cispo.py",
+        "ppo.py",
+        "dpo.py",
+        "reward_model.py",
+        "sft.py",
+        "process_grpo.py",
+        "tool_grpo.py",
+    }
 )
 
 
@@ -100,9 +111,25 @@ def read_metrics(output_dir):
         return [json.loads(line) for line in f]
 
 
+# ChatML, and tools in the format of Qwen2.5's template (written here): the tools' descriptions in a system turn, a
+# call in <tool_call> tags, a tool's result in <tool_response> tags in a user turn; without tools, plain ChatML
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    'Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n{% endif %}'
+    "{% for m in messages %}{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n"
+    "</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 @pytest.fixture(scope="session")
 def chat_model_dir(tmp_path_factory):
-    """A random tiny Qwen2 with a byte-level BPE tokenizer that has a ChatML template, built offline.
+    """A random tiny Qwen2 with a byte-level BPE tokenizer that has a ChatML template (with tools: TOOL_TEMPLATE),
+    built offline.
 
     Its generation config stops on two ids (<|im_end|> and <|endoftext|>), as Qwen's instruct models do.
     """
@@ -123,10 +150,7 @@ def chat_model_dir(tmp_path_factory):
         ),
     )
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tokenizer.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
+    tokenizer.chat_template = TOOL_TEMPLATE
     tokenizer.save_pretrained(path)
     ids = tokenizer.convert_tokens_to_ids(specials)
     config = Qwen2Config(

@@ -31,6 +31,7 @@ SCRIPTS = [
     "sft.py",
     "async_grpo.py",
     "process_grpo.py",
+    "tool_grpo.py",
 ]
 
 # (low, low included, high, high included); None: no bound on that side
@@ -65,6 +66,15 @@ VLLM = {"vllm_kv_cache_gib": POSITIVE, "vllm_is_cap": POSITIVE}  # the files tha
 RANGES = {
     "grpo.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM, "beta": NON_NEGATIVE},
     "process_grpo.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM, "beta": NON_NEGATIVE},
+    "tool_grpo.py": {
+        **COMMON,
+        **TRAINED_LM,
+        **GROUP,
+        **CLIPPED,
+        "beta": NON_NEGATIVE,
+        "max_turns": POSITIVE,
+        "tool_reward": NON_NEGATIVE,
+    },
     "async_grpo.py": {
         **COMMON,
         **TRAINED_LM,
@@ -105,6 +115,7 @@ RANGES = {
         "hidden_size": POSITIVE,
         "num_layers": POSITIVE,
         "num_heads": POSITIVE,
+        "num_train": POSITIVE,
     },
 }
 # a valid value at an edge can still make a batch that does not divide: these flags keep the rest valid

@@ -44,6 +44,7 @@ SAMPLING = (
     "cispo.py",
     "ppo.py",
     "process_grpo.py",
+    "tool_grpo.py",
 )  # they log rollouts too
 RL = ["--prompts-per-step", "4", "--micro-batch-size", "8", "--num-eval", "20", "--max-new-tokens", "6"]
 PAIRS = [
@@ -67,6 +68,7 @@ FLAGS = {  # several optimizer steps per batch where the file has them: the Adam
     "rloo.py": RL + ["--group-size", "4"],
     # a chain's steps need room: in 6 tokens every completion ends inside its first step, all rewards 0, no update
     "process_grpo.py": RL + ["--group-size", "4", "--num-minibatches", "2", "--max-new-tokens", "16"],
+    "tool_grpo.py": RL + ["--group-size", "4", "--num-minibatches", "2", "--max-new-tokens", "24"],  # a call and more
     "gspo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],
     "cispo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],
     # a reward model: the KL coefficient adapts and the score's bias is set at step 1, loop state to bring back

@@ -59,6 +59,7 @@ SMALL = {
     "grpo.py": RL_SMALL,
     "async_grpo.py": RL_SMALL + ["--max-staleness", "1"],
     "process_grpo.py": RL_SMALL,
+    "tool_grpo.py": RL_SMALL,
     "rloo.py": RL_SMALL,
     "gspo.py": RL_SMALL + ["--num-minibatches", "2"],
     "cispo.py": RL_SMALL + ["--num-minibatches", "2"],

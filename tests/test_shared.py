@@ -36,6 +36,7 @@ ALGORITHM_FILES = [
     "sft.py",
     "async_grpo.py",
     "process_grpo.py",
+    "tool_grpo.py",
 ]
 
 
@@ -261,6 +262,7 @@ LOSSES = {
     "sft.py": "sft_loss",
     "async_grpo.py": "decoupled_loss",
     "process_grpo.py": "process_grpo_loss",
+    "tool_grpo.py": "grpo_loss",
 }
 
 

@@ -1,0 +1,209 @@
+"""tool_grpo.py: the calculator, the calls read from a turn, the masked loss against numbers worked out by hand, the
+multi-turn rollout's token ids and masks (with a stand-in policy), a chat template's tool format, and short runs."""
+
+import os
+
+import pytest
+import torch
+from conftest import PLAIN_TEMPLATE, ROOT, read_metrics, run_script
+from transformers import AutoTokenizer
+
+import tool_grpo
+from tool_grpo import calculator, call_tool, grpo_loss, parse_call, policy_tokens, tool_format
+
+CALLER = os.path.join(ROOT, "tiny-caller")
+SENTINEL = 1e6  # at the tool's positions: it must reach neither the loss nor its gradient
+
+
+def test_the_calculator_computes_arithmetic_and_refuses_anything_else():
+    assert calculator("347*86") == ("29842", 0.0)
+    assert calculator(" (1 + 2) * -3 ") == ("-9", 0.0)
+    assert calculator("7/2") == ("3.5", 0.0) and calculator("6/3") == ("2", 0.0) and calculator("1/3")[0] == "0.333333"
+    for text, message in [
+        ("2**8", "not BinOp"),
+        ("__import__('os').system('ls')", "not Call"),
+        ("x", "not Name"),
+        ("'a'*3", "not Constant"),
+        ("1/0", "division by zero"),
+        ("9" * 101, "longer than 100 characters"),
+        ("99999999999999999*99999999999999999", "over 30 digits"),
+        ("2+", "not an arithmetic expression"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            calculator(text)
+    # a failing call is a message to the policy, with the tool's reward -1; never a traceback
+    assert call_tool(calculator, {"expression": "2**8"}) == (
+        "error: only numbers, + - * / and parentheses, not BinOp",
+        -1.0,
+        False,
+    )
+    assert call_tool(calculator, {"expression": "3*4"}) == ("12", 0.0, True)
+    assert call_tool(calculator, {"formula": "3*4"})[2] is False  # arguments the tool does not take
+    assert call_tool(lambda expression: "plain text", {"expression": ""}) == ("plain text", 0.0, True)
+
+
+def test_a_call_is_read_from_the_turn_or_named_as_unreadable():
+    assert parse_call("12", "<call>", "</call>", False) == (None, None)
+    assert parse_call("<call>3*4</call>", "<call>", "</call>", False) == ({"expression": "3*4"}, None)
+    assert parse_call("<call>3*4", "<call>", "</call>", False)[1] == "error: a call ends with </call>"
+    qwen = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "347*86"}}\n</tool_call>'
+    assert parse_call(qwen, "<tool_call>", "</tool_call>", True) == ({"expression": "347*86"}, None)
+    for bad in ['{"name": "search", "arguments": {"expression": "1"}}', "{not json}", '{"name": "calculator"}']:
+        arguments, error = parse_call(f"<tool_call>{bad}</tool_call>", "<tool_call>", "</tool_call>", True)
+        assert arguments is None and error.startswith("error: a call is")
+
+
+def masked_loss(logprobs, old, ref, advantages, mask, tool_mask, on=True):
+    loss, _ = grpo_loss(logprobs, old, ref, advantages, policy_tokens(mask, tool_mask, on), beta=0.1)
+    return loss
+
+
+def test_the_tools_tokens_carry_no_loss_by_hand():
+    """One completion: the policy's 2 tokens, the tool's 2, the policy's 1, a pad. A = 2, ratios (1.5, 1, ., ., 0.5),
+    eps 0.2, ref = the policy (KL 0): t0 min(3, 2.4) = 2.4; t1 2; t4 min(1.0, 1.6) = 1.0. loss = -(2.4 + 2 + 1) / 3
+    = -1.8, whatever the log-probs at the tool's tokens. GRPO's advantage is one a completion, so no advantage sits
+    at a tool's position; what the tool's positions hold is log-probs (new, old, reference)."""
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0]]).bool()
+    tool_mask = torch.tensor([[0, 0, 1, 1, 0, 0]]).bool()
+    old = torch.full((1, 6), -1.0)
+    logprobs = (old + torch.tensor([[1.5, 1.0, 1.0, 1.0, 0.5, 1.0]]).log()).requires_grad_()
+    advantages = torch.tensor([2.0])
+    loss = masked_loss(logprobs, old, logprobs.detach(), advantages, mask, tool_mask)
+    torch.testing.assert_close(loss, torch.tensor(-1.8))
+    (grad,) = torch.autograd.grad(loss, logprobs)
+
+    # the tool's positions changed in every input: the same loss and gradient; no gradient at those positions
+    changed = torch.tensor([[0, 0, 1, 1, 0, 0]]).bool()
+    other = torch.where(changed, SENTINEL, logprobs.detach()).requires_grad_()
+    loss2 = masked_loss(
+        other,
+        torch.where(changed, -SENTINEL, old),
+        torch.where(changed, 3.0, other.detach()),
+        advantages,
+        mask,
+        tool_mask,
+    )
+    (grad2,) = torch.autograd.grad(loss2, other)
+    assert loss2.item() == loss.item() and torch.equal(grad2, grad)
+    assert grad[0, 2:4].abs().sum() == 0 and grad[0, 5] == 0
+    # the ablation (--no-mask-tool-tokens) counts them: the loss changes with them, so the check above can fail
+    off = masked_loss(logprobs, old, logprobs.detach(), advantages, mask, tool_mask, on=False)
+    off2 = masked_loss(other, old, other.detach() + 1.0, advantages, mask, tool_mask, on=False)
+    assert off.item() != loss.item() and off2.item() != off.item()
+    (grad_off,) = torch.autograd.grad(
+        masked_loss(logprobs, old, logprobs.detach(), advantages, mask, tool_mask, False), logprobs
+    )
+    assert grad_off[0, 2:4].abs().sum() > 0
+
+
+class ScriptedPolicy:
+    """Stands in for generate(): writes each prompt's scripted turns in order, the batch padded with pad ids after
+    each turn's stop token, and keeps the contexts it was given."""
+
+    def __init__(self, tokenizer, turns):
+        self.tokenizer, self.turns, self.contexts = tokenizer, turns, []
+
+    def __call__(self, model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids):
+        rows = []
+        for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist()):
+            context = [t for t, m in zip(ids, mask) if m]
+            self.contexts.append(context)
+            prompt = self.tokenizer.decode(context).split("=")[0] + "="
+            rows.append(self.turns[prompt].pop(0))
+        width = max(len(r) for r in rows)
+        return torch.tensor([r + [self.tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+
+
+def test_a_rollout_appends_the_tools_result_as_ids_and_masks_it_even_when_pad_is_eos(monkeypatch):
+    """Two prompts: 12*3= calls the calculator, then answers; 5*5= answers at once. The pad token is the EOS token
+    (TRL #4974): the masks come from the turns, not from the ids, so the answer's EOS is trained on and the padding
+    after it is not."""
+    tokenizer = AutoTokenizer.from_pretrained(CALLER)
+    tokenizer.pad_token = tokenizer.eos_token
+    eos = tokenizer.eos_token_id
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    call, result, answer = ids("<call>12*3</call>"), ids("<result>36</result>"), ids("36") + [eos]
+    policy = ScriptedPolicy(tokenizer, {"12*3=": [call, answer], "5*5=": [ids("25") + [eos]]})
+    monkeypatch.setattr(tool_grpo, "generate", policy)
+    args = tool_grpo.Args(max_new_tokens=24, max_turns=2)
+    tool = tool_format(tokenizer, args)
+    prompt_ids, prompt_mask = tool_grpo.tokenize_prompts(tokenizer, ["12*3=", "5*5="], "cpu", args)
+    out = tool_grpo.rollout(None, tokenizer, prompt_ids, prompt_mask, args, [eos], tool, 1.0)
+
+    whole = call + result + answer
+    assert out["completion_ids"][0].tolist() == whole
+    assert out["completion_ids"][1].tolist() == ids("25") + [eos] + [eos] * (len(whole) - 3)  # padded with EOS ids
+    assert out["mask"].tolist() == [[True] * len(whole), [True] * 3 + [False] * (len(whole) - 3)]
+    assert out["tool_mask"][0].tolist() == [False] * len(call) + [True] * len(result) + [False] * len(answer)
+    assert not out["tool_mask"][1].any()
+    # the second turn's context is the prompt and the ids so far, as ids: nothing decoded and tokenised again
+    assert policy.contexts[2] == ids("12*3=") + call + result
+    assert out["answers"] == ["36", "25"] and out["calls"] == [1, 0] and out["turns"] == [2, 1]
+    assert out["texts"][0] == "<call>12*3</call><result>36</result>36"
+    # the loss's tokens are the policy's: the call, the answer and its EOS
+    loss_tokens = policy_tokens(out["mask"], out["tool_mask"])
+    assert loss_tokens.sum(dim=1).tolist() == [len(call) + len(answer), 3]
+
+
+def test_a_call_with_no_turn_or_room_left_ends_the_completion_unanswered(monkeypatch):
+    tokenizer = AutoTokenizer.from_pretrained(CALLER)
+    call = tokenizer("<call>12*3</call>", add_special_tokens=False)["input_ids"]
+    # a turn left but only room for the result, <result>36</result> (4 ids), not for an answer after it
+    for flags in ({"max_turns": 1, "max_new_tokens": 24}, {"max_turns": 2, "max_new_tokens": len(call) + 4}):
+        monkeypatch.setattr(tool_grpo, "generate", ScriptedPolicy(tokenizer, {"12*3=": [call]}))
+        args = tool_grpo.Args(**flags)
+        prompt_ids, prompt_mask = tool_grpo.tokenize_prompts(tokenizer, ["12*3="], "cpu", args)
+        stop = [tokenizer.eos_token_id]
+        out = tool_grpo.rollout(None, tokenizer, prompt_ids, prompt_mask, args, stop, tool_format(tokenizer, args), 1.0)
+        assert out["completion_ids"][0].tolist() == call and not out["tool_mask"].any()
+        assert out["calls"] == [1] and out["turns"] == [1] and out["answers"] == ["<call>12*3</call>"]
+
+
+def test_a_chat_templates_tool_format_and_one_without_tools(chat_model_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)  # TOOL_TEMPLATE, Qwen2.5's format
+    args = tool_grpo.Args(model_name_or_path=chat_model_dir)
+    tool = tool_format(tokenizer, args)
+    assert tool["stop_ids"] == [] and tool["tools"][0]["function"]["name"] == "calculator"
+    # after the calling turn's <|im_end|>: the newline the template writes, the tool's turn, the next turn's start
+    assert tool["result"]("29842") == (
+        "\n<|im_start|>user\n<tool_response>\n29842\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    turn = '<tool_call>{"name": "calculator", "arguments": {"expression": "347*86"}}</tool_call><|im_end|>'
+    assert tool["parse"](turn) == ({"expression": "347*86"}, None)
+    prompt_ids, _ = tool_grpo.tokenize_prompts(tokenizer, ["What is 347*86?"], "cpu", args, tool["tools"])
+    assert '"name": "calculator"' in tokenizer.decode(prompt_ids[0])
+    tokenizer.chat_template = PLAIN_TEMPLATE  # ChatML without tools
+    with pytest.raises(SystemExit, match="its chat template does not write the tools it is given"):
+        tool_format(tokenizer, args)
+    # the bundled format needs <call> tokens: tiny-adder has none
+    with pytest.raises(SystemExit, match="no chat template and no <call> and </call> tokens"):
+        tool_format(AutoTokenizer.from_pretrained(os.path.join(ROOT, "tiny-adder")), tool_grpo.Args())
+
+
+def test_it_learns_to_call_the_tool_and_short_runs_log_the_tool_metrics(tmp_path):
+    """The default run for 5 steps (100 held-out prompts): accuracy and the tool-call rate rise clearly (a sign and
+    wiring check; benchmarks/tool_benchmark.py measures the whole run). Then the ablation's flags, 2 small steps."""
+    out = str(tmp_path / "learns")
+    run_script("tool_grpo.py", "--num-steps", "5", "--eval-every", "5", "--num-eval", "100", "--output-dir", out)
+    first, last = read_metrics(out)[0], read_metrics(out)[-1]
+    assert last["eval/accuracy"] >= first["eval/accuracy"] + 0.10, (first, last)
+    assert last["eval/tool_call_rate"] >= first["eval/tool_call_rate"] + 0.10, (first, last)
+    assert 0 < first["eval/tool_call_rate"] < 1 and last["eval/turns"] > 1
+    small = ["--num-steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--micro-batch-size", "16"]
+    small += ["--num-eval", "16", "--eval-every", "2", "--log-every", "1"]
+    out = str(tmp_path / "ablation")
+    run_script("tool_grpo.py", *small, "--no-mask-tool-tokens", "--tool-reward", "0.5", "--output-dir", out)
+    for key in ("tool_call_rate", "calls", "failed_calls", "turns", "tool_tokens"):
+        assert read_metrics(out)[1][f"charts/{key}"] >= 0
+    # bad input: one line, before any work
+    for flags, line in [
+        (["--vllm"], "error: --vllm: tool_grpo.py samples its multi-turn rollouts with transformers' generate()"),
+        (["--model-name-or-path", "tiny-adder"], "error: --model-name-or-path tiny-adder: its tokenizer has no chat"),
+        (["--max-turns", "0"], "error: --max-turns"),
+    ]:
+        proc = run_script("tool_grpo.py", *flags, "--output-dir", str(tmp_path / "bad"), expect_ok=False)
+        assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith(line), proc.stderr[-500:]
+        assert "Traceback" not in proc.stderr

@@ -1,0 +1,1482 @@
+"""GRPO with tool calls over several turns, in one file.
+
+A rollout is a conversation between the policy and a tool. The policy writes a turn until it stops
+or closes a call; the call is parsed and run, and the tool's result is appended to the completion
+as token ids; the policy writes the next turn, up to `--max-turns`. The policy's own tokens are
+never decoded and tokenised again: its ids are kept as they were sampled, and only the tool's
+result is tokenised. Everything else is GRPO (grpo.py; Shao et al. 2024, DeepSeekMath,
+https://arxiv.org/abs/2402.03300, eq. 3 and 4): the final answer's reward, its z-score within the
+group as the advantage, PPO's clipped ratio and the k3 KL to a frozen reference, with one change:
+the tool wrote some of the completion's tokens, so they are in the context of every log-prob but
+carry no loss. With m_t = 1 on the policy's tokens and 0 on the tool's,
+
+    loss = -1/G sum_i 1/|o_i|_m sum_t m_it [ min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i) - beta KL_it ]
+
+where |o_i|_m = sum_t m_it counts the policy's tokens only (`--no-mask-tool-tokens` trains on the
+tool's tokens too, for the ablation). `--max-new-tokens` is the completion's whole length, every
+turn and every result included. The bundled tool is a calculator that parses arithmetic (never
+eval). See docs/tool_grpo.md.
+
+    python tool_grpo.py                                  # bundled tiny model, 347*86= with a calculator, CPU
+    python tool_grpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \
+        --dataset-config main --max-new-tokens 768 --max-turns 4 --prompts-per-step 16 --micro-batch-size 8 \
+        --learning-rate 1e-6 --num-eval 200 --eval-every 50 --gradient-checkpointing  # a real model on a GPU
+"""
+
+import ast
+import contextlib
+import glob
+import importlib.util
+import json
+import math
+import os
+import random
+import re
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.utils.checkpoint
+import transformers
+import tyro
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # names the run: runs/<exp_name>__<seed>__<time>
+    seed: int = 1  # seed of the experiment (data order, sampling, initialisation)
+    torch_deterministic: bool = True  # deterministic algorithms only (`--no-torch-deterministic`: any)
+    cuda: bool = True  # use CUDA when it is available
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # of the forward passes (auto: bfloat16 on a GPU)
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
+    fsdp: bool = False  # under torchrun: shard the models across the processes (FSDP2), not copy them (DDP)
+    track: bool = False  # log to Weights & Biases (`WANDB_MODE=offline` keeps it on disk)
+    wandb_project_name: str = "onefile-rl"  # the wandb project
+    wandb_entity: str | None = None  # the wandb entity (team or user)
+    output_dir: str | None = None  # the run's folder, which must not exist yet (default: runs/<run name>)
+    trust_remote_code: bool = False  # let transformers run code shipped with a hub model you trust
+    log_every: int = 5  # write metrics and a console line every this many steps
+    save_every: int = 0  # write a checkpoint every this many steps (0: none)
+    keep_checkpoints: int = 2  # keep the newest this many checkpoints
+    resume_from: str | None = None  # continue the run in this folder from its last checkpoint
+
+    # Model and data
+    model_name_or_path: str = "tiny-caller"  # the starting policy: a local folder or a hub id
+    dataset: str | None = None  # a .jsonl of prompt/answer (or question/answer) records, or a hub dataset
+    task: Literal["multiplication"] = "multiplication"  # without --dataset: `347*86=`, which needs the calculator
+    dataset_config: str | None = None  # the hub dataset's configuration (GSM8K: `main`)
+    train_split: str = "train"  # the hub dataset's training split
+    eval_split: str = "test"  # the hub dataset's held-out split
+    eval_dataset: str | None = None  # a .jsonl or hub dataset (its --eval-split) of held-out records
+    num_eval: int = 500  # held-out records: --eval-dataset's first, else the hub split's first, else a .jsonl's last
+    eval_every: int = 10  # greedy accuracy on the held-out prompts every this many steps, and at 0
+    eval_samples: int = 0  # and K completions sampled per held-out prompt: eval/mean@k, eval/pass@k (0: none)
+    eval_temperature: float = 1.0  # the temperature of those samples
+    max_new_tokens: int = 24  # the longest completion, in tokens: every turn, the tool's results included
+    max_prompt_length: int | None = None  # a longer prompt (chat template included) keeps its last tokens
+    system_prompt: str | None = None  # a system message before each text prompt (needs a chat template)
+
+    # Optimisation
+    num_steps: int = 50  # training steps (each: one batch of rollouts, then its updates)
+    learning_rate: float = 1e-4  # AdamW's learning rate
+    weight_decay: float = 0.0  # AdamW's weight decay
+    max_grad_norm: float = 1.0  # clip the gradient's global norm to this
+    micro_batch_size: int = 64  # sequences per forward/backward pass, per process
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warm-up, decay to 0 at --num-steps
+    warmup_steps: int = 0  # steps of linear warm-up of the learning rate
+    lora_r: int = 0  # train LoRA adapters of this rank (peft), not every weight (0: off; docs/training.md)
+    lora_alpha: float = 16.0  # the adapters' output is scaled by lora_alpha / lora_r
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # layers with adapters
+
+    # Algorithm specific arguments
+    prompts_per_step: int = 32  # prompts per batch of rollouts
+    group_size: int = 8  # completions sampled per prompt (G in the paper)
+    temperature: float = 1.0  # sampling temperature; log-probs are computed at the same temperature
+    num_iterations: int = 1  # passes over each batch of rollouts (the paper's mu)
+    num_minibatches: int = 1  # optimizer steps per pass over a batch of rollouts
+    beta: float = 0.04  # weight of the KL penalty to the reference model (0: no reference model is loaded)
+    clip_eps_low: float = 0.2  # the ratio is clipped below at 1 - clip_eps_low
+    clip_eps_high: float = 0.2  # the ratio is clipped above at 1 + clip_eps_high (DAPO raises it to 0.28)
+    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
+    """how token losses are averaged: the paper's, DAPO's, or Dr. GRPO's (docs/grpo.md)"""
+    scale_rewards: bool = True  # divide by the group's std (`--no-scale-rewards`: Dr. GRPO)
+    max_turns: int = 2  # the policy's turns in a rollout: a turn that calls the tool is followed by another
+    mask_tool_tokens: bool = True  # the tool's tokens carry no loss (`--no-mask-tool-tokens`: they do, an ablation)
+    tool_reward: float = 0.0  # weight of the tool's own reward for each call, added to the answer's (0: off)
+    vllm: bool = False  # not in this file: its multi-turn rollouts are sampled by transformers (docs/tool_grpo.md)
+
+    # to be filled in at runtime (not flags: the command line cannot set them)
+    batch_size: tyro.conf.Suppress[int] = 0  # completions per batch of rollouts (prompts_per_step * group_size)
+    minibatch_size: tyro.conf.Suppress[int] = 0  # completions per optimizer step (batch_size // num_minibatches)
+    run_name: tyro.conf.Suppress[str] = ""  # exp_name__seed__time
+
+
+# ---- ALGO LOGIC: GRPO's advantage and loss, and which tokens the loss counts
+def group_advantages(rewards, group_size, scale=True, eps=1e-4):
+    """A_i = (R_i - mean(R_group)) / (std(R_group) + eps), or R_i - mean(R_group) if not scale.
+
+    rewards: (B,) group-contiguous, B = num_prompts * group_size; the std is the unbiased one.
+    rewards = [1, 0, 0, 0,  1, 1, 1, 1]  (G = 4) -> [1.5, -0.5, -0.5, -0.5,  0, 0, 0, 0]
+    """
+    grouped = rewards.view(-1, group_size)  # (num_prompts, G)
+    advantages = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale:
+        advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)
+    return advantages.view(-1)  # (B,)
+
+
+def grpo_loss(
+    logprobs,
+    old_logprobs,
+    ref_logprobs,
+    advantages,
+    mask,
+    clip_eps_low=0.2,
+    clip_eps_high=0.2,
+    beta=0.04,
+    loss_agg="seq-mean-token-mean",
+    max_completion_length=None,
+    is_weights=None,
+):
+    """GRPO's clipped surrogate plus beta times the k3 KL to the reference, to be minimised.
+
+    logprobs (B, T) carries the gradient; old_logprobs, ref_logprobs (B, T) and advantages (B,)
+    are constants; mask (B, T) marks completion tokens. Per token:
+        l_t = -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) + beta (exp(d_t) - d_t - 1),
+        r_t = exp(logprobs_t - old_logprobs_t),  d_t = ref_logprobs_t - logprobs_t.
+    loss_agg: "seq-mean-token-mean"     1/B sum_i 1/|o_i| sum_t l_it   (the paper)
+              "token-mean"              1/sum_i |o_i| sum_i sum_t l_it (DAPO)
+              "seq-mean-token-sum-norm" 1/B sum_i sum_t l_it / max_completion_length (Dr. GRPO)
+    is_weights (B, T), with --vllm: the clipped term of token t is multiplied by w_t (truncated_is_weights).
+    """
+    m = mask.bool()
+    log_ratio = torch.where(m, logprobs - old_logprobs, 0.0)  # padding never reaches exp()
+    ratio = torch.exp(log_ratio)  # (B, T)
+    adv = advantages[:, None]  # (B, 1)
+    clipped_ratio = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high)
+    per_token = -torch.min(ratio * adv, clipped_ratio * adv)  # (B, T)
+    if is_weights is not None:  # the engine sampled the tokens, not pi_old
+        per_token = per_token * is_weights
+    stats = {}
+    if beta > 0:
+        d = torch.where(m, ref_logprobs - logprobs, 0.0)
+        kl = torch.exp(d) - d - 1  # k3 >= 0, its gradient flows through logprobs
+        per_token = per_token + beta * kl
+        stats["kl"] = masked_mean(kl, m).detach()
+    if loss_agg == "seq-mean-token-mean":
+        loss = masked_mean(per_token, m, dim=1).mean()
+    elif loss_agg == "token-mean":
+        loss = masked_mean(per_token, m)
+    elif loss_agg == "seq-mean-token-sum-norm":
+        loss = (torch.where(m, per_token, 0.0).sum(dim=1) / max_completion_length).mean()
+    else:
+        raise ValueError(f"unknown loss_agg {loss_agg!r}")
+    # a token is clipped when the clipped branch wins the min and so gives no gradient
+    clipped = ((ratio < 1 - clip_eps_low) & (adv < 0)) | ((ratio > 1 + clip_eps_high) & (adv > 0))
+    stats["clip_frac"] = masked_mean(clipped.float(), m).detach()
+    stats["ratio"] = masked_mean(ratio, m).detach()
+    return loss, stats
+
+
+def policy_tokens(mask, tool_mask, mask_tool_tokens=True):
+    """The tokens the loss counts: the completion's (mask, every turn), less the tool's (tool_mask), unless off.
+
+    mask      = [[1, 1, 1, 1, 1, 1, 0]]   # <call> 2*3 </call> | <result> 6 </result> | 6 EOS, as ids
+    tool_mask = [[0, 0, 0, 1, 1, 1, 0]]
+    ->          [[1, 1, 1, 0, 0, 0, 0]] ... with mask_tool_tokens=False, mask itself
+    """
+    return mask & ~tool_mask if mask_tool_tokens else mask
+
+
+def main(args):
+    check_args(args)
+    device = setup(args)
+    rank = rank_and_world()[0]
+    num_prompts, batch_size, minibatch_size = batch_sizes(args)  # this process's, each step
+    checkpoint = checkpoint_to_resume(args)  # --resume-from: the run's last checkpoint, its flags checked
+    output_dir = make_output_dir(args, checkpoint)
+
+    # the policy, a frozen reference only when the KL term is on, and the tool with the way its calls are written
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    tool = tool_format(tokenizer, args)
+    policy = add_lora(load_model(args.model_name_or_path, args, device), args)  # --lora-r: the adapters alone train
+    stop_ids = stop_token_ids(tokenizer, policy)
+    policy = distribute(policy, args.fsdp)  # under torchrun: DDP, or FSDP2 with --fsdp
+    ref_policy = reference_model(policy, args, device) if args.beta > 0 else None
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    train_records, eval_records = load_tool_task(args)
+    data_rng, shuffle_gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
+    # a new run starts at 1; --resume-from puts back its checkpoint's weights and states, and goes on after it
+    first_step, saved = resume(checkpoint, {"policy": policy}, optimizer, [data_rng, shuffle_gen])
+    scheduler = lr_scheduler(optimizer, args, first_step)
+    signal = saved.get("signal", 0)  # groups whose rewards differed in the first steps (no_signal_note)
+    print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
+    loss_args = dict(
+        clip_eps_low=args.clip_eps_low,
+        clip_eps_high=args.clip_eps_high,
+        beta=args.beta,
+        loss_agg=args.loss_agg,
+        max_completion_length=args.max_new_tokens,
+    )  # grpo_loss's constants
+    start = time.time()
+    if first_step == 1:
+        samples = []  # a few held-out prompts with their completions, for samples.jsonl
+        metrics = held_out_metrics(policy, tokenizer, eval_records, args, stop_ids, tool, samples)
+        reduce_and_log(output_dir, 0, metrics, samples)
+    for step in range(first_step, args.num_steps + 1):
+        timer = Timer(device, start)
+        # 1. rollouts: G conversations with the tool per prompt, from pi_old, group-contiguous
+        prompts = data_rng.choices(train_records, k=args.prompts_per_step)  # every process draws the same prompts
+        prompts = prompts[rank * num_prompts : (rank + 1) * num_prompts]  # and takes its share
+        group = [r for r in prompts for _ in range(args.group_size)]
+        policy.eval()
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device, args, tool["tools"])
+        rollouts = rollout(policy, tokenizer, prompt_ids, prompt_mask, args, stop_ids, tool, args.temperature)
+        timer.lap("generation")
+        completion_ids, mask, tool_mask = rollouts["completion_ids"], rollouts["mask"], rollouts["tool_mask"]  # (B, T)
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
+        attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)  # the tool's tokens are context
+        loss_mask = policy_tokens(mask, tool_mask, args.mask_tool_tokens)  # and, unless ablated, carry no loss
+        prompt_len = prompt_ids.shape[1]
+
+        # 2. reward each final answer (and each call, with --tool-reward), and normalise within each group
+        answers = rollouts["answers"]  # the text of each completion's last turn
+        rewards = torch.tensor([reward_fn(t, r) for t, r in zip(answers, group)], device=device)  # (B,)
+        rewards = rewards + args.tool_reward * rollouts["call_rewards"]
+        signal = no_signal_note(step, rewards, args.group_size, signal)
+        advantages = group_advantages(rewards, args.group_size, scale=args.scale_rewards)  # (B,)
+
+        # 3. log-probs of pi_old and pi_ref, once per batch, without gradient. With one update per batch, pi_old is
+        # the policy being updated: its log-probs are the new ones, detached, and need no pass here.
+        timer.lap()  # the rewards: no phase
+        old_logprobs = None
+        if args.num_iterations > 1 or args.num_minibatches > 1:
+            old_logprobs = batched_logprobs(
+                policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
+            )
+        with adapters_off(ref_policy):  # None without a reference
+            ref_logprobs = batched_logprobs(
+                ref_policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
+            )
+        timer.lap("logprob")
+
+        # 4. num_iterations passes over the batch, each num_minibatches optimizer steps; a micro-batch's loss weighs
+        # its share of the minibatch's completions, or with DAPO's token mean, of its policy tokens
+        policy.train()
+        step_stats, grad_norms = [], []
+        token_mask = loss_mask if args.loss_agg == "token-mean" else None
+        for minibatch in minibatches(batch_size, minibatch_size, args.num_iterations, shuffle_gen, device):
+            optimizer.zero_grad()
+            for i, share in micro_batches(minibatch, args.micro_batch_size, [policy], token_mask):
+                logprobs = token_logprobs(policy, input_ids[i], attention_mask[i], prompt_len, args.temperature)
+                old = logprobs.detach() if old_logprobs is None else old_logprobs[i]
+                loss, stats = grpo_loss(logprobs, old, rows(ref_logprobs, i), advantages[i], loss_mask[i], **loss_args)
+                check_finite(loss, step)
+                (loss * share).backward()
+                # the loss as the optimizer weighed it; the token means (kl, clip_frac, ratio) by tokens
+                step_stats += [({"loss": loss.detach()}, share), (stats, loss_mask[i].sum())]
+            grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
+            optimizer.step()
+        timer.lap("update")
+
+        # 5. log, and evaluate on the held-out prompts
+        evaluate_now = step % args.eval_every == 0 or step == args.num_steps
+        if step % args.log_every == 0 or evaluate_now:
+            metrics = {
+                **weighted_means(step_stats, "losses/"),
+                "charts/reward": rewards.mean(),
+                "charts/reward_std": rewards.std(),
+                "charts/zero_std_groups": (rewards.view(-1, args.group_size).std(dim=1) == 0).float().mean(),
+                "charts/completion_length": mask.sum(dim=1).float().mean(),  # every turn, the tool's tokens too
+                "charts/tool_tokens": tool_mask.sum(dim=1).float().mean(),
+                **tool_metrics(rollouts, "charts/"),
+                "charts/learning_rate": optimizer.param_groups[0]["lr"],
+                "losses/grad_norm": torch.stack(grad_norms).mean(),  # the mean over the optimizer steps
+                **timer.metrics(tokens=mask.sum()),
+            }
+            samples = rollout_samples(group, rollouts["texts"], rewards, advantages)
+            if evaluate_now:
+                metrics.update(held_out_metrics(policy, tokenizer, eval_records, args, stop_ids, tool, samples))
+            reduce_and_log(output_dir, step, metrics, samples)
+        scheduler.step()
+        models, generators = {"policy": policy}, [data_rng, shuffle_gen]
+        save_checkpoint(
+            args, output_dir, step, tokenizer, models, optimizer, generators, signal=signal
+        )  # every --save-every steps
+
+    save(policy, tokenizer, output_dir)
+    print(f"saved to {output_dir} in {time.time() - start:.0f} s")
+    end_processes()
+
+
+def check_args(args):
+    """Stops at a flag outside its range, or at options that cannot run together, before anything loads."""
+    ranges = {
+        "prompts_per_step": "> 0",
+        "temperature": "> 0",
+        "group_size": ">= 2 (GRPO compares the completions of a group)",
+        "num_iterations": "> 0",
+        "num_minibatches": "> 0",
+        "beta": ">= 0",
+        "clip_eps_low": "in [0, 1]",
+        "clip_eps_high": ">= 0",
+        "max_turns": "> 0",
+        "tool_reward": ">= 0",
+    }
+    check_ranges(args, {**COMMON_RANGES, **ranges})
+    check_lora(args)
+    if args.vllm:
+        fail(
+            "--vllm: tool_grpo.py samples its multi-turn rollouts with transformers' generate(), a turn at a time "
+            "with the tool's results between them; vLLM is not wired in here (docs/tool_grpo.md)"
+        )
+
+
+def batch_sizes(args):
+    """(prompts, completions, completions of a minibatch) of this process at each step; a division that is not exact
+    stops the run, naming the flags. Sets args.batch_size and args.minibatch_size (of all processes)."""
+    world = rank_and_world()[1]
+    num_prompts = exact_div(args.prompts_per_step, world, "--prompts-per-step among the processes")
+    batch_size = num_prompts * args.group_size
+    what = "--prompts-per-step x --group-size"
+    minibatch_size = exact_div(batch_size, args.num_minibatches, f"{what} (per process) by --num-minibatches")
+    fit_micro_batches(args, minibatch_size, f"a minibatch ({what} / --num-minibatches, per process)")
+    args.batch_size, args.minibatch_size = batch_size * world, minibatch_size * world
+    return num_prompts, batch_size, minibatch_size
+
+
+def load_tool_task(args):
+    """(train, held-out) records: the bundled multiplication task, or --dataset's as grpo.py reads them."""
+    if args.dataset is None:
+        return multiplication_task(args.num_eval)
+    return load_task(args)
+
+
+# ---- The tool: a calculator, how its calls and results are written, and the rollout that runs it
+CALCULATOR = {  # the calculator as a chat template is told of it (apply_chat_template(..., tools=[CALCULATOR]))
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "The value of an arithmetic expression: numbers, + - * / and parentheses.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "for instance 347*86"}},
+            "required": ["expression"],
+        },
+    },
+}
+OPERATORS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b}
+OPERATORS[ast.Div] = lambda a, b: a / b
+
+
+def calculator(expression, max_length=100, max_digits=30, seconds=0.1):
+    """The bundled tool: the value of numbers, + - * / and parentheses, parsed with ast and computed a node at a
+    time, never eval'd. Returns (the value's text, this call's own reward: 0). Anything else, an expression over
+    max_length characters, a value over max_digits digits or a computation over `seconds` raises ValueError, whose
+    message the policy reads.  "347*86" -> ("29842", 0.0);  "7/2" -> ("3.5", 0.0);  "2**8" -> ValueError"""
+    if len(expression) > max_length:
+        raise ValueError(f"the expression is longer than {max_length} characters")
+    deadline = time.monotonic() + seconds
+
+    def value(node):
+        if time.monotonic() > deadline:
+            raise ValueError(f"the computation took longer than {seconds} s")
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+            return value(node.operand) * (1 if isinstance(node.op, ast.UAdd) else -1)
+        if isinstance(node, ast.BinOp) and type(node.op) in OPERATORS:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Div) and right == 0:
+                raise ValueError("division by zero")
+            result = OPERATORS[type(node.op)](left, right)
+            if not abs(result) < 10**max_digits:
+                raise ValueError(f"a value over {max_digits} digits")
+            return result
+        raise ValueError(f"only numbers, + - * / and parentheses, not {type(node).__name__}")
+
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError:
+        raise ValueError(f"not an arithmetic expression: {expression!r}") from None
+    result = value(tree.body)
+    if isinstance(result, float) and result.is_integer():
+        result = int(result)
+    return (str(result) if isinstance(result, int) else f"{result:.6g}"), 0.0
+
+
+def call_tool(function, arguments):
+    """(the text the policy reads, the call's own reward, whether it ran). A tool returns its text, or (text, reward);
+    an exception's message goes to the policy as an error, with reward -1, never a traceback."""
+    try:
+        out = function(**arguments)
+    except Exception as e:  # the policy reads what went wrong
+        return f"error: {e}", -1.0, False
+    text, reward = out if isinstance(out, tuple) else (out, 0.0)
+    return str(text), float(reward), True
+
+
+def parse_call(text, opening, closing, structured):
+    """The call in a turn's text, between opening and closing: (arguments, None), (None, error) when it cannot be
+    read, (None, None) when the turn calls nothing. structured: the call is JSON, {"name": "calculator", "arguments":
+    {"expression": ...}} (a chat template's format); else the text inside is the expression (the bundled format)."""
+    if opening not in text:
+        return None, None
+    inside = text.split(opening, 1)[1]
+    if closing not in inside:
+        return None, f"error: a call ends with {closing}"
+    inside = inside.split(closing, 1)[0].strip()
+    if not structured:
+        return {"expression": inside}, None
+    try:
+        call = json.loads(inside)
+        name, arguments = call["name"], call["arguments"]
+    except (ValueError, KeyError, TypeError):
+        name, arguments = None, None
+    if name != "calculator" or not isinstance(arguments, dict) or set(arguments) != {"expression"}:
+        return None, 'error: a call is {"name": "calculator", "arguments": {"expression": "..."}}'
+    return {"expression": str(arguments["expression"])}, None
+
+
+def tool_format(tokenizer, args):
+    """How the calculator's calls and results are written. A tokenizer with a chat template: in its own tool format,
+    which must write the tools it is given and a tool message (Qwen2.5's: <tool_call>{"name": ..., "arguments":
+    ...}</tool_call>, then <tool_response>...</tool_response> in a turn of its own). Without one: the bundled model's
+    <call>347*86</call><result>29842</result>. Returns {"tools": for apply_chat_template, "stop_ids": ids that also
+    end a turn, "parse": text -> (arguments, error), "result": a result's text -> the text appended as ids}."""
+    name = args.model_name_or_path
+    if not tokenizer.chat_template:
+        ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<call>", "</call>")]
+        if None in ids or tokenizer.unk_token_id in ids:
+            fail(
+                f"--model-name-or-path {name}: its tokenizer has no chat template and no <call> and </call> tokens, "
+                "so there is no way to write a call (docs/tool_grpo.md)"
+            )
+        return {
+            "tools": None,
+            "stop_ids": ids[1:],  # a turn that calls the tool ends at </call>
+            "parse": lambda text: parse_call(text, "<call>", "</call>", structured=False),
+            "result": lambda text: f"<result>{text}</result>",
+        }
+
+    def render(messages, tools, prompt):
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=prompt)
+
+    mark, chat = "(the result)", [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    before, after = render(chat, None, False), render([*chat, {"role": "tool", "content": mark}], None, True)
+    written = "calculator" in render(chat[:1], [CALCULATOR], True) and "calculator" not in render(chat[:1], None, True)
+    if not written or mark not in after or not after.startswith(before):
+        fail(
+            f"--model-name-or-path {name}: its chat template does not write the tools it is given or a tool message; "
+            "tool_grpo.py needs one that does, as Qwen2.5's (docs/tool_grpo.md)"
+        )
+    # after the stop token that ends the calling turn: the rest of that turn's end, the tool message, the next turn
+    end = tokenizer.eos_token
+    between = (before[before.rindex(end) + len(end) :] if end in before else "") + after[len(before) :]
+    return {
+        "tools": [CALCULATOR],
+        "stop_ids": [],  # a turn that calls the tool ends as any turn does
+        "parse": lambda text: parse_call(text, "<tool_call>", "</tool_call>", structured=True),
+        "result": lambda text: between.replace(mark, text),
+    }
+
+
+@torch.no_grad()
+def rollout(policy, tokenizer, prompt_ids, prompt_mask, args, stop_ids, tool, temperature):
+    """Completions that call the tool, sampled at temperature (None: greedy), token ids in and out: the policy writes
+    a turn until a stop token (a call's end too) or the length limit; a turn with a call gets the tool's result
+    appended as ids (only the result is tokenised; the policy's ids are kept as sampled) and the policy writes
+    another, up to --max-turns turns and --max-new-tokens tokens in all. A call in the last turn, or one whose result
+    does not fit, ends the completion unanswered.
+
+    Returns {"completion_ids", "mask" (every token, every turn), "tool_mask" (the tool's tokens): (B, T); "texts"
+    and "answers" (each completion's text, and its last turn's); "calls", "failed", "turns", "call_rewards"}."""
+    device, size, pad = prompt_ids.device, len(prompt_ids), tokenizer.pad_token_id
+    turn_ends = stop_ids + tool["stop_ids"]
+    prompts = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
+    ids, from_tool = [[] for _ in range(size)], [[] for _ in range(size)]  # each completion's ids; 1: the tool's
+    answers, calls, failed, turns, call_rewards = [""] * size, [0] * size, [0] * size, [0] * size, [0.0] * size
+    going = list(range(size))  # the completions that write another turn
+    for turn in range(args.max_turns):
+        if all_sum(torch.tensor(len(going))).item() == 0:  # every process stops at the same turn
+            break
+        batch = going
+        if not going:  # this process's completions have all ended: under FSDP every process runs each forward pass,
+            batch = [0]  # so it writes one more turn for its first prompt, and drops it
+        contexts = [prompts[i] + ids[i] for i in batch]  # ids, never text
+        width = max(len(c) for c in contexts)
+        context_ids = torch.tensor([[pad] * (width - len(c)) + c for c in contexts], device=device)
+        context_mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=device)
+        room = max(args.max_new_tokens - len(ids[i]) for i in batch)
+        new_ids = generate(policy, tokenizer, context_ids, context_mask, room, temperature, turn_ends)
+        new_mask = completion_mask(new_ids, turn_ends)  # up to and including the turn's stop token
+        still = []
+        for i, row, keep in zip(going, new_ids.tolist(), new_mask.tolist()):
+            row = [t for t, k in zip(row, keep) if k][: args.max_new_tokens - len(ids[i])]
+            ids[i], from_tool[i], turns[i] = ids[i] + row, from_tool[i] + [0] * len(row), turns[i] + 1
+            answers[i] = tokenizer.decode(row, skip_special_tokens=True)
+            arguments, error = tool["parse"](tokenizer.decode(row))
+            if arguments is None and error is None:  # no call: the final answer
+                continue
+            calls[i] += 1
+            if not row or row[-1] not in turn_ends or turn + 1 == args.max_turns:  # no room or no turn left
+                continue
+            text, reward, ran = (error, -1.0, False) if error else call_tool(calculator, arguments)
+            failed[i], call_rewards[i] = failed[i] + (not ran), call_rewards[i] + reward
+            result = tokenizer(tool["result"](text), add_special_tokens=False)["input_ids"]
+            if len(ids[i]) + len(result) < args.max_new_tokens:  # and room for an answer after it
+                ids[i], from_tool[i] = ids[i] + result, from_tool[i] + [1] * len(result)
+                still.append(i)
+        going = still
+    width = max(1, *(len(r) for r in ids))
+    return {
+        "completion_ids": torch.tensor([r + [pad] * (width - len(r)) for r in ids], device=device),
+        "mask": torch.tensor([[True] * len(r) + [False] * (width - len(r)) for r in ids], device=device),
+        "tool_mask": torch.tensor([r + [0] * (width - len(r)) for r in from_tool], device=device).bool(),
+        "texts": [tokenizer.decode(r, skip_special_tokens=True) for r in ids],
+        "answers": answers,
+        "calls": calls,
+        "failed": failed,
+        "turns": turns,
+        "call_rewards": torch.tensor(call_rewards, device=device),
+    }
+
+
+def tool_metrics(rollouts, prefix):
+    """The share of completions that call the tool, calls and turns a completion, and the share of the calls run
+    that failed to parse or run."""
+    calls, failed, turns = (torch.tensor(rollouts[k], dtype=torch.float) for k in ("calls", "failed", "turns"))
+    return {
+        f"{prefix}tool_call_rate": (calls > 0).float().mean(),
+        f"{prefix}calls": calls.mean(),
+        f"{prefix}failed_calls": failed.sum() / calls.sum().clamp(min=1),
+        f"{prefix}turns": turns.mean(),
+    }
+
+
+def held_out_metrics(policy, tokenizer, records, args, stop_ids, tool, samples):
+    """eval/accuracy of the greedy completions' final answers, the tool at hand, and their tool metrics (eval/...);
+    with --eval-samples, eval/mean@k and eval/pass@k of K sampled completions a record (of all processes)."""
+    policy.eval()
+    share, device = process_share(records), next(policy.parameters()).device
+
+    def rollouts_of(records, temperature):  # in batches of 128 prompts
+        parts = []
+        for i in range(0, len(records), 128):
+            prompts = [r["prompt"] for r in records[i : i + 128]]
+            ids, mask = tokenize_prompts(tokenizer, prompts, device, args, tool["tools"])
+            parts.append(rollout(policy, tokenizer, ids, mask, args, stop_ids, tool, temperature))
+        return {k: [x for part in parts for x in part[k]] for k in ("texts", "answers", "calls", "failed", "turns")}
+
+    greedy = rollouts_of(share, None)
+    scores = [[reward_fn(t, r) for t, r in zip(greedy["answers"], share)]]
+    samples += [
+        {"kind": "eval", "prompt": r["prompt"], "completion": t, "answer": r["answer"], "reward": x}
+        for r, t, x in zip(share[:4], greedy["texts"], scores[0])
+    ]
+    if args.eval_samples:  # its own random numbers: training draws the same ones with or without --eval-samples
+        group = [r for r in share for _ in range(args.eval_samples)]
+        with torch.random.fork_rng([torch.cuda.current_device()] if torch.cuda.is_initialized() else []):
+            sampled = rollouts_of(group, args.eval_temperature)
+        sampled = torch.tensor([reward_fn(t, r) for t, r in zip(sampled["answers"], group)]).view(len(share), -1)
+        scores += [sampled.mean(dim=1).tolist(), sampled.amax(dim=1).tolist()]
+    totals = all_sum(torch.tensor([[sum(x), len(x)] for x in scores], dtype=torch.float64)).tolist()
+    names = ["eval/accuracy", "eval/mean@k", "eval/pass@k"]
+    return {**{n: x / count for n, (x, count) in zip(names, totals)}, **tool_metrics(greedy, "eval/")}
+
+
+# ---- Helpers that only some of the files need: each is kept equal to its copy in the other files that have it
+def prompt_answer(record):
+    """The record with a 'prompt' and an 'answer' (text or None), from prompt/answer or question/answer (GSM8K:
+    the answer after '####'); other fields stay, for reward_fn."""
+    answer = None if record.get("answer") is None else str(record["answer"])
+    if "question" not in record:
+        return {**record, "answer": answer}
+    answer = None if answer is None else answer.split("####")[-1].strip()
+    return {**record, "prompt": record["question"], "answer": answer}
+
+
+def load_task(args, answers=True):
+    """(train, held-out) records with a 'prompt' and an 'answer' (with answers=False it may be None)."""
+
+    def read(name, split, flag, needed=("answer",) if answers else ()):  # a .jsonl's records, or a hub split's
+        if name.endswith(".jsonl"):
+            return read_jsonl(name, ("prompt", *needed), ("question", *needed), flag=flag)
+        return load_hub_split(name, args.dataset_config, split, flag)
+
+    if args.dataset is None:
+        train, held_out = addition_task(args.num_eval, args.task)
+    else:
+        train, held_out = read(args.dataset, args.train_split, "--dataset"), None
+    if args.eval_dataset:  # its first --num-eval, and all of --dataset is trained on
+        held_out = read(args.eval_dataset, args.eval_split, "--eval-dataset")[: args.num_eval]
+    elif held_out is None and args.dataset.endswith(".jsonl"):  # its last --num-eval, not trained on
+        if len(train) <= args.num_eval:
+            fail(f"--dataset {args.dataset}: {len(train)} records, but --num-eval {args.num_eval} are held out")
+        train, held_out = train[: -args.num_eval], train[-args.num_eval :]
+    elif held_out is None:
+        held_out = read(args.dataset, args.eval_split, "--dataset")[: args.num_eval]
+    return [prompt_answer(r) for r in train], [prompt_answer(r) for r in held_out]
+
+
+def rollout_samples(records, texts, rewards, advantages):
+    """The first four rollouts of a step, for samples.jsonl: prompt, completion, answer, reward and advantage."""
+    rows = zip(records[:4], texts, rewards.tolist(), advantages.tolist())
+    return [
+        {"kind": "rollout", "prompt": r["prompt"], "completion": t, "answer": r["answer"], "reward": x, "advantage": a}
+        for r, t, x, a in rows
+    ]
+
+
+def no_signal_note(step, rewards, group_size, signal):
+    """signal + the groups of this step (of every process) whose rewards differ; at step 5, if none ever did, one
+    line says that nothing can be learned, and why (docs/your_own_task.md). rewards (B,) group-contiguous."""
+    if step <= 5:
+        grouped = rewards.view(-1, group_size)  # (groups, G)
+        signal += all_sum((grouped.amax(dim=1) > grouped.amin(dim=1)).sum()).item()
+        if step == 5 and signal == 0:
+            print(
+                "note: in the first 5 steps every group of completions got equal rewards, so there is no learning"
+                " signal; likely cause: reward_fn scores every completion alike on your records (see"
+                " docs/your_own_task.md), or the task is too hard or too easy for this model within --max-new-tokens"
+            )
+    return signal
+
+
+def multiplication_task(num_eval, num_train=50000):
+    """(train, held-out) records of a 3-digit number times a 2-digit one, held out alike in every run, with the trace
+    of a calculator's call: {"prompt": "347*86=", "answer": "29842",
+    "trace": "<call>347*86</call><result>29842</result>29842"}."""
+    rng, records, seen = random.Random(0), [], set()
+    while len(records) < num_eval + num_train:
+        a, b = rng.randrange(100, 1000), rng.randrange(10, 100)
+        if (a, b) in seen:
+            continue
+        seen.add((a, b))
+        trace = f"<call>{a}*{b}</call><result>{a * b}</result>{a * b}"
+        records.append({"prompt": f"{a}*{b}=", "answer": str(a * b), "trace": trace})
+    return records[num_eval:], records[:num_eval]
+
+
+# ==== Everything below this line is the same in every file, byte for byte (tests/test_shared.py checks it) ====
+# Why each piece is as it is, with its measurements: docs/gpu.md, docs/distributed.md, docs/outputs.md
+def fail(message):
+    raise SystemExit(f"error: {message}")
+
+
+def exact_div(a, b, what):
+    """a // b; unless b divides a, the run stops, naming what to change."""
+    if b <= 0 or a % b != 0:
+        fail(f"{what}: {a} does not divide by {b}")
+    return a // b
+
+
+# the range of each numeric flag that every file has; each file adds its own
+COMMON_RANGES = {
+    "seed": "in [0, 4294967295]",
+    "log_every": "> 0",
+    "num_eval": "> 0",
+    "eval_every": "> 0",
+    "max_new_tokens": "> 0",
+    "num_steps": "> 0",
+    "learning_rate": "> 0",
+    "weight_decay": ">= 0",
+    "max_grad_norm": "> 0",
+    "micro_batch_size": "> 0",
+    "max_prompt_length": "> 0",
+    "save_every": ">= 0",
+    "keep_checkpoints": "> 0",
+    "warmup_steps": ">= 0",
+    "lora_r": ">= 0",
+    "lora_alpha": "> 0",
+    "eval_samples": ">= 0",
+    "eval_temperature": "> 0",
+}
+
+
+def flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def check_ranges(args, ranges):
+    """Stops at the first flag outside its range: '> 0', '>= 2' or 'in [0, 0.5)', maybe with a reason."""
+    for name, spec in ranges.items():
+        x = getattr(args, name, None)
+        if x is None:  # an optional flag left unset, or one this file lacks
+            continue
+        op, bounds = re.match(r"(>=|>|in) ([\[(].*?[\])]|\S+)", spec).groups()
+        if op != "in":  # '> 0' is 'in (0, inf)', '>= 2' is 'in [2, inf)'
+            bounds = f"{'[' if op == '>=' else '('}{bounds}, inf)"
+        low, high = map(float, bounds[1:-1].split(","))
+        above = x > low or (bounds[0] == "[" and x == low)
+        below = x < high or (bounds[-1] == "]" and x == high)
+        if not (math.isfinite(x) and above and below):  # nan and inf are in no range
+            fail(f"{flag(name)} {x}: must be {'' if math.isfinite(x) else 'a finite number '}{spec}")
+
+
+def fit_micro_batches(args, minibatch_size, what):
+    """Makes --micro-batch-size no larger than a minibatch, which it must divide (or the run stops, naming what)."""
+    args.micro_batch_size = min(args.micro_batch_size, minibatch_size)
+    if minibatch_size % args.micro_batch_size != 0:
+        fail(f"{what} by --micro-batch-size: {minibatch_size} does not divide by {args.micro_batch_size}")
+
+
+def check_lora(args):
+    """Stops before anything loads if --lora-r cannot run: with --fsdp, or without peft."""
+    if args.lora_r and args.fsdp:
+        fail("--lora-r with --fsdp: LoRA runs under DDP (torchrun without --fsdp); its gradients are small to copy")
+    if args.lora_r and importlib.util.find_spec("peft") is None:
+        fail("--lora-r: LoRA needs the peft library: pip install peft")
+
+
+# ---- The task and its reward
+def addition_task(num_eval, task="addition"):
+    """(train, held-out) records of a + b for 0 <= a, b <= 99, held out alike in every run."""
+    prompts = {"addition": "{a}+{b}=", "addition-question": "What is {a} + {b}? Reply with the number only."}
+    pairs = [(a, b) for a in range(100) for b in range(100)]
+    random.Random(0).shuffle(pairs)
+    records = [{"prompt": prompts[task].format(a=a, b=b), "answer": str(a + b)} for a, b in pairs]
+    return records[num_eval:], records[:num_eval]
+
+
+def last_number(text):
+    """The last number in text, as a float ('1,234.5' -> 1234.5), or None."""
+    found = re.findall(r"-?\d+(?:,\d{3})*(?:\.\d+)?", text)
+    return float(found[-1].replace(",", "")) if found else None
+
+
+def reward_fn(completion, record):
+    """1.0 if the completion ends with the answer: its last number, or its last words (docs/your_own_task.md)."""
+    answer = str(record["answer"])
+    if last_number(answer) is not None:
+        return float(last_number(completion) == last_number(answer))
+    text, expected = (" ".join(s.lower().split()).strip(" .,;:!?\"'`*()[]{}") for s in (completion, answer))
+    return float(bool(expected) and (text == expected or text.endswith(" " + expected)))
+
+
+# ---- Data
+def read_jsonl(path, *schemas, flag="--dataset"):
+    """The records of a JSONL file, each with the fields of a schema; a bad record stops the run naming its line."""
+    if not os.path.isfile(path):
+        fail(f"{flag} {path}: no such file")
+    with open(path, encoding="utf-8") as f:
+        lines = [(f"{flag} {path}: line {n}", line) for n, line in enumerate(f, start=1) if line.strip()]
+    records = []
+    for at, line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            fail(f"{at} is not valid JSON ({e.msg})")
+        record = records[-1] if isinstance(records[-1], dict) else {}
+        for k in next((s for s in schemas if set(s) <= set(record)), schemas[0]):
+            if k not in record:
+                fail(f"{at} has no field {k!r} (a record needs {' or '.join(' and '.join(s) for s in schemas)})")
+            v = record[k]
+            number = type(v) in (int, float) and math.isfinite(v)
+            messages = isinstance(v, list) and len(v) > 0 and all(isinstance(m, dict) for m in v)
+            chat = messages and all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in v)
+            if k == "answer" and not (isinstance(v, str) or number):
+                fail(f"{at}: field {k!r} holds {json.dumps(v)[:40]}, where it needs text or a finite number")
+            if k != "answer" and not (isinstance(v, str) or chat):
+                fail(
+                    f"{at}: field {k!r} holds {json.dumps(v)[:40]}, where it needs text or a list of role/content "
+                    "messages"
+                )
+    if not records:
+        fail(f"{flag} {path}: the file holds no records")
+    return records
+
+
+def load_hub_split(name, config, split, flag="--dataset"):
+    if importlib.util.find_spec("datasets") is None:
+        fail(f"{flag} {name}: a hub dataset needs the datasets library: pip install datasets")
+    import datasets
+
+    try:
+        return list(datasets.load_dataset(name, config, split=split))
+    except Exception as e:  # the library raises many kinds
+        fail(f"{flag} {name}: could not load split {split!r} ({type(e).__name__}: {e})".splitlines()[0])
+
+
+# ---- Models, tokens, generation and log-probs
+def from_pretrained(cls, path, trust_remote_code, flag="--model-name-or-path", **kwargs):
+    if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1 or os.path.exists(path)):
+        fail(f"{flag} {path}: no such folder")
+    try:
+        return cls.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError) as e:
+        fail(f"{flag} {path}: not a model folder, nor loadable from the hub ({type(e).__name__})")
+
+
+def load_model(path, args, device, frozen=False, model=None):
+    """The model (from path unless given) with float32 weights, computing under autocast in --dtype (docs/gpu.md)."""
+    if model is None:
+        model = from_pretrained(AutoModelForCausalLM, path, args.trust_remote_code, dtype=torch.float32)
+    model.requires_grad_(not frozen)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0  # the policy that samples is the one trained
+    if args.gradient_checkpointing:  # nothing recomputed is random: no random state to keep
+        enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)  # < 5.24
+        enable({"use_reentrant": False, "preserve_rng_state": False})
+    model.compute_dtype = getattr(torch, args.dtype)  # setup() settled an auto --dtype
+    if args.dtype != "float32":
+        model.forward = torch.autocast(device.type, dtype=model.compute_dtype)(model.forward)
+    return model.to(device)
+
+
+def add_lora(model, args):
+    """With --lora-r, the model with LoRA adapters (peft), which alone train (docs/training.md); else the model."""
+    if not args.lora_r:
+        return model
+    import peft
+
+    modules = args.lora_target_modules
+    check_lora_targets(model, modules)
+    targets = "all-linear" if modules == ["all-linear"] else modules
+    config = peft.LoraConfig(
+        r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=targets
+    )
+    try:
+        model = peft.get_peft_model(model, config)
+    except ValueError as e:
+        fail(f"--lora-target-modules {' '.join(modules)}: {str(e).splitlines()[0]}")
+    head = model.get_output_embeddings()
+    for module in model.modules():  # frozen: held in --dtype, as autocast would cast them at every token (gpu.md)
+        if isinstance(module, torch.nn.Linear) and module is not head and not module.weight.requires_grad:
+            module.to(model.compute_dtype)
+    return model
+
+
+def check_lora_targets(model, modules):
+    """Stops if --lora-target-modules names the output layer, or an input embedding tied to it (docs/training.md)."""
+    names = {module: name for name, module in model.named_modules()}
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    refused = {names[head]: "the output layer, whose weight the log-probs multiply without an adapter"}
+    if head.weight is embedding.weight:
+        refused[names[embedding]] = "tied to the output layer, which would keep no adapter"
+    for name, why in refused.items():
+        if any(name == m or name.endswith("." + m) for m in modules):
+            fail(f"--lora-target-modules {' '.join(modules)}: {name} is {why}; leave it out")
+
+
+def reference_model(policy, args, device):
+    """The frozen reference: with LoRA the policy itself (adapters_off switches its adapters off), else a copy."""
+    if args.lora_r:
+        return policy
+    return distribute(load_model(args.model_name_or_path, args, device, frozen=True).eval(), args.fsdp)
+
+
+def adapters_off(model):  # `with adapters_off(policy):` the policy without its LoRA adapters: the reference
+    return getattr(unwrap(model), "disable_adapter", contextlib.nullcontext)()
+
+
+@torch.no_grad()
+def merged_weights(model):
+    """(name, float32 tensor) of each weight, under the plain model's names; with LoRA merged, a layer at a time."""
+    model = unwrap(model)
+    if hasattr(model, "get_base_model"):  # LoRA
+        model = model.get_base_model()
+    adapted = {f"{n}.base_layer.weight": m for n, m in model.named_modules() if hasattr(m, "get_delta_weight")}
+    for name, tensor in model.state_dict().items():
+        if "lora_" in name:
+            continue
+        if name in adapted:  # a new tensor: the model's weight is never merged into and back (not exact)
+            tensor = tensor + adapted[name].get_delta_weight("default")
+        if tensor.is_floating_point():  # a frozen layer held in --dtype (add_lora)
+            tensor = tensor.float()
+        yield name.replace(".base_layer", ""), tensor
+
+
+def autocast(model):
+    """torch.autocast in the model's --dtype, for a layer of it applied by hand."""
+    dtype = getattr(unwrap(model), "compute_dtype", torch.float32)
+    return torch.autocast(next(model.parameters()).device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def load_tokenizer(path, trust_remote_code):
+    tokenizer = from_pretrained(AutoTokenizer, path, trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def stop_token_ids(tokenizer, model):
+    """Every id that ends a completion: the tokenizer's EOS and the generation config's."""
+    ids = model.generation_config.eos_token_id  # None, an id, or a list of ids
+    if ids is None:
+        ids = []
+    if isinstance(ids, int):
+        ids = [ids]
+    return sorted({tokenizer.eos_token_id, *ids})
+
+
+def tokenize_prompts(tokenizer, prompts, device, args, tools=None):
+    """Left-padded ids and mask (B, P) of each prompt's last --max-prompt-length tokens, chat-templated if it can be
+    (with the tools' descriptions, tool_grpo.py's)."""
+    system = [] if args.system_prompt is None else [{"role": "system", "content": args.system_prompt}]
+    if tokenizer.chat_template:
+        chats = [p if isinstance(p, list) else [*system, {"role": "user", "content": p}] for p in prompts]
+        prompts = [
+            tokenizer.apply_chat_template(c, tools=tools, tokenize=False, add_generation_prompt=True) for c in chats
+        ]
+    elif system or any(isinstance(p, list) for p in prompts):
+        what = "--system-prompt" if system else "conversational records (--dataset, --eval-dataset)"
+        fail(f"{what} need a tokenizer with a chat template, and {args.model_name_or_path} has none")
+    ids = tokenizer(prompts, add_special_tokens=not tokenizer.chat_template)["input_ids"]
+    if args.max_prompt_length:
+        ids = [i[-args.max_prompt_length :] for i in ids]
+    width = max(len(i) for i in ids)
+    input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(i)) + i for i in ids], device=device)
+    return input_ids, torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=device)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, processors=()):
+    """Completion ids (B, T) by plain sampling at temperature (None: greedy), whatever the model's config says."""
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        eos_token_id=stop_ids,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        num_beams=1,
+        remove_invalid_values=True,  # a diverged model reaches the NaN check
+    )
+    if temperature is not None:
+        config.do_sample, config.temperature, config.top_k, config.top_p = True, temperature, 0, 1.0
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if sharded:  # FSDP: each layer gathered once for the rollout, not for every token
+        model.set_reshard_after_forward(False)
+    try:
+        with autocast(model):  # each weight cast to --dtype once
+            out = unwrap(model).generate(
+                input_ids=prompt_ids,
+                attention_mask=prompt_mask,
+                generation_config=config,
+                logits_processor=transformers.LogitsProcessorList(processors),
+                synced_gpus=dist.is_initialized(),
+            )
+    finally:
+        for module in sharded:  # then every layer but the root reshards after its forward again
+            module.reshard()
+            module.set_reshard_after_forward(module is not model, recurse=False)
+    return out[:, prompt_ids.shape[1] :]
+
+
+def completion_mask(completion_ids, stop_ids):
+    """1 up to and including the first stop token: [[5, 7, EOS, PAD], [6, 6, 6, 6]] -> [[1, 1, 1, 0], [1, 1, 1, 1]]"""
+    is_stop = torch.isin(completion_ids, torch.tensor(stop_ids, device=completion_ids.device)).long()
+    return (is_stop.cumsum(dim=1) - is_stop) == 0  # no stop token before this one
+
+
+def decode_completions(tokenizer, completion_ids, mask):
+    return [tokenizer.decode(ids[m], skip_special_tokens=True) for ids, m in zip(completion_ids, mask)]
+
+
+def forward(model, input_ids, attention_mask, **kwargs):
+    """The model's output, with generate()'s positions and no KV cache (nobody would read it)."""
+    positions = (attention_mask.cumsum(1) - 1).clamp(0)
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, **kwargs)
+
+
+def hidden_states(model, input_ids, attention_mask):
+    """The decoder's last hidden states (B, L, d), as the output layer (or a score head) takes them."""
+    states, causal_lm = [], unwrap(model).get_output_embeddings() is not None
+    hook = unwrap(model).get_decoder().register_forward_hook(lambda module, inputs, out: states.append(out[0]))
+    try:
+        forward(model, input_ids, attention_mask, **({"logits_to_keep": 1} if causal_lm else {}))  # its last logits
+    finally:
+        hook.remove()
+    return states[0]
+
+
+def token_logprobs(
+    model, input_ids, attention_mask, prompt_len, temperature=1.0, with_entropy=False, chunk_values=2**26
+):
+    """Log-probs (B, T) of the completion tokens input_ids[:, prompt_len:], float32 (and entropies (B, T)).
+
+    input_ids = [PAD, PAD, 4, 7, 13 | 5, 5, EOS]   left-padded prompt | completion (T = 3)
+    attention = [0,   0,   1, 1, 1  | 1, 1, 1  ]   positions [0, 0, 0, 1, 2 | 3, 4, 5], as in generate()
+    The state at prompt_len - 1 + t predicts token t; chunk_values logits at a time (docs/gpu.md).
+    """
+    length, config = input_ids.shape[1] - prompt_len, unwrap(model).config.get_text_config()
+    scaled = any(getattr(config, k, None) not in (None, 1) for k in ("logit_scale", "logits_scaling"))
+    if scaled or getattr(config, "final_logit_softcapping", None) is not None:  # its own logits, under autocast
+        hidden = forward(model, input_ids, attention_mask, logits_to_keep=length + 1).logits[:, :-1]  # (B, T, vocab)
+        weight, bias, vocab = None, None, hidden.shape[-1]
+    else:  # the output layer's weight and bias, multiplied in float32 below
+        hidden = hidden_states(model, input_ids, attention_mask)[:, -length - 1 : -1]  # (B, T, d)
+        head = unwrap(model).get_output_embeddings()
+        weight, bias, vocab = head.weight, head.bias, head.weight.shape[0]
+    hidden, targets = hidden.flatten(0, 1), input_ids[:, prompt_len:].flatten()  # (B T, d or vocab), (B T,)
+
+    def chunk(hidden, targets, weight, bias):  # log-probs (n,) and entropies (n,) at n positions
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits = hidden.float()
+            if weight is not None:
+                logits = torch.nn.functional.linear(logits, weight.float(), None if bias is None else bias.float())
+        logits = logits / temperature  # (n, vocab)
+        logsumexp = torch.logsumexp(logits, dim=-1)
+        entropy = None
+        if with_entropy:
+            entropy = logsumexp - (logits.softmax(-1) * logits).sum(-1)
+        return logits.gather(-1, targets[:, None]).squeeze(-1) - logsumexp, entropy
+
+    span, chunks = max(1, chunk_values // vocab), []
+    recompute = torch.is_grad_enabled() and len(targets) > span  # in the backward pass (one chunk: no need)
+    for i in range(0, len(targets), span):
+        part = hidden[i : i + span], targets[i : i + span], weight, bias
+        if recompute:
+            chunks.append(
+                torch.utils.checkpoint.checkpoint(chunk, *part, use_reentrant=False, preserve_rng_state=False)
+            )
+        else:
+            chunks.append(chunk(*part))
+    logprobs = torch.cat([c[0] for c in chunks]).view(-1, length)  # (B, T)
+    if with_entropy:
+        return logprobs, torch.cat([c[1] for c in chunks]).view(-1, length)
+    return logprobs
+
+
+@torch.no_grad()
+def batched_logprobs(model, input_ids, attention_mask, prompt_len, temperature, batch_size):
+    """token_logprobs (B, T) in batches of batch_size, without gradient; None for no model (no reference)."""
+    if model is None:
+        return None
+    model.eval()
+    batches = [slice(i, i + batch_size) for i in range(0, len(input_ids), batch_size)]
+    return torch.cat([token_logprobs(model, input_ids[b], attention_mask[b], prompt_len, temperature) for b in batches])
+
+
+def rows(tensor, idx):  # tensor[idx], or None (a run without a reference, or without an engine, has no log-probs)
+    return None if tensor is None else tensor[idx]
+
+
+def masked_mean(x, mask, dim=None):
+    """Mean of x where mask is 1; masked positions never leak, even inf or nan."""
+    x = torch.where(mask.bool(), x, 0.0)
+    return x.sum() / mask.sum().clamp(min=1) if dim is None else x.sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def weighted_means(records, prefix=""):
+    """{prefix + name: sum w x / sum w} of (stats, w) records: [({"kl": 1.0}, 1), ({"kl": 0.0}, 3)] -> {"kl": 0.25}"""
+    sums, totals = {}, {}
+    for stats, weight in records:
+        for name, value in stats.items():
+            sums[name] = sums.get(name, 0.0) + float(value) * float(weight)
+            totals[name] = totals.get(name, 0.0) + float(weight)
+    return {prefix + name: sums[name] / totals[name] for name in sums}
+
+
+def minibatches(size, minibatch_size, passes, generator, device):
+    """The index blocks of `passes` passes over a batch of `size`, each pass shuffled anew and cut in minibatches."""
+    for _ in range(passes):
+        yield from torch.randperm(size, generator=generator).to(device).split(minibatch_size)
+
+
+def micro_batches(minibatch, size, models, token_mask=None):
+    """(part, share) of each micro-batch (its indices, or its records), its gradients synced (DDP) at the last one only;
+    weighed by share, they add up to the minibatch loss's: share of the sequences, or of the tokens of all processes."""
+    parts = [minibatch[i : i + size] for i in range(0, len(minibatch), size)]
+    for i, idx in enumerate(parts):
+        share = len(idx) / len(minibatch)
+        if token_mask is not None:
+            share = token_mask[idx].sum() / (all_sum(token_mask[minibatch].sum()) / rank_and_world()[1])
+        with gradient_sync(i == len(parts) - 1, *models):
+            yield idx, share
+
+
+def check_finite(loss, step, cause="the rewards"):
+    if not torch.isfinite(loss):
+        fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check {cause}")
+
+
+@torch.no_grad()
+def completion_texts(model, tokenizer, records, args, stop_ids, temperature=None):
+    """The texts of the records' completions, greedy (or sampled at temperature)."""
+    model.eval()
+    texts, device = [], next(model.parameters()).device
+    for i in range(0, len(records), 128):
+        ids, mask = tokenize_prompts(tokenizer, [r["prompt"] for r in records[i : i + 128]], device, args)
+        completion_ids = generate(model, tokenizer, ids, mask, args.max_new_tokens, temperature, stop_ids)
+        texts += decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
+    return texts
+
+
+def evaluate(model, tokenizer, records, args, stop_ids, samples=None, k=0, pause=contextlib.nullcontext):
+    """{eval/accuracy of greedy completions, and with k sampled per record eval/mean@k and eval/pass@k}, of all
+    processes; pause(): a context in which no other thread draws random numbers (async_grpo.py's generator)."""
+    records = process_share(records)
+    texts = completion_texts(model, tokenizer, records, args, stop_ids)
+    scores = [[reward_fn(t, r) for t, r in zip(texts, records)]]
+    if samples is not None:
+        samples += [
+            {"kind": "eval", "prompt": r["prompt"], "completion": t, "answer": r["answer"], "reward": x}
+            for r, t, x in zip(records[:4], texts, scores[0])
+        ]
+    if k:  # its own random numbers: training draws the same ones with or without --eval-samples
+        group = [r for r in records for _ in range(k)]
+        with pause(), torch.random.fork_rng([torch.cuda.current_device()] if torch.cuda.is_initialized() else []):
+            texts = completion_texts(model, tokenizer, group, args, stop_ids, args.eval_temperature)
+        sampled = torch.tensor([reward_fn(t, r) for t, r in zip(texts, group)]).view(-1, k)  # (records, K)
+        scores += [sampled.mean(dim=1).tolist(), sampled.amax(dim=1).tolist()]
+    totals = all_sum(torch.tensor([[sum(x), len(x)] for x in scores], dtype=torch.float64)).tolist()
+    return {name: x / count for name, (x, count) in zip(["eval/accuracy", "eval/mean@k", "eval/pass@k"], totals)}
+
+
+def lr_scheduler(optimizer, args, first_step):
+    """--learning-rate x factor(steps done): --warmup-steps of linear warm-up, then --lr-schedule's decay (to 0)."""
+
+    def factor(done):
+        progress = max(0, done - args.warmup_steps) / max(1, args.num_steps - args.warmup_steps)
+        decay = {"constant": 1, "linear": 1 - progress, "cosine": (1 + math.cos(math.pi * progress)) / 2}
+        return min(1, (done + 1) / max(1, args.warmup_steps)) * decay[args.lr_schedule]
+
+    for group in optimizer.param_groups:  # what LambdaLR scales (a checkpoint does not keep it)
+        group["initial_lr"] = args.learning_rate
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=first_step - 2)
+
+
+# ---- The run's folder: metrics, samples, the model, checkpoints (docs/outputs.md)
+def clock(device):
+    """Seconds, once this thread's CUDA stream has done its queued work."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return time.perf_counter()
+
+
+class Timer:
+    """A step's seconds: timer.lap("generation") ends a phase begun at the step's start or at the last lap."""
+
+    def __init__(self, device, run_start):
+        self.device, self.run_start, self.seconds = device, run_start, {}
+        self.start = self.last = clock(device)
+
+    def lap(self, name=None):
+        now = clock(self.device)
+        if name is not None:
+            self.seconds[f"charts/{name}_time"] = now - self.last
+        self.last = now
+
+    def metrics(self, tokens):
+        step = clock(self.device) - self.start
+        times = {"charts/step_time": step, "charts/tokens_per_sec": tokens / step, **self.seconds}
+        return {**times, "charts/elapsed_time": time.time() - self.run_start}
+
+
+def reduce_and_log(output_dir, step, metrics, samples=()):
+    """Every process calls it: the step's metrics, averaged over the processes (an all-reduce); rank 0 writes them
+    and the samples to their files, wandb and the console."""
+    values = all_sum(torch.tensor([float(v) for v in metrics.values()], dtype=torch.float64)) / rank_and_world()[1]
+    metrics = dict(zip(metrics, values.tolist()))
+    if rank_and_world()[0] != 0:
+        return
+    for name, rows in (("metrics", [metrics]), ("samples", samples)):
+        try:
+            with open(os.path.join(output_dir, f"{name}.jsonl"), "a") as f:
+                f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+        except OSError as e:
+            fail(f"--output-dir {output_dir}: cannot write its {name} ({e.strerror})")
+    wandb = sys.modules.get("wandb")  # --track: imported, its run started by make_output_dir
+    if wandb is not None and wandb.run is not None:
+        columns = list(dict.fromkeys(k for s in samples for k in s))
+        if samples:
+            metrics = {**metrics, "samples": wandb.Table(columns, [[s.get(k) for k in columns] for s in samples])}
+        wandb.log(metrics, step=step)
+    shown = ["charts/reward", "losses/loss", "eval/loss", "eval/accuracy", "eval/pair_accuracy", "charts/step_time"]
+    print(f"step {step:5d}  " + "  ".join(f"{k} {metrics[k]:.4f}" for k in shown if k in metrics), flush=True)
+    if samples:
+        print("  sample  " + "  ".join(f"{k} {repr(v)[:80]}" for k, v in samples[0].items()), flush=True)
+
+
+def checkpoint_to_resume(args):
+    """With --resume-from, the run's last checkpoint, once the run's flags are checked against these; else None.
+    Checked before any model loads; a resumed run takes the run's name."""
+    if args.resume_from is None:
+        return None
+    path, world = args.resume_from, rank_and_world()[1]
+    steps = sorted(glob.glob(os.path.join(path, "checkpoints", "step_" + "[0-9]" * 6)))  # whole ones
+    if not steps or not os.path.exists(os.path.join(path, "args.json")):
+        fail(f"--resume-from {path}: not a run's folder with a whole checkpoint (--save-every writes them)")
+    with open(os.path.join(steps[-1], "trainer_state.json")) as f, open(os.path.join(path, "args.json")) as g:
+        state, saved = json.load(f), json.load(g)
+    keep = (
+        "num_steps log_every eval_every save_every keep_checkpoints resume_from track wandb_project_name wandb_entity"
+    )
+    keep = {*keep.split(), "exp_name", "run_name"}  # the flags a resumed run may change
+    run = {"file": state["file"], "processes": state["world_size"], **{flag(k): v for k, v in saved.items()}}
+    this = {"file": os.path.basename(__file__), "processes": world}
+    this.update({flag(k): v for k, v in asdict(args).items() if k not in keep})
+    differ = [f"{k} {v} (the run's: {run.get(k)})" for k, v in this.items() if run.get(k) != v]
+    if differ:
+        fail(f"--resume-from {path}: differs from the run: {', '.join(differ)}")
+    if args.num_steps <= state["step"]:
+        fail(f"--num-steps {args.num_steps}: the checkpoint is at step {state['step']}; ask for more steps")
+    print(f"resuming {path} from {steps[-1]} (step {state['step']})")
+    args.run_name = saved["run_name"]
+    return steps[-1]
+
+
+def make_output_dir(args, checkpoint):
+    """The run's folder: a new one with args.json; resumed from checkpoint, the run's own, its metrics and samples cut
+    back to the checkpoint's step (the resumed run logs the later steps again). With --track, the wandb run."""
+    path = args.resume_from
+    if checkpoint is None:
+        path = args.output_dir
+        if path is None:
+            path = os.path.join("runs", args.run_name)
+        if os.path.exists(path):
+            fail(f"--output-dir {path} already exists; choose a new folder")
+    barrier()  # every process has checked before rank 0 writes
+    try:
+        if rank_and_world()[0] == 0 and checkpoint is None:
+            os.makedirs(path)
+            with open(os.path.join(path, "args.json"), "w") as f:
+                json.dump(asdict(args), f, indent=2)
+        if rank_and_world()[0] == 0 and checkpoint is not None:
+            with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+                last = json.load(f)["step"]
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                with open(os.path.join(path, name), "a+") as f:
+                    f.seek(0)
+                    lines = [line for line in f if line.endswith("}\n") and json.loads(line)["step"] <= last]
+                    f.truncate(0)
+                    f.writelines(lines)
+    except OSError as e:
+        fail(f"--output-dir {path}: cannot write there ({e.strerror}); choose a folder you can write to")
+    if args.track and rank_and_world()[0] == 0:
+        import wandb
+
+        wandb.init(
+            project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name, config=vars(args), dir=path
+        )
+    return path
+
+
+def save(model, tokenizer, output_dir, merged=True):
+    """The model and the tokenizer, loadable with from_pretrained (rank 0 writes); with LoRA the adapter alone in
+    adapter/, and the model with it merged in unless merged=False."""
+    model, weights = unwrap(model), None
+    if isinstance(model, FSDPModule):
+        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)).items()
+    try:
+        if rank_and_world()[0] != 0:
+            return
+        if hasattr(model, "get_base_model"):  # LoRA
+            model.save_pretrained(os.path.join(output_dir, "adapter"))
+            if not merged:
+                return
+            model, weights = model.get_base_model(), merged_weights(model)
+        state_dict = None
+        if weights is not None:  # a tensor at a time to the CPU, a tied weight under one name
+            names = {n.replace(".base_layer", "") for n, _ in [*model.named_parameters(), *model.named_buffers()]}
+            state_dict = {name: tensor.cpu() for name, tensor in weights if name in names}
+        model.save_pretrained(output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(output_dir)
+    except OSError as e:
+        fail(f"--output-dir {output_dir}: cannot save the model there ({e.strerror})")
+
+
+def save_checkpoint(args, output_dir, step, tokenizer, models, optimizer, generators, **loop_state):
+    """Every --save-every steps, checkpoints/step_<step>/: each model, state/ (DCP), random and loop states."""
+    if args.save_every == 0 or step % args.save_every != 0:
+        return
+    (rank, world), folder = rank_and_world(), os.path.join(output_dir, "checkpoints", f"step_{step:06d}")
+    part = folder + ".partial"  # named once whole
+    if rank == 0:
+        shutil.rmtree(part, ignore_errors=True)
+    barrier()
+    dcp.save(checkpoint_state(models, optimizer)[1], checkpoint_id=f"{part}/state")
+    for name, model in models.items():
+        save(model, tokenizer, f"{part}/{name}", merged=False)  # LoRA: adapter/ alone
+    _, keys, *rest = sys.modules["numpy"].random.get_state()  # torch loaded numpy; vLLM's CUDA sampler draws from it
+    states = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all(),
+        "numpy": [torch.from_numpy(keys), *rest],
+        "generators": [g.getstate() if isinstance(g, random.Random) else g.get_state() for g in generators],
+    }
+    torch.save(states, f"{part}/rng_{rank}.pt")
+    barrier()
+    if rank == 0:
+        with open(f"{part}/trainer_state.json", "w") as f:
+            json.dump({"file": os.path.basename(__file__), "step": step, "world_size": world, "state": loop_state}, f)
+        os.replace(part, folder)
+        for old in sorted(glob.glob(os.path.join(output_dir, "checkpoints", "step_*[0-9]")))[: -args.keep_checkpoints]:
+            shutil.rmtree(old)
+    barrier()
+
+
+def checkpoint_state(models, optimizer):
+    """(the models in a ModuleDict, the state a checkpoint keeps of them and of the optimizer): frozen weights left
+    out, a tied one too (LoRA: the adapters alone; a resumed run loads the rest from --model-name-or-path)."""
+    modules = torch.nn.ModuleDict({name: unwrap(model) for name, model in models.items()})
+    frozen = {name for name, p in modules.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    model_state, optimizer_state = get_state_dict(modules, optimizer)
+    return modules, {"models": {k: v for k, v in model_state.items() if k not in frozen}, "optimizer": optimizer_state}
+
+
+def resume(checkpoint, models, optimizer, generators):
+    """(the first step, the loop's state): (1, {}) for a new run, else the checkpoint's, its states put back."""
+    if checkpoint is None:
+        return 1, {}
+    modules, state = checkpoint_state(models, optimizer)  # what to load into
+    dcp.load(state, checkpoint_id=os.path.join(checkpoint, "state"))
+    set_state_dict(
+        modules,
+        optimizer,
+        model_state_dict=state["models"],
+        optim_state_dict=state["optimizer"],
+        options=StateDictOptions(strict=False),
+    )  # the frozen weights stay as loaded
+    rng = torch.load(os.path.join(checkpoint, f"rng_{rank_and_world()[0]}.pt"))
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"])
+    torch.cuda.set_rng_state_all(rng["cuda"])
+    sys.modules["numpy"].random.set_state(("MT19937", rng["numpy"][0].numpy(), *rng["numpy"][1:]))
+    for generator, value in zip(generators, rng["generators"]):
+        if isinstance(generator, random.Random):
+            generator.setstate(value)
+        else:
+            generator.set_state(value)
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        state = json.load(f)
+    return state["step"] + 1, state["state"]
+
+
+# ---- The device and many processes: torchrun, DDP or FSDP2 (docs/distributed.md)
+def setup(args):
+    """The device; names the run, settles --dtype auto, seeds (seed + rank) and joins torchrun's processes."""
+    transformers.utils.logging.disable_progress_bar()
+    if not args.run_name:
+        args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before CUDA starts
+    cuda = args.cuda and torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    bfloat16 = not cuda or torch.cuda.is_bf16_supported()
+    if args.dtype == "bfloat16" and not bfloat16:
+        fail("--dtype bfloat16: this GPU has no bfloat16; use --dtype float32")
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if cuda and bfloat16 else "float32"
+    if "LOCAL_RANK" in os.environ:  # torchrun: a process a GPU
+        if cuda:
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+        if dist.get_rank() != 0:
+            sys.stdout = open(os.devnull, "w")  # rank 0 alone prints
+    elif args.fsdp:
+        fail("--fsdp shards the models across processes: start them with torchrun --nproc-per-node N")
+    seed = args.seed + rank_and_world()[0]
+    random.seed(seed)
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(args.torch_deterministic)
+    return device
+
+
+def rank_and_world():
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def process_share(items):
+    """This process's held-out items: every N-th from its rank on, as many for each (a remainder is left out, said)."""
+    rank, world = rank_and_world()
+    if len(items) < world:
+        fail(f"{len(items)} held-out records for {world} processes, which need one each: raise --num-eval")
+    left_out = len(items) % world
+    if left_out:
+        print(
+            f"note: the last {left_out} of {len(items)} held-out records are left out, so that each of the {world} "
+            "processes evaluates as many"
+        )
+    return items[: len(items) - left_out][rank::world]
+
+
+def all_sum(x):
+    """The sum of tensor x over the processes (every process calls it)."""
+    if not dist.is_initialized():
+        return x
+    y = x.detach().to(f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu", copy=True)
+    dist.all_reduce(y)
+    return y.to(x.device)
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def end_processes():
+    """Ends the wandb run; under torchrun the group, then the process (docs/distributed.md)."""
+    wandb = sys.modules.get("wandb")  # --track
+    if wandb is not None and wandb.run is not None:
+        wandb.finish()
+    if dist.is_initialized():
+        barrier()
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def distribute(model, fsdp):
+    """The model over the processes from rank 0's weights: DDP (a frozen one: a copy each), or FSDP2 with fsdp."""
+    if not dist.is_initialized():
+        return model
+    for tensor in model.state_dict().values():
+        dist.broadcast(tensor, src=0)
+    if fsdp:
+        precision = MixedPrecisionPolicy(param_dtype=model.compute_dtype, reduce_dtype=torch.float32)
+        layers = [m for m in model.modules() if model._no_split_modules and type(m).__name__ in model._no_split_modules]
+        for module in [*layers, model]:  # each decoder layer, then the rest
+            fully_shard(module, mp_policy=precision)
+        if model.can_generate():
+            register_fsdp_forward_method(model, "generate")  # generate() gathers as forward() does
+        return model
+    trained = any(p.requires_grad for p in model.parameters())
+    return torch.nn.parallel.DistributedDataParallel(model) if trained else model
+
+
+def unwrap(model):  # the model inside a DDP wrapper (an FSDP2 model is its own)
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def gradient_sync(last, *models):
+    """`with gradient_sync(last, model):` under DDP, only a step's last micro-batch all-reduces the gradients."""
+    stack = contextlib.ExitStack()
+    for model in models:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last:
+            stack.enter_context(model.no_sync())
+    return stack
+
+
+def parse_args():
+    """The flags; with --resume-from, a flag left out takes the run's own value (its args.json)."""
+    about = f"{__doc__.splitlines()[0]} See docs/{os.path.basename(__file__)[:-3]}.md; the algorithm's flags come last."
+    args = tyro.cli(Args, description=about)
+    if args.resume_from is None or not os.path.exists(os.path.join(args.resume_from, "args.json")):
+        return args  # a new run, or a --resume-from that checkpoint_to_resume refuses
+    with open(os.path.join(args.resume_from, "args.json")) as f:
+        saved = {k: v for k, v in json.load(f).items() if k in Args.__dataclass_fields__}
+    return tyro.cli(Args, description=about, default=Args(**saved))
+
+
+if __name__ == "__main__":
+    main(parse_args())
