@@ -161,7 +161,7 @@ QUICK_FLAGS["ppo-learned-rm-one-pair"] = QUICK_FLAGS["ppo-learned-rm"]
 QUICK_FLAGS["grpo-vllm"] = QUICK_FLAGS["grpo"]
 QUICK_FLAGS.update(
     {
-        name: ["--num-steps", "2", "--micro-batch-size", "4", "--max-new-tokens", "8"]
+        name: ["--num-steps", "1", "--micro-batch-size", "4", "--max-new-tokens", "8"]
         + (
             ["--batch-size", "4", "--num-train-prompts", "8"]
             if name.startswith("dpo")

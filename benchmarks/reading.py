@@ -32,6 +32,7 @@ FILES = [
     "async_grpo.py",
     "process_grpo.py",
     "tool_grpo.py",
+    "dapo.py",
 ]
 BANNER = "# ==== Everything below this line is the same in every file"
 # each sibling against the file it is closest to: the files that sample against grpo.py (ppo.py against rloo.py:
@@ -43,6 +44,7 @@ PAIRS = {
     "async_grpo.py": "grpo.py",
     "process_grpo.py": "grpo.py",
     "tool_grpo.py": "grpo.py",
+    "dapo.py": "grpo.py",
     "ppo.py": "rloo.py",
     "dpo.py": "reward_model.py",
 }

@@ -34,6 +34,7 @@ IN_PROCESS = (
         "sft.py",
         "process_grpo.py",
         "tool_grpo.py",
+        "dapo.py",
     }
 )
 

@@ -184,13 +184,16 @@ def test_the_behaviour_weight_is_the_samplers_at_every_lag(tmp_path):
 
 
 def test_same_seed_same_metrics_with_activation_checkpointing(tmp_path):
-    """The issue's command (8 steps), twice: at eta 2 with --gradient-checkpointing the trainer's recomputations no
-    longer rewind the generator's random numbers (they did, and the runs parted from the 4th logged step)."""
+    """The issue's command (8 steps; 16 prompts a step, half the default, to keep the suite short), twice: at eta 2
+    with --gradient-checkpointing the trainer's recomputations no longer rewind the generator's random numbers (they
+    did, and the runs parted from the 4th logged step)."""
     flags = [
         "--max-staleness",
         "2",
         "--gradient-checkpointing",
         "--micro-batch-size",
+        "16",
+        "--prompts-per-step",
         "16",
         "--num-steps",
         "8",

@@ -32,6 +32,7 @@ SCRIPTS = [
     "async_grpo.py",
     "process_grpo.py",
     "tool_grpo.py",
+    "dapo.py",
 ]
 
 # (low, low included, high, high included); None: no bound on that side
@@ -66,6 +67,16 @@ VLLM = {"vllm_kv_cache_gib": POSITIVE, "vllm_is_cap": POSITIVE}  # the files tha
 RANGES = {
     "grpo.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM, "beta": NON_NEGATIVE},
     "process_grpo.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM, "beta": NON_NEGATIVE},
+    "dapo.py": {
+        **COMMON,
+        **TRAINED_LM,
+        **GROUP,
+        **CLIPPED,
+        **VLLM,
+        "beta": NON_NEGATIVE,
+        "max_sample_batches": POSITIVE,
+        "overlong_cache": POSITIVE,
+    },
     "tool_grpo.py": {
         **COMMON,
         **TRAINED_LM,

@@ -45,6 +45,7 @@ SAMPLING = (
     "ppo.py",
     "process_grpo.py",
     "tool_grpo.py",
+    "dapo.py",
 )  # they log rollouts too
 RL = ["--prompts-per-step", "4", "--micro-batch-size", "8", "--num-eval", "20", "--max-new-tokens", "6"]
 PAIRS = [
@@ -68,6 +69,7 @@ FLAGS = {  # several optimizer steps per batch where the file has them: the Adam
     "rloo.py": RL + ["--group-size", "4"],
     # a chain's steps need room: in 6 tokens every completion ends inside its first step, all rewards 0, no update
     "process_grpo.py": RL + ["--group-size", "4", "--num-minibatches", "2", "--max-new-tokens", "16"],
+    "dapo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],  # its sampled batches' counter comes back too
     "tool_grpo.py": RL + ["--group-size", "4", "--num-minibatches", "2", "--max-new-tokens", "24"],  # a call and more
     "gspo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],
     "cispo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],

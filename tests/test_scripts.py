@@ -60,6 +60,7 @@ SMALL = {
     "async_grpo.py": RL_SMALL + ["--max-staleness", "1"],
     "process_grpo.py": RL_SMALL,
     "tool_grpo.py": RL_SMALL,
+    "dapo.py": RL_SMALL,
     "rloo.py": RL_SMALL,
     "gspo.py": RL_SMALL + ["--num-minibatches", "2"],
     "cispo.py": RL_SMALL + ["--num-minibatches", "2"],
@@ -218,12 +219,14 @@ def test_readme_command(command, chat_model_dir, tmp_path):
         assert json.load(f)["num_steps"] == 2
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "process_grpo.py"])
+@pytest.mark.parametrize(
+    "script", ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "process_grpo.py", "dapo.py"]
+)
 def test_learns(script, tmp_path):
     """A short run from the bundled model raises held-out accuracy clearly (a sign and wiring check); process_grpo.py
-    from tiny-chainer/, in 10 steps of its longer completions."""
+    from tiny-chainer/, in 10 steps of its longer completions; dapo.py in 10 of its steps, which sample more."""
     out = str(tmp_path / "run")
-    steps = {"ppo.py": "20", "process_grpo.py": "10"}.get(script, "30")
+    steps = {"ppo.py": "20", "process_grpo.py": "10", "dapo.py": "10"}.get(script, "30")
     proc = run_script(script, "--num-steps", steps, "--eval-every", steps, "--output-dir", out)
     metrics = read_metrics(out)
     before, after = metrics[0]["eval/accuracy"], metrics[-1]["eval/accuracy"]

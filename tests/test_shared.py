@@ -37,6 +37,7 @@ ALGORITHM_FILES = [
     "async_grpo.py",
     "process_grpo.py",
     "tool_grpo.py",
+    "dapo.py",
 ]
 
 
@@ -263,6 +264,7 @@ LOSSES = {
     "async_grpo.py": "decoupled_loss",
     "process_grpo.py": "process_grpo_loss",
     "tool_grpo.py": "grpo_loss",
+    "dapo.py": "overlong_penalty",
 }
 
 

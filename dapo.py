@@ -1,0 +1,1440 @@
+"""DAPO: GRPO with dynamic sampling and overlong reward shaping, in one file.
+
+Yu et al. 2025, DAPO (https://arxiv.org/abs/2503.14476), on GRPO (Shao et al. 2024,
+https://arxiv.org/abs/2402.03300). Four changes to GRPO, each a flag here:
+
+- Clip-higher: the ratio's upper clip is 1 + 0.28, its lower 1 - 0.2 (`--clip-eps-high`).
+- Dynamic sampling: a group whose G rewards all agree has advantage 0 and teaches nothing, so it is
+  dropped, and more batches of `--prompts-per-step` prompts are sampled until the step holds that many
+  groups whose rewards differ, at most `--max-sample-batches` batches a step; a step still short is
+  filled with dropped groups (advantage 0), so that every step trains on a batch of the same shape.
+- The token-level loss: every token of the batch weighs alike (`--loss-agg token-mean`).
+- Overlong reward shaping: a completion longer than `--max-new-tokens` - `--overlong-cache` tokens
+  loses up to 1 of its reward, linearly, the whole of it at `--max-new-tokens`:
+
+    R_length(|y|) = 0                                   if |y| <= L_max - L_cache
+                    ((L_max - L_cache) - |y|) / L_cache  if L_max - L_cache < |y| <= L_max
+                    -1                                  if |y| > L_max
+
+  and `--overlong-filter` gives a completion cut at the limit, without its stop token, no loss.
+
+No KL term (`--beta 0`). The loss is grpo.py's:
+
+    loss = -1/sum_i |o_i| sum_i sum_t min(r_it A_i, clip(r_it, 1-eps_low, 1+eps_high) A_i)
+    r_it = pi(o_it) / pi_old(o_it),   A_i = (R_i - mean(R)) / std(R)
+
+See docs/dapo.md.
+
+    python dapo.py                                   # bundled tiny model, addition task, CPU
+    python dapo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \
+        --dataset-config main --max-new-tokens 512 --overlong-cache 128 --prompts-per-step 16 \
+        --micro-batch-size 8 --learning-rate 1e-6 --num-eval 200 --eval-every 50 --gradient-checkpointing  # GPU
+"""
+
+import contextlib
+import glob
+import importlib.util
+import json
+import math
+import os
+import random
+import re
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.utils.checkpoint
+import transformers
+import tyro
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # names the run: runs/<exp_name>__<seed>__<time>
+    seed: int = 1  # seed of the experiment (data order, sampling, initialisation)
+    torch_deterministic: bool = True  # deterministic algorithms only (`--no-torch-deterministic`: any)
+    cuda: bool = True  # use CUDA when it is available
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # of the forward passes (auto: bfloat16 on a GPU)
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
+    fsdp: bool = False  # under torchrun: shard the models across the processes (FSDP2), not copy them (DDP)
+    track: bool = False  # log to Weights & Biases (`WANDB_MODE=offline` keeps it on disk)
+    wandb_project_name: str = "onefile-rl"  # the wandb project
+    wandb_entity: str | None = None  # the wandb entity (team or user)
+    output_dir: str | None = None  # the run's folder, which must not exist yet (default: runs/<run name>)
+    trust_remote_code: bool = False  # let transformers run code shipped with a hub model you trust
+    log_every: int = 5  # write metrics and a console line every this many steps
+    save_every: int = 0  # write a checkpoint every this many steps (0: none)
+    keep_checkpoints: int = 2  # keep the newest this many checkpoints
+    resume_from: str | None = None  # continue the run in this folder from its last checkpoint
+
+    # Model and data
+    model_name_or_path: str = "tiny-adder"  # the starting policy: a local folder or a hub id
+    dataset: str | None = None  # a .jsonl of prompt/answer (or question/answer) records, or a hub dataset
+    task: Literal["addition", "addition-question"] = "addition"  # without --dataset: `47+8=`, or as a question
+    dataset_config: str | None = None  # the hub dataset's configuration (GSM8K: `main`)
+    train_split: str = "train"  # the hub dataset's training split
+    eval_split: str = "test"  # the hub dataset's held-out split
+    eval_dataset: str | None = None  # a .jsonl or hub dataset (its --eval-split) of held-out records
+    num_eval: int = 500  # held-out records: --eval-dataset's first, else the hub split's first, else a .jsonl's last
+    eval_every: int = 25  # greedy accuracy on the held-out prompts every this many steps, and at 0
+    eval_samples: int = 0  # and K completions sampled per held-out prompt: eval/mean@k, eval/pass@k (0: none)
+    eval_temperature: float = 1.0  # the temperature of those samples
+    max_new_tokens: int = 8  # the longest completion, in tokens
+    max_prompt_length: int | None = None  # a longer prompt (chat template included) keeps its last tokens
+    system_prompt: str | None = None  # a system message before each text prompt (needs a chat template)
+
+    # Optimisation
+    num_steps: int = 300  # training steps (each: one batch of rollouts, then its updates)
+    learning_rate: float = 1e-4  # AdamW's learning rate
+    weight_decay: float = 0.0  # AdamW's weight decay
+    max_grad_norm: float = 1.0  # clip the gradient's global norm to this
+    micro_batch_size: int = 64  # sequences per forward/backward pass, per process
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warm-up, decay to 0 at --num-steps
+    warmup_steps: int = 0  # steps of linear warm-up of the learning rate
+    lora_r: int = 0  # train LoRA adapters of this rank (peft), not every weight (0: off; docs/training.md)
+    lora_alpha: float = 16.0  # the adapters' output is scaled by lora_alpha / lora_r
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # layers with adapters
+
+    # Algorithm specific arguments
+    prompts_per_step: int = 32  # prompts per batch of rollouts
+    group_size: int = 8  # completions sampled per prompt (G in the paper)
+    temperature: float = 1.0  # sampling temperature; log-probs are computed at the same temperature
+    num_iterations: int = 1  # passes over each batch of rollouts (the paper's mu)
+    num_minibatches: int = 1  # optimizer steps per pass over a batch of rollouts
+    beta: float = 0.0  # weight of the KL penalty to the reference model (DAPO: 0, no reference model is loaded)
+    clip_eps_low: float = 0.2  # the ratio is clipped below at 1 - clip_eps_low
+    clip_eps_high: float = 0.28  # the ratio is clipped above at 1 + clip_eps_high (DAPO's clip-higher)
+    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """how token losses are averaged: the paper's, DAPO's, or Dr. GRPO's (docs/grpo.md)"""
+    scale_rewards: bool = True  # divide by the group's std (`--no-scale-rewards`: Dr. GRPO)
+    dynamic_sampling: bool = True  # drop groups whose rewards agree, and sample more (`--no-dynamic-sampling`: off)
+    max_sample_batches: int = 3  # batches of --prompts-per-step prompts sampled a step, at most
+    overlong_shaping: bool = True  # add overlong_penalty to the reward (`--no-overlong-shaping`: off)
+    overlong_cache: int | None = None  # the last this many tokens of --max-new-tokens are the penalty's zone
+    """(None: a quarter of --max-new-tokens, at least 1; DAPO's was 4,096 of 20,480)"""
+    overlong_filter: bool = False  # a completion cut at --max-new-tokens without its stop token carries no loss
+    vllm: bool = False  # sample the rollouts with a vLLM engine in this process (docs/vllm.md)
+    vllm_kv_cache_gib: float = 1.0  # the engine's KV cache, in GiB (beside its copy of the weights)
+    vllm_is_cap: float = 2.0  # truncate the pi_old / engine importance weights at this (TIS)
+
+    # to be filled in at runtime (not flags: the command line cannot set them)
+    batch_size: tyro.conf.Suppress[int] = 0  # completions per batch of rollouts (prompts_per_step * group_size)
+    minibatch_size: tyro.conf.Suppress[int] = 0  # completions per optimizer step (batch_size // num_minibatches)
+    run_name: tyro.conf.Suppress[str] = ""  # exp_name__seed__time
+
+
+# ---- ALGO LOGIC: GRPO's advantage and loss, and DAPO's overlong penalty
+def group_advantages(rewards, group_size, scale=True, eps=1e-4):
+    """A_i = (R_i - mean(R_group)) / (std(R_group) + eps), or R_i - mean(R_group) if not scale.
+
+    rewards: (B,) group-contiguous, B = num_prompts * group_size; the std is the unbiased one.
+    rewards = [1, 0, 0, 0,  1, 1, 1, 1]  (G = 4) -> [1.5, -0.5, -0.5, -0.5,  0, 0, 0, 0]
+    """
+    grouped = rewards.view(-1, group_size)  # (num_prompts, G)
+    advantages = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale:
+        advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)
+    return advantages.view(-1)  # (B,)
+
+
+def grpo_loss(
+    logprobs,
+    old_logprobs,
+    ref_logprobs,
+    advantages,
+    mask,
+    clip_eps_low=0.2,
+    clip_eps_high=0.2,
+    beta=0.04,
+    loss_agg="seq-mean-token-mean",
+    max_completion_length=None,
+    is_weights=None,
+):
+    """GRPO's clipped surrogate plus beta times the k3 KL to the reference, to be minimised.
+
+    logprobs (B, T) carries the gradient; old_logprobs, ref_logprobs (B, T) and advantages (B,)
+    are constants; mask (B, T) marks completion tokens. Per token:
+        l_t = -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) + beta (exp(d_t) - d_t - 1),
+        r_t = exp(logprobs_t - old_logprobs_t),  d_t = ref_logprobs_t - logprobs_t.
+    loss_agg: "seq-mean-token-mean"     1/B sum_i 1/|o_i| sum_t l_it   (the paper)
+              "token-mean"              1/sum_i |o_i| sum_i sum_t l_it (DAPO)
+              "seq-mean-token-sum-norm" 1/B sum_i sum_t l_it / max_completion_length (Dr. GRPO)
+    is_weights (B, T), with --vllm: the clipped term of token t is multiplied by w_t (truncated_is_weights).
+    """
+    m = mask.bool()
+    log_ratio = torch.where(m, logprobs - old_logprobs, 0.0)  # padding never reaches exp()
+    ratio = torch.exp(log_ratio)  # (B, T)
+    adv = advantages[:, None]  # (B, 1)
+    clipped_ratio = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high)
+    per_token = -torch.min(ratio * adv, clipped_ratio * adv)  # (B, T)
+    if is_weights is not None:  # the engine sampled the tokens, not pi_old
+        per_token = per_token * is_weights
+    stats = {}
+    if beta > 0:
+        d = torch.where(m, ref_logprobs - logprobs, 0.0)
+        kl = torch.exp(d) - d - 1  # k3 >= 0, its gradient flows through logprobs
+        per_token = per_token + beta * kl
+        stats["kl"] = masked_mean(kl, m).detach()
+    if loss_agg == "seq-mean-token-mean":
+        loss = masked_mean(per_token, m, dim=1).mean()
+    elif loss_agg == "token-mean":
+        loss = masked_mean(per_token, m)
+    elif loss_agg == "seq-mean-token-sum-norm":
+        loss = (torch.where(m, per_token, 0.0).sum(dim=1) / max_completion_length).mean()
+    else:
+        raise ValueError(f"unknown loss_agg {loss_agg!r}")
+    # a token is clipped when the clipped branch wins the min and so gives no gradient
+    clipped = ((ratio < 1 - clip_eps_low) & (adv < 0)) | ((ratio > 1 + clip_eps_high) & (adv > 0))
+    stats["clip_frac"] = masked_mean(clipped.float(), m).detach()
+    stats["ratio"] = masked_mean(ratio, m).detach()
+    return loss, stats
+
+
+def overlong_penalty(lengths, max_length, cache_length):
+    """DAPO's soft overlong punishment, added to the reward: 0 up to max_length - cache_length tokens, then falling
+    linearly to -1 at max_length, and -1 beyond. lengths (B,) count the stop token.
+
+    max_length = 8, cache_length = 4: lengths [3, 4, 5, 6, 8, 9] -> [0, 0, -0.25, -0.5, -1, -1]
+    """
+    return ((max_length - cache_length - lengths.float()) / cache_length).clamp(min=-1.0, max=0.0)
+
+
+def main(args):
+    check_args(args)
+    device = setup(args)
+    num_prompts, batch_size, minibatch_size = batch_sizes(args)  # this process's, each step
+    checkpoint = checkpoint_to_resume(args)  # --resume-from: the run's last checkpoint, its flags checked
+    output_dir = make_output_dir(args, checkpoint)
+
+    # the policy, and a frozen reference only when the KL term is on
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    policy = add_lora(load_model(args.model_name_or_path, args, device), args)  # --lora-r: the adapters alone train
+    stop_ids = stop_token_ids(tokenizer, policy)
+    policy = distribute(policy, args.fsdp)  # under torchrun: DDP, or FSDP2 with --fsdp
+    ref_policy = reference_model(policy, args, device) if args.beta > 0 else None
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    engine = load_engine(args, device)  # with --vllm
+    train_records, eval_records = load_task(args)
+    data_rng, shuffle_gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
+    # a new run starts at 1; --resume-from puts back its checkpoint's weights and states, and goes on after it
+    first_step, saved = resume(checkpoint, {"policy": policy}, optimizer, [data_rng, shuffle_gen])
+    scheduler = lr_scheduler(optimizer, args, first_step)
+    signal = saved.get("signal", 0)  # groups whose rewards differed in the first steps (no_signal_note)
+    rollouts_sampled = saved.get("rollouts_sampled", 0)  # completions sampled so far, of all processes
+    print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
+    loss_args = dict(
+        clip_eps_low=args.clip_eps_low,
+        clip_eps_high=args.clip_eps_high,
+        beta=args.beta,
+        loss_agg=args.loss_agg,
+        max_completion_length=args.max_new_tokens,
+    )  # grpo_loss's constants
+    start = time.time()
+    if first_step == 1:
+        samples = []  # a few held-out prompts with their completions, for samples.jsonl
+        metrics = evaluate(policy, tokenizer, eval_records, args, stop_ids, samples, args.eval_samples)
+        reduce_and_log(output_dir, 0, metrics, samples)
+    for step in range(first_step, args.num_steps + 1):
+        timer = Timer(device, start)
+        # 1. rollouts with dynamic sampling: batches of G completions per prompt from pi_old, each completion rewarded
+        # (its answer, plus the overlong penalty), until this process holds num_prompts groups whose rewards differ
+        policy.eval()
+        batch, sampling = dynamic_sample(policy, engine, tokenizer, train_records, data_rng, args, stop_ids)
+        group, texts, rewards = batch["group"], batch["texts"], batch["rewards"]  # group-contiguous, (B,) rewards
+        prompt_ids, prompt_mask, completion_ids = batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"]
+        mask, engine_logprobs = batch["mask"], batch["engine_logprobs"]  # (B, T): up to and including the first EOS
+        rollouts_sampled += sampling["charts/sample_batches"] * args.batch_size
+        timer.lap("generation")
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
+        attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
+        if args.overlong_filter:  # a completion cut at the limit, without its stop token, carries no loss
+            mask = mask & batch["stopped"][:, None]
+        prompt_len = prompt_ids.shape[1]
+
+        # 2. normalise the rewards within each group (a group filled in has rewards that agree: advantage 0)
+        signal = no_signal_note(step, rewards, args.group_size, signal)
+        advantages = group_advantages(rewards, args.group_size, scale=args.scale_rewards)  # (B,)
+
+        # 3. log-probs of pi_old and pi_ref, once per batch, without gradient. With one update per batch, pi_old is
+        # the policy being updated: its log-probs are the new ones, detached, and need no pass here.
+        timer.lap()  # the rewards: no phase
+        old_logprobs = None
+        if args.num_iterations > 1 or args.num_minibatches > 1:
+            old_logprobs = batched_logprobs(
+                policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
+            )
+        with adapters_off(ref_policy):  # None without a reference
+            ref_logprobs = batched_logprobs(
+                ref_policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
+            )
+        timer.lap("logprob")
+
+        # 4. num_iterations passes over the batch, each num_minibatches optimizer steps; a micro-batch's loss weighs
+        # its share of the minibatch's completions, or with DAPO's token mean, of its tokens
+        policy.train()
+        step_stats, rollout_stats, grad_norms = [], [], []
+        token_mask = mask if args.loss_agg == "token-mean" else None
+        for minibatch in minibatches(batch_size, minibatch_size, args.num_iterations, shuffle_gen, device):
+            optimizer.zero_grad()
+            for i, share in micro_batches(minibatch, args.micro_batch_size, [policy], token_mask):
+                logprobs = token_logprobs(policy, input_ids[i], attention_mask[i], prompt_len, args.temperature)
+                old = logprobs.detach() if old_logprobs is None else old_logprobs[i]
+                is_weights, is_stats = truncated_is_weights(old, rows(engine_logprobs, i), mask[i], args.vllm_is_cap)
+                loss, stats = grpo_loss(
+                    logprobs, old, rows(ref_logprobs, i), advantages[i], mask[i], **loss_args, is_weights=is_weights
+                )
+                check_finite(loss, step)
+                (loss * share).backward()
+                # the loss as the optimizer weighed it; the token means (kl, clip_frac, ratio) by tokens
+                step_stats += [({"loss": loss.detach()}, share), (stats, mask[i].sum())]
+                rollout_stats.append((is_stats, mask[i].sum()))
+            grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
+            optimizer.step()
+        timer.lap("update")
+
+        # 5. log, and evaluate on the held-out prompts
+        evaluate_now = step % args.eval_every == 0 or step == args.num_steps
+        if step % args.log_every == 0 or evaluate_now:
+            metrics = {
+                **weighted_means(step_stats, "losses/"),
+                **weighted_means(rollout_stats, "rollout/"),
+                "charts/reward": rewards.mean(),
+                "charts/reward_std": rewards.std(),
+                "charts/zero_std_groups": (rewards.view(-1, args.group_size).std(dim=1) == 0).float().mean(),
+                "charts/completion_length": batch["mask"].sum(dim=1).float().mean(),
+                **sampling,
+                "charts/rollouts_sampled": rollouts_sampled,
+                "charts/learning_rate": optimizer.param_groups[0]["lr"],
+                "losses/grad_norm": torch.stack(grad_norms).mean(),  # the mean over the optimizer steps
+                **timer.metrics(tokens=mask.sum()),
+            }
+            samples = rollout_samples(group, texts, rewards, advantages)
+            if evaluate_now:
+                metrics.update(evaluate(policy, tokenizer, eval_records, args, stop_ids, samples, args.eval_samples))
+            reduce_and_log(output_dir, step, metrics, samples)
+        scheduler.step()
+        models, generators = {"policy": policy}, [data_rng, shuffle_gen]
+        loop = {"signal": signal, "rollouts_sampled": rollouts_sampled}  # what a resume needs of the loop
+        save_checkpoint(args, output_dir, step, tokenizer, models, optimizer, generators, **loop)  # every --save-every
+
+    save(policy, tokenizer, output_dir)
+    print(f"saved to {output_dir} in {time.time() - start:.0f} s")
+    end_processes()
+
+
+def check_args(args):
+    """Stops at a flag outside its range, or at options that cannot run together, before anything loads."""
+    ranges = {
+        "prompts_per_step": "> 0",
+        "temperature": "> 0",
+        "group_size": ">= 2 (GRPO compares the completions of a group)",
+        "num_iterations": "> 0",
+        "num_minibatches": "> 0",
+        "beta": ">= 0",
+        "clip_eps_low": "in [0, 1]",
+        "clip_eps_high": ">= 0",
+        "max_sample_batches": "> 0",
+        "overlong_cache": "> 0",
+    }
+    check_ranges(args, {**COMMON_RANGES, **VLLM_RANGES, **ranges})
+    if args.overlong_cache is not None and args.overlong_cache > args.max_new_tokens:
+        fail(
+            f"--overlong-cache {args.overlong_cache}: the penalty's zone lies within --max-new-tokens "
+            f"{args.max_new_tokens}; give at most that"
+        )
+    check_lora(args)
+    check_vllm(args)
+
+
+def batch_sizes(args):
+    """(prompts, completions, completions of a minibatch) of this process at each step; a division that is not exact
+    stops the run, naming the flags. Sets args.batch_size and args.minibatch_size (of all processes)."""
+    world = rank_and_world()[1]
+    num_prompts = exact_div(args.prompts_per_step, world, "--prompts-per-step among the processes")
+    batch_size = num_prompts * args.group_size
+    what = "--prompts-per-step x --group-size"
+    minibatch_size = exact_div(batch_size, args.num_minibatches, f"{what} (per process) by --num-minibatches")
+    fit_micro_batches(args, minibatch_size, f"a minibatch ({what} / --num-minibatches, per process)")
+    args.batch_size, args.minibatch_size = batch_size * world, minibatch_size * world
+    return num_prompts, batch_size, minibatch_size
+
+
+# ---- Dynamic sampling
+def overlong_cache(args):
+    """--overlong-cache, or a quarter of --max-new-tokens (at least 1 token)."""
+    if args.overlong_cache is None:
+        return max(1, args.max_new_tokens // 4)
+    return args.overlong_cache
+
+
+def dynamic_sample(policy, engine, tokenizer, records, data_rng, args, stop_ids):
+    """Dynamic sampling (DAPO): batches of --prompts-per-step prompts (this process's share, num_prompts), G
+    completions a prompt, each rewarded, until this process holds num_prompts groups whose rewards differ or
+    --max-sample-batches batches are sampled. Every process samples as many batches: after each, they agree whether
+    any of them is short. The batch: the groups kept, in the order sampled, and if short the first groups dropped
+    (their rewards agree: advantage 0). Without --dynamic-sampling: one batch, every group kept (grpo.py's).
+
+    Returns the batch {"group", "texts", "rewards", "stopped" (a stop token ends the completion), "prompt_ids",
+    "prompt_mask", "completion_ids", "mask", "engine_logprobs"} and the step's counts, of all processes: batches
+    sampled, groups dropped, groups filled in; and the share of the completions sampled in the overlong zone."""
+    (rank, world), device = rank_and_world(), next(policy.parameters()).device
+    num_prompts = args.prompts_per_step // world
+    kept, dropped, batches, lengths = [], [], 0, []
+    while True:
+        prompts = data_rng.choices(records, k=args.prompts_per_step)  # every process draws the same prompts
+        prompts = prompts[rank * num_prompts : (rank + 1) * num_prompts]  # and takes its share
+        group = [r for r in prompts for _ in range(args.group_size)]
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device, args)  # (B, P)
+        completion_ids, engine_logprobs = sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids)
+        mask = completion_mask(completion_ids, stop_ids)  # (B, T)
+        texts = decode_completions(tokenizer, completion_ids, mask)
+        rewards = torch.tensor([reward_fn(t, r) for t, r in zip(texts, group)], device=device)  # (B,)
+        if args.overlong_shaping:  # the length counts the stop token
+            rewards = rewards + overlong_penalty(mask.sum(dim=1), args.max_new_tokens, overlong_cache(args))
+        stopped = (torch.isin(completion_ids, torch.tensor(stop_ids, device=device)) & mask).any(dim=1)  # (B,)
+        sampled = {"group": group, "texts": texts, "rewards": rewards, "stopped": stopped, "prompt_ids": prompt_ids}
+        sampled.update(prompt_mask=prompt_mask, completion_ids=completion_ids, mask=mask)
+        sampled["engine_logprobs"] = engine_logprobs
+        lengths.append(mask.sum(dim=1))
+        batches += 1
+        grouped = rewards.view(-1, args.group_size)  # (num_prompts, G)
+        for g, differ in enumerate((grouped.amax(dim=1) > grouped.amin(dim=1)).tolist()):
+            if differ or not args.dynamic_sampling:
+                kept.append((sampled, g))
+            else:
+                dropped.append((sampled, g))
+        short = all_sum(torch.tensor(len(kept) < num_prompts)).item()  # the processes still short
+        if short == 0 or batches == args.max_sample_batches:
+            break
+    counts = [batches, len(dropped) - max(0, num_prompts - len(kept)), max(0, num_prompts - len(kept))]
+    dropped_count, filled = all_sum(torch.tensor(counts[1:])).tolist()
+    stats = {"charts/sample_batches": batches, "charts/dropped_groups": dropped_count, "charts/filled_groups": filled}
+    zone = torch.cat(lengths) > args.max_new_tokens - overlong_cache(args)
+    stats["charts/overlong_share"] = zone.float().mean()  # of the completions sampled, those in the penalty's zone
+    return join_groups((kept + dropped)[:num_prompts], args.group_size, tokenizer.pad_token_id), stats
+
+
+def join_groups(chosen, group_size, pad_id):
+    """The chosen groups' rows as one batch; chosen: [(a sampled batch, the group's index in it)]. Each tensor is
+    padded to the widest of its batches: the prompts on the left, the completions on the right (mask 0 there)."""
+    rows = [(sampled, slice(g * group_size, (g + 1) * group_size)) for sampled, g in chosen]
+
+    def join(key, pad, left=False):
+        if rows[0][0][key] is None:  # no engine: no engine log-probs
+            return None
+        parts = [sampled[key][r] for sampled, r in rows]
+        width = max(p.shape[1] for p in parts)
+        sides = [(width - p.shape[1], 0) if left else (0, width - p.shape[1]) for p in parts]
+        return torch.cat([torch.nn.functional.pad(p, side, value=pad) for p, side in zip(parts, sides)])
+
+    batch = {key: [x for sampled, r in rows for x in sampled[key][r]] for key in ("group", "texts")}
+    batch["rewards"] = torch.cat([sampled["rewards"][r] for sampled, r in rows])
+    batch["stopped"] = torch.cat([sampled["stopped"][r] for sampled, r in rows])
+    batch.update(prompt_ids=join("prompt_ids", pad_id, left=True), prompt_mask=join("prompt_mask", 0, left=True))
+    batch.update(completion_ids=join("completion_ids", pad_id), mask=join("mask", False))
+    batch["engine_logprobs"] = join("engine_logprobs", 0.0)
+    return batch
+
+
+# ---- Helpers that only some of the files need: each is kept equal to its copy in the other files that have it
+def prompt_answer(record):
+    """The record with a 'prompt' and an 'answer' (text or None), from prompt/answer or question/answer (GSM8K:
+    the answer after '####'); other fields stay, for reward_fn."""
+    answer = None if record.get("answer") is None else str(record["answer"])
+    if "question" not in record:
+        return {**record, "answer": answer}
+    answer = None if answer is None else answer.split("####")[-1].strip()
+    return {**record, "prompt": record["question"], "answer": answer}
+
+
+def load_task(args, answers=True):
+    """(train, held-out) records with a 'prompt' and an 'answer' (with answers=False it may be None)."""
+
+    def read(name, split, flag, needed=("answer",) if answers else ()):  # a .jsonl's records, or a hub split's
+        if name.endswith(".jsonl"):
+            return read_jsonl(name, ("prompt", *needed), ("question", *needed), flag=flag)
+        return load_hub_split(name, args.dataset_config, split, flag)
+
+    if args.dataset is None:
+        train, held_out = addition_task(args.num_eval, args.task)
+    else:
+        train, held_out = read(args.dataset, args.train_split, "--dataset"), None
+    if args.eval_dataset:  # its first --num-eval, and all of --dataset is trained on
+        held_out = read(args.eval_dataset, args.eval_split, "--eval-dataset")[: args.num_eval]
+    elif held_out is None and args.dataset.endswith(".jsonl"):  # its last --num-eval, not trained on
+        if len(train) <= args.num_eval:
+            fail(f"--dataset {args.dataset}: {len(train)} records, but --num-eval {args.num_eval} are held out")
+        train, held_out = train[: -args.num_eval], train[-args.num_eval :]
+    elif held_out is None:
+        held_out = read(args.dataset, args.eval_split, "--dataset")[: args.num_eval]
+    return [prompt_answer(r) for r in train], [prompt_answer(r) for r in held_out]
+
+
+def rollout_samples(records, texts, rewards, advantages):
+    """The first four rollouts of a step, for samples.jsonl: prompt, completion, answer, reward and advantage."""
+    rows = zip(records[:4], texts, rewards.tolist(), advantages.tolist())
+    return [
+        {"kind": "rollout", "prompt": r["prompt"], "completion": t, "answer": r["answer"], "reward": x, "advantage": a}
+        for r, t, x, a in rows
+    ]
+
+
+def no_signal_note(step, rewards, group_size, signal):
+    """signal + the groups of this step (of every process) whose rewards differ; at step 5, if none ever did, one
+    line says that nothing can be learned, and why (docs/your_own_task.md). rewards (B,) group-contiguous."""
+    if step <= 5:
+        grouped = rewards.view(-1, group_size)  # (groups, G)
+        signal += all_sum((grouped.amax(dim=1) > grouped.amin(dim=1)).sum()).item()
+        if step == 5 and signal == 0:
+            print(
+                "note: in the first 5 steps every group of completions got equal rewards, so there is no learning"
+                " signal; likely cause: reward_fn scores every completion alike on your records (see"
+                " docs/your_own_task.md), or the task is too hard or too easy for this model within --max-new-tokens"
+            )
+    return signal
+
+
+# ---- vLLM (--vllm): an engine in this process samples the rollouts (docs/vllm.md)
+VLLM_RANGES = {"vllm_kv_cache_gib": "> 0", "vllm_is_cap": "> 0"}
+
+
+def check_vllm(args):
+    """Stops before anything loads if --vllm cannot run: vLLM is not installed."""
+    if args.vllm and importlib.util.find_spec("vllm") is None:
+        fail(
+            "--vllm: vLLM is not installed; install requirements-vllm.txt (CUDA) or requirements-vllm-cpu.txt (CPU), "
+            "each in an environment of its own (docs/vllm.md)"
+        )
+
+
+def load_engine(args, device):
+    """With --vllm, a vLLM engine in this process (one a process under torchrun), in --dtype (docs/vllm.md)."""
+    if not args.vllm:
+        return None
+    import vllm
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its weights in reach
+    options = {}
+    if dist.is_initialized():
+        options["distributed_executor_backend"] = "external_launcher"
+    if device.type == "cuda":  # vLLM's start checks that this share of the GPU is free
+        free, total = torch.cuda.mem_get_info(device)
+        options.update(gpu_memory_utilization=0.9 * free / total, enable_sleep_mode=True)
+    if args.max_prompt_length is not None:
+        options["max_model_len"] = args.max_prompt_length + args.max_new_tokens
+    try:  # it samples from this process's torch generator, seeded by setup() and kept in checkpoints
+        return vllm.LLM(
+            args.model_name_or_path,
+            dtype=args.dtype,
+            seed=args.seed + rank_and_world()[0],
+            skip_tokenizer_init=True,
+            logprobs_mode="processed_logprobs",
+            model_impl="vllm",
+            kv_cache_memory_bytes=int(args.vllm_kv_cache_gib * 2**30),
+            enforce_eager=device.type != "cuda",
+            trust_remote_code=args.trust_remote_code,
+            **options,
+        )
+    except Exception as e:  # an architecture vLLM lacks, too little KV cache for one sequence, ...
+        hint = ""
+        if "cache" in str(e):
+            hint = " (--vllm-kv-cache-gib, --max-prompt-length, --max-new-tokens)"
+        fail(
+            f"--vllm: vLLM cannot serve --model-name-or-path {args.model_name_or_path}: {type(e).__name__}: "
+            f"{' '.join(str(e).split())[:300]}{hint}"
+        )
+
+
+def sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids):
+    """Completion ids (B, T) sampled at --temperature; with --vllm by the engine, once it has the policy's weights,
+    and then also its log-prob of each sampled token (B, T), 0 after the completion."""
+    if engine is None:
+        return generate(
+            policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature, stop_ids
+        ), None
+    import vllm
+
+    sync_engine(engine, policy)
+    params = vllm.SamplingParams(
+        n=1,
+        temperature=args.temperature,
+        top_p=1.0,
+        top_k=0,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        logprobs=0,
+        max_tokens=args.max_new_tokens,
+        stop_token_ids=stop_ids,
+        ignore_eos=True,
+        detokenize=False,
+    )
+    prompts = [{"prompt_token_ids": ids[m.bool()].tolist()} for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+    outputs = [out.outputs[0] for out in engine.generate(prompts, params, use_tqdm=False)]
+    if prompt_ids.is_cuda:
+        engine.sleep(level=2)  # its weights and KV cache freed (the next rollout brings new weights anyway)
+    pad = torch.nn.utils.rnn.pad_sequence
+    completion_ids = pad([torch.tensor(o.token_ids) for o in outputs], True, tokenizer.pad_token_id)  # (B, T)
+    logprobs = pad([torch.tensor([lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]) for o in outputs], True)
+    return completion_ids.to(prompt_ids.device), logprobs.to(prompt_ids.device)
+
+
+def sync_engine(engine, policy):
+    """The policy's weights into the engine, a tensor at a time (under FSDP each gathered as the engine takes it)."""
+    asleep = engine.llm_engine.is_sleeping()
+    if asleep:
+        torch.cuda.empty_cache()
+        engine.wake_up(tags=["weights"])
+    weights = (
+        (name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor)  # FSDP: a DTensor
+        for name, tensor in merged_weights(policy)
+    )  # LoRA: merged as the engine takes them
+    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    engine.reset_prefix_cache()  # its keys and values came from the old weights
+    if asleep:
+        torch.cuda.empty_cache()  # what the sync freed, back to the GPU before the KV cache takes its share
+        engine.wake_up(tags=["kv_cache"])
+
+
+def truncated_is_weights(old_logprobs, engine_logprobs, mask, cap):
+    """Truncated importance sampling (TIS): the engine sampled the tokens, the loss assumes pi_old did, so each
+    token's policy-gradient term is weighed by w_t = min(pi_old(o_t) / pi_engine(o_t), cap), a constant.
+
+    old_logprobs, engine_logprobs, mask: (B, T); 0 at padding.
+    old = log [0.5, 0.3, 0.1], engine = log [0.5, 0.6, 0.01], cap = 2 -> w = [1, 0.5, 2 (10, truncated)]
+    Also the step's statistics: logprob_diff, the mean |old - engine| over the tokens, and the weights' mean.
+    Without an engine (engine_logprobs None), no weights and no statistics.
+    """
+    if engine_logprobs is None:  # generate() sampled from pi_old itself
+        return None, {}
+    m = mask.bool()
+    log_ratio = torch.where(m, old_logprobs - engine_logprobs, 0.0).detach()  # padding never reaches exp()
+    weights = torch.where(m, torch.exp(log_ratio).clamp(max=cap), 0.0)
+    return weights, {
+        "logprob_diff": masked_mean(log_ratio.abs(), m),
+        "is_weight": masked_mean(weights, m),
+        "is_truncated": masked_mean((log_ratio > math.log(cap)).float(), m),
+    }
+
+
+# ==== Everything below this line is the same in every file, byte for byte (tests/test_shared.py checks it) ====
+# Why each piece is as it is, with its measurements: docs/gpu.md, docs/distributed.md, docs/outputs.md
+def fail(message):
+    raise SystemExit(f"error: {message}")
+
+
+def exact_div(a, b, what):
+    """a // b; unless b divides a, the run stops, naming what to change."""
+    if b <= 0 or a % b != 0:
+        fail(f"{what}: {a} does not divide by {b}")
+    return a // b
+
+
+# the range of each numeric flag that every file has; each file adds its own
+COMMON_RANGES = {
+    "seed": "in [0, 4294967295]",
+    "log_every": "> 0",
+    "num_eval": "> 0",
+    "eval_every": "> 0",
+    "max_new_tokens": "> 0",
+    "num_steps": "> 0",
+    "learning_rate": "> 0",
+    "weight_decay": ">= 0",
+    "max_grad_norm": "> 0",
+    "micro_batch_size": "> 0",
+    "max_prompt_length": "> 0",
+    "save_every": ">= 0",
+    "keep_checkpoints": "> 0",
+    "warmup_steps": ">= 0",
+    "lora_r": ">= 0",
+    "lora_alpha": "> 0",
+    "eval_samples": ">= 0",
+    "eval_temperature": "> 0",
+}
+
+
+def flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def check_ranges(args, ranges):
+    """Stops at the first flag outside its range: '> 0', '>= 2' or 'in [0, 0.5)', maybe with a reason."""
+    for name, spec in ranges.items():
+        x = getattr(args, name, None)
+        if x is None:  # an optional flag left unset, or one this file lacks
+            continue
+        op, bounds = re.match(r"(>=|>|in) ([\[(].*?[\])]|\S+)", spec).groups()
+        if op != "in":  # '> 0' is 'in (0, inf)', '>= 2' is 'in [2, inf)'
+            bounds = f"{'[' if op == '>=' else '('}{bounds}, inf)"
+        low, high = map(float, bounds[1:-1].split(","))
+        above = x > low or (bounds[0] == "[" and x == low)
+        below = x < high or (bounds[-1] == "]" and x == high)
+        if not (math.isfinite(x) and above and below):  # nan and inf are in no range
+            fail(f"{flag(name)} {x}: must be {'' if math.isfinite(x) else 'a finite number '}{spec}")
+
+
+def fit_micro_batches(args, minibatch_size, what):
+    """Makes --micro-batch-size no larger than a minibatch, which it must divide (or the run stops, naming what)."""
+    args.micro_batch_size = min(args.micro_batch_size, minibatch_size)
+    if minibatch_size % args.micro_batch_size != 0:
+        fail(f"{what} by --micro-batch-size: {minibatch_size} does not divide by {args.micro_batch_size}")
+
+
+def check_lora(args):
+    """Stops before anything loads if --lora-r cannot run: with --fsdp, or without peft."""
+    if args.lora_r and args.fsdp:
+        fail("--lora-r with --fsdp: LoRA runs under DDP (torchrun without --fsdp); its gradients are small to copy")
+    if args.lora_r and importlib.util.find_spec("peft") is None:
+        fail("--lora-r: LoRA needs the peft library: pip install peft")
+
+
+# ---- The task and its reward
+def addition_task(num_eval, task="addition"):
+    """(train, held-out) records of a + b for 0 <= a, b <= 99, held out alike in every run."""
+    prompts = {"addition": "{a}+{b}=", "addition-question": "What is {a} + {b}? Reply with the number only."}
+    pairs = [(a, b) for a in range(100) for b in range(100)]
+    random.Random(0).shuffle(pairs)
+    records = [{"prompt": prompts[task].format(a=a, b=b), "answer": str(a + b)} for a, b in pairs]
+    return records[num_eval:], records[:num_eval]
+
+
+def last_number(text):
+    """The last number in text, as a float ('1,234.5' -> 1234.5), or None."""
+    found = re.findall(r"-?\d+(?:,\d{3})*(?:\.\d+)?", text)
+    return float(found[-1].replace(",", "")) if found else None
+
+
+def reward_fn(completion, record):
+    """1.0 if the completion ends with the answer: its last number, or its last words (docs/your_own_task.md)."""
+    answer = str(record["answer"])
+    if last_number(answer) is not None:
+        return float(last_number(completion) == last_number(answer))
+    text, expected = (" ".join(s.lower().split()).strip(" .,;:!?\"'`*()[]{}") for s in (completion, answer))
+    return float(bool(expected) and (text == expected or text.endswith(" " + expected)))
+
+
+# ---- Data
+def read_jsonl(path, *schemas, flag="--dataset"):
+    """The records of a JSONL file, each with the fields of a schema; a bad record stops the run naming its line."""
+    if not os.path.isfile(path):
+        fail(f"{flag} {path}: no such file")
+    with open(path, encoding="utf-8") as f:
+        lines = [(f"{flag} {path}: line {n}", line) for n, line in enumerate(f, start=1) if line.strip()]
+    records = []
+    for at, line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            fail(f"{at} is not valid JSON ({e.msg})")
+        record = records[-1] if isinstance(records[-1], dict) else {}
+        for k in next((s for s in schemas if set(s) <= set(record)), schemas[0]):
+            if k not in record:
+                fail(f"{at} has no field {k!r} (a record needs {' or '.join(' and '.join(s) for s in schemas)})")
+            v = record[k]
+            number = type(v) in (int, float) and math.isfinite(v)
+            messages = isinstance(v, list) and len(v) > 0 and all(isinstance(m, dict) for m in v)
+            chat = messages and all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in v)
+            if k == "answer" and not (isinstance(v, str) or number):
+                fail(f"{at}: field {k!r} holds {json.dumps(v)[:40]}, where it needs text or a finite number")
+            if k != "answer" and not (isinstance(v, str) or chat):
+                fail(
+                    f"{at}: field {k!r} holds {json.dumps(v)[:40]}, where it needs text or a list of role/content "
+                    "messages"
+                )
+    if not records:
+        fail(f"{flag} {path}: the file holds no records")
+    return records
+
+
+def load_hub_split(name, config, split, flag="--dataset"):
+    if importlib.util.find_spec("datasets") is None:
+        fail(f"{flag} {name}: a hub dataset needs the datasets library: pip install datasets")
+    import datasets
+
+    try:
+        return list(datasets.load_dataset(name, config, split=split))
+    except Exception as e:  # the library raises many kinds
+        fail(f"{flag} {name}: could not load split {split!r} ({type(e).__name__}: {e})".splitlines()[0])
+
+
+# ---- Models, tokens, generation and log-probs
+def from_pretrained(cls, path, trust_remote_code, flag="--model-name-or-path", **kwargs):
+    if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1 or os.path.exists(path)):
+        fail(f"{flag} {path}: no such folder")
+    try:
+        return cls.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError) as e:
+        fail(f"{flag} {path}: not a model folder, nor loadable from the hub ({type(e).__name__})")
+
+
+def load_model(path, args, device, frozen=False, model=None):
+    """The model (from path unless given) with float32 weights, computing under autocast in --dtype (docs/gpu.md)."""
+    if model is None:
+        model = from_pretrained(AutoModelForCausalLM, path, args.trust_remote_code, dtype=torch.float32)
+    model.requires_grad_(not frozen)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0  # the policy that samples is the one trained
+    if args.gradient_checkpointing:  # nothing recomputed is random: no random state to keep
+        enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)  # < 5.24
+        enable({"use_reentrant": False, "preserve_rng_state": False})
+    model.compute_dtype = getattr(torch, args.dtype)  # setup() settled an auto --dtype
+    if args.dtype != "float32":
+        model.forward = torch.autocast(device.type, dtype=model.compute_dtype)(model.forward)
+    return model.to(device)
+
+
+def add_lora(model, args):
+    """With --lora-r, the model with LoRA adapters (peft), which alone train (docs/training.md); else the model."""
+    if not args.lora_r:
+        return model
+    import peft
+
+    modules = args.lora_target_modules
+    check_lora_targets(model, modules)
+    targets = "all-linear" if modules == ["all-linear"] else modules
+    config = peft.LoraConfig(
+        r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=targets
+    )
+    try:
+        model = peft.get_peft_model(model, config)
+    except ValueError as e:
+        fail(f"--lora-target-modules {' '.join(modules)}: {str(e).splitlines()[0]}")
+    head = model.get_output_embeddings()
+    for module in model.modules():  # frozen: held in --dtype, as autocast would cast them at every token (gpu.md)
+        if isinstance(module, torch.nn.Linear) and module is not head and not module.weight.requires_grad:
+            module.to(model.compute_dtype)
+    return model
+
+
+def check_lora_targets(model, modules):
+    """Stops if --lora-target-modules names the output layer, or an input embedding tied to it (docs/training.md)."""
+    names = {module: name for name, module in model.named_modules()}
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    refused = {names[head]: "the output layer, whose weight the log-probs multiply without an adapter"}
+    if head.weight is embedding.weight:
+        refused[names[embedding]] = "tied to the output layer, which would keep no adapter"
+    for name, why in refused.items():
+        if any(name == m or name.endswith("." + m) for m in modules):
+            fail(f"--lora-target-modules {' '.join(modules)}: {name} is {why}; leave it out")
+
+
+def reference_model(policy, args, device):
+    """The frozen reference: with LoRA the policy itself (adapters_off switches its adapters off), else a copy."""
+    if args.lora_r:
+        return policy
+    return distribute(load_model(args.model_name_or_path, args, device, frozen=True).eval(), args.fsdp)
+
+
+def adapters_off(model):  # `with adapters_off(policy):` the policy without its LoRA adapters: the reference
+    return getattr(unwrap(model), "disable_adapter", contextlib.nullcontext)()
+
+
+@torch.no_grad()
+def merged_weights(model):
+    """(name, float32 tensor) of each weight, under the plain model's names; with LoRA merged, a layer at a time."""
+    model = unwrap(model)
+    if hasattr(model, "get_base_model"):  # LoRA
+        model = model.get_base_model()
+    adapted = {f"{n}.base_layer.weight": m for n, m in model.named_modules() if hasattr(m, "get_delta_weight")}
+    for name, tensor in model.state_dict().items():
+        if "lora_" in name:
+            continue
+        if name in adapted:  # a new tensor: the model's weight is never merged into and back (not exact)
+            tensor = tensor + adapted[name].get_delta_weight("default")
+        if tensor.is_floating_point():  # a frozen layer held in --dtype (add_lora)
+            tensor = tensor.float()
+        yield name.replace(".base_layer", ""), tensor
+
+
+def autocast(model):
+    """torch.autocast in the model's --dtype, for a layer of it applied by hand."""
+    dtype = getattr(unwrap(model), "compute_dtype", torch.float32)
+    return torch.autocast(next(model.parameters()).device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def load_tokenizer(path, trust_remote_code):
+    tokenizer = from_pretrained(AutoTokenizer, path, trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def stop_token_ids(tokenizer, model):
+    """Every id that ends a completion: the tokenizer's EOS and the generation config's."""
+    ids = model.generation_config.eos_token_id  # None, an id, or a list of ids
+    if ids is None:
+        ids = []
+    if isinstance(ids, int):
+        ids = [ids]
+    return sorted({tokenizer.eos_token_id, *ids})
+
+
+def tokenize_prompts(tokenizer, prompts, device, args, tools=None):
+    """Left-padded ids and mask (B, P) of each prompt's last --max-prompt-length tokens, chat-templated if it can be
+    (with the tools' descriptions, tool_grpo.py's)."""
+    system = [] if args.system_prompt is None else [{"role": "system", "content": args.system_prompt}]
+    if tokenizer.chat_template:
+        chats = [p if isinstance(p, list) else [*system, {"role": "user", "content": p}] for p in prompts]
+        prompts = [
+            tokenizer.apply_chat_template(c, tools=tools, tokenize=False, add_generation_prompt=True) for c in chats
+        ]
+    elif system or any(isinstance(p, list) for p in prompts):
+        what = "--system-prompt" if system else "conversational records (--dataset, --eval-dataset)"
+        fail(f"{what} need a tokenizer with a chat template, and {args.model_name_or_path} has none")
+    ids = tokenizer(prompts, add_special_tokens=not tokenizer.chat_template)["input_ids"]
+    if args.max_prompt_length:
+        ids = [i[-args.max_prompt_length :] for i in ids]
+    width = max(len(i) for i in ids)
+    input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(i)) + i for i in ids], device=device)
+    return input_ids, torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=device)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, processors=()):
+    """Completion ids (B, T) by plain sampling at temperature (None: greedy), whatever the model's config says."""
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        eos_token_id=stop_ids,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        num_beams=1,
+        remove_invalid_values=True,  # a diverged model reaches the NaN check
+    )
+    if temperature is not None:
+        config.do_sample, config.temperature, config.top_k, config.top_p = True, temperature, 0, 1.0
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if sharded:  # FSDP: each layer gathered once for the rollout, not for every token
+        model.set_reshard_after_forward(False)
+    try:
+        with autocast(model):  # each weight cast to --dtype once
+            out = unwrap(model).generate(
+                input_ids=prompt_ids,
+                attention_mask=prompt_mask,
+                generation_config=config,
+                logits_processor=transformers.LogitsProcessorList(processors),
+                synced_gpus=dist.is_initialized(),
+            )
+    finally:
+        for module in sharded:  # then every layer but the root reshards after its forward again
+            module.reshard()
+            module.set_reshard_after_forward(module is not model, recurse=False)
+    return out[:, prompt_ids.shape[1] :]
+
+
+def completion_mask(completion_ids, stop_ids):
+    """1 up to and including the first stop token: [[5, 7, EOS, PAD], [6, 6, 6, 6]] -> [[1, 1, 1, 0], [1, 1, 1, 1]]"""
+    is_stop = torch.isin(completion_ids, torch.tensor(stop_ids, device=completion_ids.device)).long()
+    return (is_stop.cumsum(dim=1) - is_stop) == 0  # no stop token before this one
+
+
+def decode_completions(tokenizer, completion_ids, mask):
+    return [tokenizer.decode(ids[m], skip_special_tokens=True) for ids, m in zip(completion_ids, mask)]
+
+
+def forward(model, input_ids, attention_mask, **kwargs):
+    """The model's output, with generate()'s positions and no KV cache (nobody would read it)."""
+    positions = (attention_mask.cumsum(1) - 1).clamp(0)
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, **kwargs)
+
+
+def hidden_states(model, input_ids, attention_mask):
+    """The decoder's last hidden states (B, L, d), as the output layer (or a score head) takes them."""
+    states, causal_lm = [], unwrap(model).get_output_embeddings() is not None
+    hook = unwrap(model).get_decoder().register_forward_hook(lambda module, inputs, out: states.append(out[0]))
+    try:
+        forward(model, input_ids, attention_mask, **({"logits_to_keep": 1} if causal_lm else {}))  # its last logits
+    finally:
+        hook.remove()
+    return states[0]
+
+
+def token_logprobs(
+    model, input_ids, attention_mask, prompt_len, temperature=1.0, with_entropy=False, chunk_values=2**26
+):
+    """Log-probs (B, T) of the completion tokens input_ids[:, prompt_len:], float32 (and entropies (B, T)).
+
+    input_ids = [PAD, PAD, 4, 7, 13 | 5, 5, EOS]   left-padded prompt | completion (T = 3)
+    attention = [0,   0,   1, 1, 1  | 1, 1, 1  ]   positions [0, 0, 0, 1, 2 | 3, 4, 5], as in generate()
+    The state at prompt_len - 1 + t predicts token t; chunk_values logits at a time (docs/gpu.md).
+    """
+    length, config = input_ids.shape[1] - prompt_len, unwrap(model).config.get_text_config()
+    scaled = any(getattr(config, k, None) not in (None, 1) for k in ("logit_scale", "logits_scaling"))
+    if scaled or getattr(config, "final_logit_softcapping", None) is not None:  # its own logits, under autocast
+        hidden = forward(model, input_ids, attention_mask, logits_to_keep=length + 1).logits[:, :-1]  # (B, T, vocab)
+        weight, bias, vocab = None, None, hidden.shape[-1]
+    else:  # the output layer's weight and bias, multiplied in float32 below
+        hidden = hidden_states(model, input_ids, attention_mask)[:, -length - 1 : -1]  # (B, T, d)
+        head = unwrap(model).get_output_embeddings()
+        weight, bias, vocab = head.weight, head.bias, head.weight.shape[0]
+    hidden, targets = hidden.flatten(0, 1), input_ids[:, prompt_len:].flatten()  # (B T, d or vocab), (B T,)
+
+    def chunk(hidden, targets, weight, bias):  # log-probs (n,) and entropies (n,) at n positions
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits = hidden.float()
+            if weight is not None:
+                logits = torch.nn.functional.linear(logits, weight.float(), None if bias is None else bias.float())
+        logits = logits / temperature  # (n, vocab)
+        logsumexp = torch.logsumexp(logits, dim=-1)
+        entropy = None
+        if with_entropy:
+            entropy = logsumexp - (logits.softmax(-1) * logits).sum(-1)
+        return logits.gather(-1, targets[:, None]).squeeze(-1) - logsumexp, entropy
+
+    span, chunks = max(1, chunk_values // vocab), []
+    recompute = torch.is_grad_enabled() and len(targets) > span  # in the backward pass (one chunk: no need)
+    for i in range(0, len(targets), span):
+        part = hidden[i : i + span], targets[i : i + span], weight, bias
+        if recompute:
+            chunks.append(
+                torch.utils.checkpoint.checkpoint(chunk, *part, use_reentrant=False, preserve_rng_state=False)
+            )
+        else:
+            chunks.append(chunk(*part))
+    logprobs = torch.cat([c[0] for c in chunks]).view(-1, length)  # (B, T)
+    if with_entropy:
+        return logprobs, torch.cat([c[1] for c in chunks]).view(-1, length)
+    return logprobs
+
+
+@torch.no_grad()
+def batched_logprobs(model, input_ids, attention_mask, prompt_len, temperature, batch_size):
+    """token_logprobs (B, T) in batches of batch_size, without gradient; None for no model (no reference)."""
+    if model is None:
+        return None
+    model.eval()
+    batches = [slice(i, i + batch_size) for i in range(0, len(input_ids), batch_size)]
+    return torch.cat([token_logprobs(model, input_ids[b], attention_mask[b], prompt_len, temperature) for b in batches])
+
+
+def rows(tensor, idx):  # tensor[idx], or None (a run without a reference, or without an engine, has no log-probs)
+    return None if tensor is None else tensor[idx]
+
+
+def masked_mean(x, mask, dim=None):
+    """Mean of x where mask is 1; masked positions never leak, even inf or nan."""
+    x = torch.where(mask.bool(), x, 0.0)
+    return x.sum() / mask.sum().clamp(min=1) if dim is None else x.sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def weighted_means(records, prefix=""):
+    """{prefix + name: sum w x / sum w} of (stats, w) records: [({"kl": 1.0}, 1), ({"kl": 0.0}, 3)] -> {"kl": 0.25}"""
+    sums, totals = {}, {}
+    for stats, weight in records:
+        for name, value in stats.items():
+            sums[name] = sums.get(name, 0.0) + float(value) * float(weight)
+            totals[name] = totals.get(name, 0.0) + float(weight)
+    return {prefix + name: sums[name] / totals[name] for name in sums}
+
+
+def minibatches(size, minibatch_size, passes, generator, device):
+    """The index blocks of `passes` passes over a batch of `size`, each pass shuffled anew and cut in minibatches."""
+    for _ in range(passes):
+        yield from torch.randperm(size, generator=generator).to(device).split(minibatch_size)
+
+
+def micro_batches(minibatch, size, models, token_mask=None):
+    """(part, share) of each micro-batch (its indices, or its records), its gradients synced (DDP) at the last one only;
+    weighed by share, they add up to the minibatch loss's: share of the sequences, or of the tokens of all processes."""
+    parts = [minibatch[i : i + size] for i in range(0, len(minibatch), size)]
+    for i, idx in enumerate(parts):
+        share = len(idx) / len(minibatch)
+        if token_mask is not None:
+            share = token_mask[idx].sum() / (all_sum(token_mask[minibatch].sum()) / rank_and_world()[1])
+        with gradient_sync(i == len(parts) - 1, *models):
+            yield idx, share
+
+
+def check_finite(loss, step, cause="the rewards"):
+    if not torch.isfinite(loss):
+        fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check {cause}")
+
+
+@torch.no_grad()
+def completion_texts(model, tokenizer, records, args, stop_ids, temperature=None):
+    """The texts of the records' completions, greedy (or sampled at temperature)."""
+    model.eval()
+    texts, device = [], next(model.parameters()).device
+    for i in range(0, len(records), 128):
+        ids, mask = tokenize_prompts(tokenizer, [r["prompt"] for r in records[i : i + 128]], device, args)
+        completion_ids = generate(model, tokenizer, ids, mask, args.max_new_tokens, temperature, stop_ids)
+        texts += decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
+    return texts
+
+
+def evaluate(model, tokenizer, records, args, stop_ids, samples=None, k=0, pause=contextlib.nullcontext):
+    """{eval/accuracy of greedy completions, and with k sampled per record eval/mean@k and eval/pass@k}, of all
+    processes; pause(): a context in which no other thread draws random numbers (async_grpo.py's generator)."""
+    records = process_share(records)
+    texts = completion_texts(model, tokenizer, records, args, stop_ids)
+    scores = [[reward_fn(t, r) for t, r in zip(texts, records)]]
+    if samples is not None:
+        samples += [
+            {"kind": "eval", "prompt": r["prompt"], "completion": t, "answer": r["answer"], "reward": x}
+            for r, t, x in zip(records[:4], texts, scores[0])
+        ]
+    if k:  # its own random numbers: training draws the same ones with or without --eval-samples
+        group = [r for r in records for _ in range(k)]
+        with pause(), torch.random.fork_rng([torch.cuda.current_device()] if torch.cuda.is_initialized() else []):
+            texts = completion_texts(model, tokenizer, group, args, stop_ids, args.eval_temperature)
+        sampled = torch.tensor([reward_fn(t, r) for t, r in zip(texts, group)]).view(-1, k)  # (records, K)
+        scores += [sampled.mean(dim=1).tolist(), sampled.amax(dim=1).tolist()]
+    totals = all_sum(torch.tensor([[sum(x), len(x)] for x in scores], dtype=torch.float64)).tolist()
+    return {name: x / count for name, (x, count) in zip(["eval/accuracy", "eval/mean@k", "eval/pass@k"], totals)}
+
+
+def lr_scheduler(optimizer, args, first_step):
+    """--learning-rate x factor(steps done): --warmup-steps of linear warm-up, then --lr-schedule's decay (to 0)."""
+
+    def factor(done):
+        progress = max(0, done - args.warmup_steps) / max(1, args.num_steps - args.warmup_steps)
+        decay = {"constant": 1, "linear": 1 - progress, "cosine": (1 + math.cos(math.pi * progress)) / 2}
+        return min(1, (done + 1) / max(1, args.warmup_steps)) * decay[args.lr_schedule]
+
+    for group in optimizer.param_groups:  # what LambdaLR scales (a checkpoint does not keep it)
+        group["initial_lr"] = args.learning_rate
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=first_step - 2)
+
+
+# ---- The run's folder: metrics, samples, the model, checkpoints (docs/outputs.md)
+def clock(device):
+    """Seconds, once this thread's CUDA stream has done its queued work."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return time.perf_counter()
+
+
+class Timer:
+    """A step's seconds: timer.lap("generation") ends a phase begun at the step's start or at the last lap."""
+
+    def __init__(self, device, run_start):
+        self.device, self.run_start, self.seconds = device, run_start, {}
+        self.start = self.last = clock(device)
+
+    def lap(self, name=None):
+        now = clock(self.device)
+        if name is not None:
+            self.seconds[f"charts/{name}_time"] = now - self.last
+        self.last = now
+
+    def metrics(self, tokens):
+        step = clock(self.device) - self.start
+        times = {"charts/step_time": step, "charts/tokens_per_sec": tokens / step, **self.seconds}
+        return {**times, "charts/elapsed_time": time.time() - self.run_start}
+
+
+def reduce_and_log(output_dir, step, metrics, samples=()):
+    """Every process calls it: the step's metrics, averaged over the processes (an all-reduce); rank 0 writes them
+    and the samples to their files, wandb and the console."""
+    values = all_sum(torch.tensor([float(v) for v in metrics.values()], dtype=torch.float64)) / rank_and_world()[1]
+    metrics = dict(zip(metrics, values.tolist()))
+    if rank_and_world()[0] != 0:
+        return
+    for name, rows in (("metrics", [metrics]), ("samples", samples)):
+        try:
+            with open(os.path.join(output_dir, f"{name}.jsonl"), "a") as f:
+                f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+        except OSError as e:
+            fail(f"--output-dir {output_dir}: cannot write its {name} ({e.strerror})")
+    wandb = sys.modules.get("wandb")  # --track: imported, its run started by make_output_dir
+    if wandb is not None and wandb.run is not None:
+        columns = list(dict.fromkeys(k for s in samples for k in s))
+        if samples:
+            metrics = {**metrics, "samples": wandb.Table(columns, [[s.get(k) for k in columns] for s in samples])}
+        wandb.log(metrics, step=step)
+    shown = ["charts/reward", "losses/loss", "eval/loss", "eval/accuracy", "eval/pair_accuracy", "charts/step_time"]
+    print(f"step {step:5d}  " + "  ".join(f"{k} {metrics[k]:.4f}" for k in shown if k in metrics), flush=True)
+    if samples:
+        print("  sample  " + "  ".join(f"{k} {repr(v)[:80]}" for k, v in samples[0].items()), flush=True)
+
+
+def checkpoint_to_resume(args):
+    """With --resume-from, the run's last checkpoint, once the run's flags are checked against these; else None.
+    Checked before any model loads; a resumed run takes the run's name."""
+    if args.resume_from is None:
+        return None
+    path, world = args.resume_from, rank_and_world()[1]
+    steps = sorted(glob.glob(os.path.join(path, "checkpoints", "step_" + "[0-9]" * 6)))  # whole ones
+    if not steps or not os.path.exists(os.path.join(path, "args.json")):
+        fail(f"--resume-from {path}: not a run's folder with a whole checkpoint (--save-every writes them)")
+    with open(os.path.join(steps[-1], "trainer_state.json")) as f, open(os.path.join(path, "args.json")) as g:
+        state, saved = json.load(f), json.load(g)
+    keep = (
+        "num_steps log_every eval_every save_every keep_checkpoints resume_from track wandb_project_name wandb_entity"
+    )
+    keep = {*keep.split(), "exp_name", "run_name"}  # the flags a resumed run may change
+    run = {"file": state["file"], "processes": state["world_size"], **{flag(k): v for k, v in saved.items()}}
+    this = {"file": os.path.basename(__file__), "processes": world}
+    this.update({flag(k): v for k, v in asdict(args).items() if k not in keep})
+    differ = [f"{k} {v} (the run's: {run.get(k)})" for k, v in this.items() if run.get(k) != v]
+    if differ:
+        fail(f"--resume-from {path}: differs from the run: {', '.join(differ)}")
+    if args.num_steps <= state["step"]:
+        fail(f"--num-steps {args.num_steps}: the checkpoint is at step {state['step']}; ask for more steps")
+    print(f"resuming {path} from {steps[-1]} (step {state['step']})")
+    args.run_name = saved["run_name"]
+    return steps[-1]
+
+
+def make_output_dir(args, checkpoint):
+    """The run's folder: a new one with args.json; resumed from checkpoint, the run's own, its metrics and samples cut
+    back to the checkpoint's step (the resumed run logs the later steps again). With --track, the wandb run."""
+    path = args.resume_from
+    if checkpoint is None:
+        path = args.output_dir
+        if path is None:
+            path = os.path.join("runs", args.run_name)
+        if os.path.exists(path):
+            fail(f"--output-dir {path} already exists; choose a new folder")
+    barrier()  # every process has checked before rank 0 writes
+    try:
+        if rank_and_world()[0] == 0 and checkpoint is None:
+            os.makedirs(path)
+            with open(os.path.join(path, "args.json"), "w") as f:
+                json.dump(asdict(args), f, indent=2)
+        if rank_and_world()[0] == 0 and checkpoint is not None:
+            with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+                last = json.load(f)["step"]
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                with open(os.path.join(path, name), "a+") as f:
+                    f.seek(0)
+                    lines = [line for line in f if line.endswith("}\n") and json.loads(line)["step"] <= last]
+                    f.truncate(0)
+                    f.writelines(lines)
+    except OSError as e:
+        fail(f"--output-dir {path}: cannot write there ({e.strerror}); choose a folder you can write to")
+    if args.track and rank_and_world()[0] == 0:
+        import wandb
+
+        wandb.init(
+            project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name, config=vars(args), dir=path
+        )
+    return path
+
+
+def save(model, tokenizer, output_dir, merged=True):
+    """The model and the tokenizer, loadable with from_pretrained (rank 0 writes); with LoRA the adapter alone in
+    adapter/, and the model with it merged in unless merged=False."""
+    model, weights = unwrap(model), None
+    if isinstance(model, FSDPModule):
+        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)).items()
+    try:
+        if rank_and_world()[0] != 0:
+            return
+        if hasattr(model, "get_base_model"):  # LoRA
+            model.save_pretrained(os.path.join(output_dir, "adapter"))
+            if not merged:
+                return
+            model, weights = model.get_base_model(), merged_weights(model)
+        state_dict = None
+        if weights is not None:  # a tensor at a time to the CPU, a tied weight under one name
+            names = {n.replace(".base_layer", "") for n, _ in [*model.named_parameters(), *model.named_buffers()]}
+            state_dict = {name: tensor.cpu() for name, tensor in weights if name in names}
+        model.save_pretrained(output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(output_dir)
+    except OSError as e:
+        fail(f"--output-dir {output_dir}: cannot save the model there ({e.strerror})")
+
+
+def save_checkpoint(args, output_dir, step, tokenizer, models, optimizer, generators, **loop_state):
+    """Every --save-every steps, checkpoints/step_<step>/: each model, state/ (DCP), random and loop states."""
+    if args.save_every == 0 or step % args.save_every != 0:
+        return
+    (rank, world), folder = rank_and_world(), os.path.join(output_dir, "checkpoints", f"step_{step:06d}")
+    part = folder + ".partial"  # named once whole
+    if rank == 0:
+        shutil.rmtree(part, ignore_errors=True)
+    barrier()
+    dcp.save(checkpoint_state(models, optimizer)[1], checkpoint_id=f"{part}/state")
+    for name, model in models.items():
+        save(model, tokenizer, f"{part}/{name}", merged=False)  # LoRA: adapter/ alone
+    _, keys, *rest = sys.modules["numpy"].random.get_state()  # torch loaded numpy; vLLM's CUDA sampler draws from it
+    states = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all(),
+        "numpy": [torch.from_numpy(keys), *rest],
+        "generators": [g.getstate() if isinstance(g, random.Random) else g.get_state() for g in generators],
+    }
+    torch.save(states, f"{part}/rng_{rank}.pt")
+    barrier()
+    if rank == 0:
+        with open(f"{part}/trainer_state.json", "w") as f:
+            json.dump({"file": os.path.basename(__file__), "step": step, "world_size": world, "state": loop_state}, f)
+        os.replace(part, folder)
+        for old in sorted(glob.glob(os.path.join(output_dir, "checkpoints", "step_*[0-9]")))[: -args.keep_checkpoints]:
+            shutil.rmtree(old)
+    barrier()
+
+
+def checkpoint_state(models, optimizer):
+    """(the models in a ModuleDict, the state a checkpoint keeps of them and of the optimizer): frozen weights left
+    out, a tied one too (LoRA: the adapters alone; a resumed run loads the rest from --model-name-or-path)."""
+    modules = torch.nn.ModuleDict({name: unwrap(model) for name, model in models.items()})
+    frozen = {name for name, p in modules.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    model_state, optimizer_state = get_state_dict(modules, optimizer)
+    return modules, {"models": {k: v for k, v in model_state.items() if k not in frozen}, "optimizer": optimizer_state}
+
+
+def resume(checkpoint, models, optimizer, generators):
+    """(the first step, the loop's state): (1, {}) for a new run, else the checkpoint's, its states put back."""
+    if checkpoint is None:
+        return 1, {}
+    modules, state = checkpoint_state(models, optimizer)  # what to load into
+    dcp.load(state, checkpoint_id=os.path.join(checkpoint, "state"))
+    set_state_dict(
+        modules,
+        optimizer,
+        model_state_dict=state["models"],
+        optim_state_dict=state["optimizer"],
+        options=StateDictOptions(strict=False),
+    )  # the frozen weights stay as loaded
+    rng = torch.load(os.path.join(checkpoint, f"rng_{rank_and_world()[0]}.pt"))
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"])
+    torch.cuda.set_rng_state_all(rng["cuda"])
+    sys.modules["numpy"].random.set_state(("MT19937", rng["numpy"][0].numpy(), *rng["numpy"][1:]))
+    for generator, value in zip(generators, rng["generators"]):
+        if isinstance(generator, random.Random):
+            generator.setstate(value)
+        else:
+            generator.set_state(value)
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        state = json.load(f)
+    return state["step"] + 1, state["state"]
+
+
+# ---- The device and many processes: torchrun, DDP or FSDP2 (docs/distributed.md)
+def setup(args):
+    """The device; names the run, settles --dtype auto, seeds (seed + rank) and joins torchrun's processes."""
+    transformers.utils.logging.disable_progress_bar()
+    if not args.run_name:
+        args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before CUDA starts
+    cuda = args.cuda and torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    bfloat16 = not cuda or torch.cuda.is_bf16_supported()
+    if args.dtype == "bfloat16" and not bfloat16:
+        fail("--dtype bfloat16: this GPU has no bfloat16; use --dtype float32")
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if cuda and bfloat16 else "float32"
+    if "LOCAL_RANK" in os.environ:  # torchrun: a process a GPU
+        if cuda:
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+        if dist.get_rank() != 0:
+            sys.stdout = open(os.devnull, "w")  # rank 0 alone prints
+    elif args.fsdp:
+        fail("--fsdp shards the models across processes: start them with torchrun --nproc-per-node N")
+    seed = args.seed + rank_and_world()[0]
+    random.seed(seed)
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(args.torch_deterministic)
+    return device
+
+
+def rank_and_world():
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def process_share(items):
+    """This process's held-out items: every N-th from its rank on, as many for each (a remainder is left out, said)."""
+    rank, world = rank_and_world()
+    if len(items) < world:
+        fail(f"{len(items)} held-out records for {world} processes, which need one each: raise --num-eval")
+    left_out = len(items) % world
+    if left_out:
+        print(
+            f"note: the last {left_out} of {len(items)} held-out records are left out, so that each of the {world} "
+            "processes evaluates as many"
+        )
+    return items[: len(items) - left_out][rank::world]
+
+
+def all_sum(x):
+    """The sum of tensor x over the processes (every process calls it)."""
+    if not dist.is_initialized():
+        return x
+    y = x.detach().to(f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu", copy=True)
+    dist.all_reduce(y)
+    return y.to(x.device)
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def end_processes():
+    """Ends the wandb run; under torchrun the group, then the process (docs/distributed.md)."""
+    wandb = sys.modules.get("wandb")  # --track
+    if wandb is not None and wandb.run is not None:
+        wandb.finish()
+    if dist.is_initialized():
+        barrier()
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def distribute(model, fsdp):
+    """The model over the processes from rank 0's weights: DDP (a frozen one: a copy each), or FSDP2 with fsdp."""
+    if not dist.is_initialized():
+        return model
+    for tensor in model.state_dict().values():
+        dist.broadcast(tensor, src=0)
+    if fsdp:
+        precision = MixedPrecisionPolicy(param_dtype=model.compute_dtype, reduce_dtype=torch.float32)
+        layers = [m for m in model.modules() if model._no_split_modules and type(m).__name__ in model._no_split_modules]
+        for module in [*layers, model]:  # each decoder layer, then the rest
+            fully_shard(module, mp_policy=precision)
+        if model.can_generate():
+            register_fsdp_forward_method(model, "generate")  # generate() gathers as forward() does
+        return model
+    trained = any(p.requires_grad for p in model.parameters())
+    return torch.nn.parallel.DistributedDataParallel(model) if trained else model
+
+
+def unwrap(model):  # the model inside a DDP wrapper (an FSDP2 model is its own)
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def gradient_sync(last, *models):
+    """`with gradient_sync(last, model):` under DDP, only a step's last micro-batch all-reduces the gradients."""
+    stack = contextlib.ExitStack()
+    for model in models:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last:
+            stack.enter_context(model.no_sync())
+    return stack
+
+
+def parse_args():
+    """The flags; with --resume-from, a flag left out takes the run's own value (its args.json)."""
+    about = f"{__doc__.splitlines()[0]} See docs/{os.path.basename(__file__)[:-3]}.md; the algorithm's flags come last."
+    args = tyro.cli(Args, description=about)
+    if args.resume_from is None or not os.path.exists(os.path.join(args.resume_from, "args.json")):
+        return args  # a new run, or a --resume-from that checkpoint_to_resume refuses
+    with open(os.path.join(args.resume_from, "args.json")) as f:
+        saved = {k: v for k, v in json.load(f).items() if k in Args.__dataclass_fields__}
+    return tyro.cli(Args, description=about, default=Args(**saved))
+
+
+if __name__ == "__main__":
+    main(parse_args())
