@@ -43,7 +43,8 @@ MARK_START, MARK_END = "<!-- dapo: written by benchmarks/dapo_benchmark.py -->",
 
 @dataclass
 class Args:
-    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])  # a run of every row for each seed
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])  # a run of every bundled row for each seed
+    smollm2_seeds: list[int] = field(default_factory=lambda: [1, 2, 3])  # and of every SmolLM2 row
     rows: list[str] = field(default_factory=lambda: list(ROWS))  # which rows
     flags: str = ""  # more flags for every run, as one string (the test makes the runs small with them)
     runs_dir: str = os.path.join(ROOT, "runs", "dapo-benchmark")  # where the runs go (and are found again)
@@ -89,10 +90,10 @@ def row(name, runs, args):
     """A table row: each number the mean (± std) over the seeds of a per-run value."""
     first = [100 * [m for m in r if "eval/accuracy" in m][0]["eval/accuracy"] for r, _ in runs]
     last = [100 * [m for m in r if "eval/accuracy" in m][-1]["eval/accuracy"] for r, _ in runs]
-    sampled = [rollouts(name, r, run_dir(name, seed, args))[-1] for (r, _), seed in zip(runs, args.seeds)]
+    sampled = [rollouts(name, r, run_dir(name, seed, args))[-1] for (r, _), seed in zip(runs, seeds_of(name, args))]
     steps = [[m for m in r if "charts/reward" in m] for r, _ in runs]
     if name.startswith("dapo"):
-        per_batch = [per_step(name, args, seed) for seed in args.seeds]
+        per_batch = [per_step(name, args, seed) for seed in seeds_of(name, args)]
         dropped = [
             100 * sum(m["charts/dropped_groups"] for m in s) / sum(m["charts/sample_batches"] * n for m in s)
             for s, n in zip(steps, per_batch)
@@ -127,7 +128,7 @@ def plot(results, args, path):
         for i, name in enumerate(n for n in results if ("smollm2" in n) == bool(task)):
             runs = results[name]
             marker = "os"[i % 2]
-            counts = [rollouts(name, r, run_dir(name, s, args)) for (r, _), s in zip(runs, args.seeds)]
+            counts = [rollouts(name, r, run_dir(name, s, args)) for (r, _), s in zip(runs, seeds_of(name, args))]
             accs = [[100 * m["eval/accuracy"] for m in r if "eval/accuracy" in m] for r, _ in runs]
             walls = [[m.get("charts/elapsed_time", 0.0) for m in r if "eval/accuracy" in m] for r, _ in runs]
             n = min(len(a) for a in accs)
@@ -152,21 +153,35 @@ def plot(results, args, path):
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-    fig.suptitle(f"dapo.py against grpo.py, the mean over {len(args.seeds)} seed(s)")
+    counts = f"{len(args.seeds)} seed(s), SmolLM2 {len(args.smollm2_seeds)}"
+    fig.suptitle(f"dapo.py against grpo.py, the mean over {counts}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
 
+def seeds_of(name, args):
+    return args.smollm2_seeds if "smollm2" in name else args.seeds
+
+
 def per_step(name, args, seed=None):
     """The run's --prompts-per-step (its args.json)."""
-    with open(os.path.join(run_dir(name, args.seeds[0] if seed is None else seed, args), "args.json")) as f:
+    with open(os.path.join(run_dir(name, seeds_of(name, args)[0] if seed is None else seed, args), "args.json")) as f:
         return json.load(f)["prompts_per_step"]
+
+
+def command_flags(args):
+    """The flags of this command that are not the defaults, as the block's command line gives them."""
+    default, flags = Args(), ""
+    for name in ("seeds", "smollm2_seeds"):
+        if getattr(args, name) != getattr(default, name):
+            flags += f" --{name.replace('_', '-')} {' '.join(map(str, getattr(args, name)))}"
+    return flags
 
 
 def main(args):
     os.makedirs(args.runs_dir, exist_ok=True)
     os.makedirs(args.out_dir, exist_ok=True)
-    results = {name: [run(name, seed, args) for seed in args.seeds] for name in args.rows}
+    results = {name: [run(name, seed, args) for seed in seeds_of(name, args)] for name in args.rows}
     header = [
         "row",
         "held-out accuracy, step 0 → last (%)",
@@ -178,7 +193,8 @@ def main(args):
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row(name, runs, args)) + " |" for name, runs in results.items()]
-    seeds = " ".join(map(str, args.seeds))
+    seeds = f"{len(args.seeds)} seed(s): {' '.join(map(str, args.seeds))}; on SmolLM2 {len(args.smollm2_seeds)}: "
+    seeds += " ".join(map(str, args.smollm2_seeds))
     commands = [f"- {name}: `{' '.join(['python', ROWS[name][0], *ROWS[name][1]])}`" for name in results]
     block = "\n".join(
         [
@@ -186,7 +202,7 @@ def main(args):
             "",
             "## DAPO against GRPO (dapo.py)",
             "",
-            f"`python benchmarks/dapo_benchmark.py` ({len(args.seeds)} seed(s): {seeds}; {machine_line()}). Each "
+            f"`python benchmarks/dapo_benchmark.py{command_flags(args)}` ({seeds}; {machine_line()}). Each "
             "row is a file's command with `--seed S` (the bundled rows the defaults: DAPO's clip-higher, dynamic "
             "sampling, token mean, overlong shaping and no KL against grpo.py's; the SmolLM2 rows docs/smollm2.md's "
             "GRPO flags for both files). Dynamic sampling samples more than one batch a step, so the rollouts sampled "
