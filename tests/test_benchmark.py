@@ -124,7 +124,7 @@ def test_every_quick_command_is_a_valid_command_of_its_file(name):
         *benchmark.QUICK_COMMON,
     ]
     args = tyro.cli(module.Args, args=argv)
-    assert args.seed == 1 and args.num_steps == (2 if name in REAL_FLAGS else 4)
+    assert args.seed == 1 and args.num_steps == (1 if name in REAL_FLAGS else 4)
 
 
 def test_every_run_saved_a_model_that_loads(quick):
@@ -135,7 +135,7 @@ def test_every_run_saved_a_model_that_loads(quick):
         model_class = AutoModelForSequenceClassification if name in REWARD_MODELS else AutoModelForCausalLM
         assert model_class.from_pretrained(run).num_parameters() > 0
         args = json.loads((run / "args.json").read_text())
-        steps = 2 if name in REAL else 4  # --quick: 4 steps of the bundled model, 2 of the real one
+        steps = 1 if name in REAL else 4  # --quick: 4 steps of the bundled model, 1 of the real one
         assert args["seed"] == 1 and args["num_steps"] == steps
         assert read_metrics(str(run))[-1]["step"] == steps
         if name in REAL:  # SmolLM2-135M-Instruct: its tokenizer comes back with the chat template
@@ -150,7 +150,7 @@ def test_the_time_breakdown_adds_up(quick):
     assert [row[0] for row in rows] == ONLINE
     for name, step_ms, *shares, logged in rows:
         percents = [int(s.rstrip("%")) for s in shares]
-        assert float(step_ms) > 0 and int(logged) == (2 if name in REAL else 4)  # --quick: every step logged
+        assert float(step_ms) > 0 and int(logged) == (1 if name in REAL else 4)  # --quick: every step logged
         assert all(p >= 0 for p in percents) and abs(sum(percents) - 100) <= 3  # rounding of four shares
         assert percents[0] > 0 and percents[2] > 0  # every online step samples and trains
 
