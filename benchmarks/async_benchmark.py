@@ -58,26 +58,46 @@ def run(name, seed, args):
     script, flags = ROWS[name]
     out = os.path.join(os.path.abspath(args.runs_dir), f"{name}__{seed}")
     steps = [] if args.num_steps is None else ["--num-steps", str(args.num_steps)]
-    command = [script, "--seed", str(seed), *flags, *steps, "--output-dir", out]
+    return run_once(f"{name} seed {seed}", [script, "--seed", str(seed), *flags, *steps, "--output-dir", out], out)
+
+
+def run_once(label, command, out):
+    """`python *command` from the repository root, its output in out.log, unless out.json says that it finished with
+    this command; then (the run's metrics, its wall seconds). process_, tool_ and dapo_benchmark.py use it too."""
     record_path = out + ".json"
     if os.path.exists(record_path):
         with open(record_path) as f:
             record = json.load(f)
         if record["command"] == command:
-            print(f"{name} seed {seed}: read from {out}", flush=True)
+            print(f"{label}: read from {out}", flush=True)
             return read_metrics(out), record["wall_seconds"]
     if os.path.exists(out):
         subprocess.run(["rm", "-rf", out], check=True)
-    print(f"{name} seed {seed}: {' '.join(command)}", flush=True)
+    print(f"{label}: {' '.join(command)}", flush=True)
     start = time.perf_counter()
     with open(out + ".log", "w") as log:
         proc = subprocess.run([sys.executable, *command], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        fail(f"{name} seed {seed} failed (exit {proc.returncode}); see {out}.log")
+        fail(f"{label} failed (exit {proc.returncode}); see {out}.log")
     with open(record_path, "w") as f:
         json.dump({"command": command, "wall_seconds": wall}, f)
     return read_metrics(out), wall
+
+
+def write_block(path, start, end, block):
+    """Puts block (which begins with start and ends with end) in the page at path in place of the old one, or at
+    its end; the rest of the page stays as it is."""
+    page = ""
+    if os.path.exists(path):
+        with open(path) as f:
+            page = f.read()
+    if start in page:
+        page = page[: page.index(start)] + block + page[page.index(end) + len(end) :]
+    else:
+        page = page.rstrip("\n") + "\n\n" + block + "\n"
+    with open(path, "w") as f:
+        f.write(page)
 
 
 def read_metrics(out):

@@ -19,15 +19,13 @@ it again). benchmarks/benchmark.py keeps the block when it writes results.md ane
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from async_benchmark import machine_line, mean_std, read_metrics  # noqa: E402
+from async_benchmark import machine_line, mean_std, run_once, write_block  # noqa: E402
 from benchmark import REAL_COMMON, REAL_FLAGS  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,26 +51,10 @@ class Args:
 
 def run(name, seed, args):
     """The run's metrics and wall seconds, running it unless it finished with this command."""
-    out = os.path.join(os.path.abspath(args.runs_dir), f"{name}__{seed}")
     script, flags = ROWS[name]
+    out = os.path.join(os.path.abspath(args.runs_dir), f"{name}__{seed}")
     command = [script, "--seed", str(seed), *flags, *args.flags.split(), "--output-dir", out]
-    record_path = out + ".json"
-    if os.path.exists(record_path):
-        with open(record_path) as f:
-            record = json.load(f)
-        if record["command"] == command:
-            return read_metrics(out), record["wall_seconds"]
-    subprocess.run(["rm", "-rf", out], check=True)
-    print(f"{name} seed {seed}: {' '.join(command)}", flush=True)
-    start = time.perf_counter()
-    with open(out + ".log", "w") as log:
-        proc = subprocess.run([sys.executable, *command], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise SystemExit(f"error: {name} seed {seed} failed (exit {proc.returncode}); see {out}.log")
-    with open(record_path, "w") as f:
-        json.dump({"command": command, "wall_seconds": wall}, f)
-    return read_metrics(out), wall
+    return run_once(f"{name} seed {seed}", command, out)
 
 
 def rollouts(name, metrics, out_dir):
@@ -219,16 +201,7 @@ def main(args):
         ]
     )
     path = os.path.join(args.out_dir, "results.md")
-    page = ""
-    if os.path.exists(path):
-        with open(path) as f:
-            page = f.read()
-    if MARK_START in page:
-        page = page[: page.index(MARK_START)] + block + page[page.index(MARK_END) + len(MARK_END) :]
-    else:
-        page = page.rstrip("\n") + "\n\n" + block + "\n"
-    with open(path, "w") as f:
-        f.write(page)
+    write_block(path, MARK_START, MARK_END, block)
     plot(results, args, os.path.join(args.out_dir, "dapo.png"))
     print(f"wrote {path} and dapo.png")
 

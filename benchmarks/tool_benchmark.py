@@ -15,18 +15,15 @@ A run that already finished in --runs-dir with the same command is read, not run
 it again). benchmarks/benchmark.py keeps the block when it writes results.md anew.
 """
 
-import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from async_benchmark import machine_line, mean_std, read_metrics  # noqa: E402
+from async_benchmark import machine_line, mean_std, run_once, write_block  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = {"masked": [], "not masked": ["--no-mask-tool-tokens"]}  # name: tool_grpo.py's flags
@@ -47,23 +44,7 @@ def run(name, seed, args):
     out = os.path.join(os.path.abspath(args.runs_dir), f"{name.replace(' ', '-')}__{seed}")
     steps = [] if args.num_steps is None else ["--num-steps", str(args.num_steps)]
     command = ["tool_grpo.py", "--seed", str(seed), *ROWS[name], *steps, *args.flags.split(), "--output-dir", out]
-    record_path = out + ".json"
-    if os.path.exists(record_path):
-        with open(record_path) as f:
-            record = json.load(f)
-        if record["command"] == command:
-            return read_metrics(out), record["wall_seconds"]
-    subprocess.run(["rm", "-rf", out], check=True)
-    print(f"{name} seed {seed}: {' '.join(command)}", flush=True)
-    start = time.perf_counter()
-    with open(out + ".log", "w") as log:
-        proc = subprocess.run([sys.executable, *command], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise SystemExit(f"error: {name} seed {seed} failed (exit {proc.returncode}); see {out}.log")
-    with open(record_path, "w") as f:
-        json.dump({"command": command, "wall_seconds": wall}, f)
-    return read_metrics(out), wall
+    return run_once(f"{name} seed {seed}", command, out)
 
 
 def evaluations(metrics):
@@ -150,16 +131,7 @@ def main(args):
         ]
     )
     path = os.path.join(args.out_dir, "results.md")
-    page = ""
-    if os.path.exists(path):
-        with open(path) as f:
-            page = f.read()
-    if MARK_START in page:
-        page = page[: page.index(MARK_START)] + block + page[page.index(MARK_END) + len(MARK_END) :]
-    else:
-        page = page.rstrip("\n") + "\n\n" + block + "\n"
-    with open(path, "w") as f:
-        f.write(page)
+    write_block(path, MARK_START, MARK_END, block)
     plot(results, os.path.join(args.out_dir, "tool_grpo.png"))
     print(f"wrote {path} and tool_grpo.png")
 

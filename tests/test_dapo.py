@@ -109,7 +109,14 @@ def test_with_dapos_changes_off_it_logs_what_grpo_py_logs(tmp_path):
             if not key.endswith(timed):
                 assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-7), (x["step"], key)
     samples = [[json.loads(line) for line in open(tmp_path / name / "samples.jsonl")] for name in ("grpo", "dapo")]
-    assert samples[0] == samples[1]
+    assert len(samples[0]) == len(samples[1])
+    for x, y in zip(*samples):  # the texts equal, the numbers to float rounding
+        assert x.keys() == y.keys()
+        for key, value in x.items():
+            if isinstance(value, float):
+                assert y[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+            else:
+                assert y[key] == value, key
 
 
 def test_a_short_run_logs_the_sampling_and_bad_input_stops_with_one_line(tmp_path):
