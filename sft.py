@@ -255,6 +255,10 @@ def check_args(args):
     check_ranges(args, {**COMMON_RANGES, **ranges})
     if args.model_name_or_path is None:
         exact_div(args.hidden_size, args.num_heads, "--hidden-size by --num-heads")
+    if args.extra_tokens is not None:  # each new to the tiny model's vocabulary, and given once
+        taken = {"<pad>", "<bos>", "<eos>", "<unk>", "", *"0123456789+-= "}
+        if taken & set(args.extra_tokens) or len(set(args.extra_tokens)) < len(args.extra_tokens):
+            fail(f"--extra-tokens {' '.join(args.extra_tokens)}: each must be new to the vocabulary, and given once")
     if args.max_length is not None and (args.max_prompt_length is None or args.max_prompt_length >= args.max_length):
         fail(f"--max-length {args.max_length} needs --max-prompt-length below it (the prompt's share of it)")
     check_lora(args)

@@ -221,3 +221,10 @@ def test_the_benchmark_runs_both_rows_and_writes_their_table(tmp_path):
         assert len(evals) == 2 and all(0 <= m["eval/tool_call_rate"] <= 1 for m in evals)
     page = (tmp_path / "results.md").read_text()
     assert "\n| masked | " in page and "\n| not masked | " in page and (tmp_path / "tool_grpo.png").stat().st_size > 0
+
+
+def test_extra_tokens_that_the_vocabulary_has_stop_sft_with_one_line(tmp_path):
+    for tokens in (["+"], ["*", "*"], ["<eos>"]):
+        proc = run_script("sft.py", "--extra-tokens", *tokens, "--output-dir", str(tmp_path / "o"), expect_ok=False)
+        assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: --extra-tokens")
+        assert not (tmp_path / "o").exists()
