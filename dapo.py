@@ -381,55 +381,73 @@ def overlong_cache(args):
 
 
 def dynamic_sample(policy, engine, tokenizer, records, data_rng, args, stop_ids):
-    """Dynamic sampling (DAPO): batches of --prompts-per-step prompts (this process's share, num_prompts), G
-    completions a prompt, each rewarded, until this process holds num_prompts groups whose rewards differ or
-    --max-sample-batches batches are sampled. Every process samples as many batches: after each, they agree whether
-    any of them is short. The batch: the groups kept, in the order sampled, and if short the first groups dropped
-    (their rewards agree: advantage 0). Without --dynamic-sampling: one batch, every group kept (grpo.py's).
+    """Dynamic sampling (DAPO): sample batches of --prompts-per-step prompts until this process holds num_prompts
+    groups whose rewards differ, at most --max-sample-batches batches. Every process samples as many batches: after
+    each, they agree whether any of them is still short. The step's batch is the groups kept, in the order sampled,
+    and if still short the first groups dropped (their rewards agree: advantage 0). Without --dynamic-sampling: one
+    batch, every group kept (grpo.py's).
 
-    Returns the batch {"group", "texts", "rewards", "stopped" (a stop token ends the completion), "prompt_ids",
-    "prompt_mask", "completion_ids", "mask", "engine_logprobs"} and the step's counts, of all processes: batches
-    sampled, groups dropped, groups filled in; and the share of the completions sampled in the overlong zone."""
-    (rank, world), device = rank_and_world(), next(policy.parameters()).device
-    num_prompts = args.prompts_per_step // world
-    kept, dropped, batches, lengths = [], [], 0, []
-    while True:
-        prompts = data_rng.choices(records, k=args.prompts_per_step)  # every process draws the same prompts
-        prompts = prompts[rank * num_prompts : (rank + 1) * num_prompts]  # and takes its share
-        group = [r for r in prompts for _ in range(args.group_size)]
-        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device, args)  # (B, P)
-        completion_ids, engine_logprobs = sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids)
-        mask = completion_mask(completion_ids, stop_ids)  # (B, T)
-        texts = decode_completions(tokenizer, completion_ids, mask)
-        rewards = torch.tensor([reward_fn(t, r) for t, r in zip(texts, group)], device=device)  # (B,)
-        if args.overlong_shaping:  # the length counts the stop token
-            rewards = rewards + overlong_penalty(mask.sum(dim=1), args.max_new_tokens, overlong_cache(args))
-        stopped = (torch.isin(completion_ids, torch.tensor(stop_ids, device=device)) & mask).any(dim=1)  # (B,)
-        sampled = {"group": group, "texts": texts, "rewards": rewards, "stopped": stopped, "prompt_ids": prompt_ids}
-        sampled.update(prompt_mask=prompt_mask, completion_ids=completion_ids, mask=mask)
-        sampled["engine_logprobs"] = engine_logprobs
-        lengths.append(mask.sum(dim=1))
-        batches += 1
-        grouped = rewards.view(-1, args.group_size)  # (num_prompts, G)
+    Returns the batch (sample_batch's keys) and the step's counts, of all processes: batches sampled, groups dropped,
+    groups filled in; and the share of the completions sampled that lie in the overlong zone."""
+    num_prompts = args.prompts_per_step // rank_and_world()[1]
+    kept, dropped, lengths = [], [], []  # groups as (a sampled batch, the group's index in it)
+    for batches in range(1, args.max_sample_batches + 1):
+        sampled = sample_batch(policy, engine, tokenizer, records, data_rng, args, stop_ids)
+        lengths.append(sampled["mask"].sum(dim=1))
+        grouped = sampled["rewards"].view(-1, args.group_size)  # (num_prompts, G)
         for g, differ in enumerate((grouped.amax(dim=1) > grouped.amin(dim=1)).tolist()):
             if differ or not args.dynamic_sampling:
                 kept.append((sampled, g))
             else:
                 dropped.append((sampled, g))
-        short = all_sum(torch.tensor(len(kept) < num_prompts)).item()  # the processes still short
-        if short == 0 or batches == args.max_sample_batches:
+        processes_short = all_sum(torch.tensor(len(kept) < num_prompts)).item()
+        if processes_short == 0:
             break
-    counts = [batches, len(dropped) - max(0, num_prompts - len(kept)), max(0, num_prompts - len(kept))]
-    dropped_count, filled = all_sum(torch.tensor(counts[1:])).tolist()
-    stats = {"charts/sample_batches": batches, "charts/dropped_groups": dropped_count, "charts/filled_groups": filled}
+    filled = max(0, num_prompts - len(kept))  # dropped groups the batch takes back
+    dropped_groups, filled_groups = all_sum(torch.tensor([len(dropped) - filled, filled])).tolist()
     zone = torch.cat(lengths) > args.max_new_tokens - overlong_cache(args)
-    stats["charts/overlong_share"] = zone.float().mean()  # of the completions sampled, those in the penalty's zone
-    return join_groups((kept + dropped)[:num_prompts], args.group_size, tokenizer.pad_token_id), stats
+    counts = {
+        "charts/sample_batches": batches,
+        "charts/dropped_groups": dropped_groups,
+        "charts/filled_groups": filled_groups,
+        "charts/overlong_share": zone.float().mean(),
+    }
+    return join_groups((kept + dropped)[:num_prompts], args.group_size, tokenizer.pad_token_id), counts
+
+
+def sample_batch(policy, engine, tokenizer, records, data_rng, args, stop_ids):
+    """One batch of rollouts: --prompts-per-step prompts (this process's share), G completions each from pi_old,
+    group-contiguous, each rewarded: its answer, plus the overlong penalty with --overlong-shaping."""
+    rank, world = rank_and_world()
+    num_prompts, device = args.prompts_per_step // world, next(policy.parameters()).device
+    prompts = data_rng.choices(records, k=args.prompts_per_step)  # every process draws the same prompts
+    prompts = prompts[rank * num_prompts : (rank + 1) * num_prompts]  # and takes its share
+    group = [r for r in prompts for _ in range(args.group_size)]
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device, args)  # (B, P)
+    completion_ids, engine_logprobs = sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids)
+    mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
+    texts = decode_completions(tokenizer, completion_ids, mask)
+    rewards = torch.tensor([reward_fn(t, r) for t, r in zip(texts, group)], device=device)  # (B,)
+    if args.overlong_shaping:  # the length counts the stop token
+        rewards = rewards + overlong_penalty(mask.sum(dim=1), args.max_new_tokens, overlong_cache(args))
+    stopped = (torch.isin(completion_ids, torch.tensor(stop_ids, device=device)) & mask).any(dim=1)  # (B,)
+    return {
+        "group": group,
+        "texts": texts,
+        "rewards": rewards,
+        "stopped": stopped,  # a stop token ends the completion (not cut at --max-new-tokens)
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "mask": mask,
+        "engine_logprobs": engine_logprobs,  # None without --vllm
+    }
 
 
 def join_groups(chosen, group_size, pad_id):
-    """The chosen groups' rows as one batch; chosen: [(a sampled batch, the group's index in it)]. Each tensor is
-    padded to the widest of its batches: the prompts on the left, the completions on the right (mask 0 there)."""
+    """The chosen groups' rows as one batch; chosen: [(a sampled batch, the group's index in it)]. The batches differ
+    in width: each tensor is padded to the widest, the prompts on the left, the completions on the right with their
+    mask 0 there (the mask comes from the sampling, so a cut completion padded wider does not grow)."""
     rows = [(sampled, slice(g * group_size, (g + 1) * group_size)) for sampled, g in chosen]
 
     def join(key, pad, left=False):
@@ -440,13 +458,17 @@ def join_groups(chosen, group_size, pad_id):
         sides = [(width - p.shape[1], 0) if left else (0, width - p.shape[1]) for p in parts]
         return torch.cat([torch.nn.functional.pad(p, side, value=pad) for p, side in zip(parts, sides)])
 
-    batch = {key: [x for sampled, r in rows for x in sampled[key][r]] for key in ("group", "texts")}
-    batch["rewards"] = torch.cat([sampled["rewards"][r] for sampled, r in rows])
-    batch["stopped"] = torch.cat([sampled["stopped"][r] for sampled, r in rows])
-    batch.update(prompt_ids=join("prompt_ids", pad_id, left=True), prompt_mask=join("prompt_mask", 0, left=True))
-    batch.update(completion_ids=join("completion_ids", pad_id), mask=join("mask", False))
-    batch["engine_logprobs"] = join("engine_logprobs", 0.0)
-    return batch
+    return {
+        "group": [record for sampled, r in rows for record in sampled["group"][r]],
+        "texts": [text for sampled, r in rows for text in sampled["texts"][r]],
+        "rewards": torch.cat([sampled["rewards"][r] for sampled, r in rows]),
+        "stopped": torch.cat([sampled["stopped"][r] for sampled, r in rows]),
+        "prompt_ids": join("prompt_ids", pad_id, left=True),
+        "prompt_mask": join("prompt_mask", 0, left=True),
+        "completion_ids": join("completion_ids", pad_id),
+        "mask": join("mask", False),
+        "engine_logprobs": join("engine_logprobs", 0.0),
+    }
 
 
 # ---- Helpers that only some of the files need: each is kept equal to its copy in the other files that have it
