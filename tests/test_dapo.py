@@ -12,6 +12,7 @@ from conftest import ROOT, read_metrics, run_script
 from transformers import AutoTokenizer
 
 import dapo
+import grpo
 from dapo import overlong_penalty
 
 
@@ -148,3 +149,25 @@ def test_the_benchmark_writes_its_table_from_the_runs(tmp_path):
     assert rows["dapo"][2] == str(int(dapo_[-1]["charts/rollouts_sampled"]))
     assert int(rows["dapo"][2]) == 32 * sum(m["charts/sample_batches"] for m in dapo_[1:])
     assert (tmp_path / "dapo.png").stat().st_size > 0
+
+
+def test_every_benchmark_row_is_a_valid_command_of_its_file():
+    """Each row of benchmarks/dapo_benchmark.py parses with its file's flags (the SmolLM2 rows, which the test above
+    does not run, included); the no-shaping row is dapo-smollm2's command with the overlong penalty off, and only
+    that."""
+    import sys
+
+    import tyro
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import dapo_benchmark
+
+    files = {"dapo.py": dapo, "grpo.py": grpo}
+    parsed = {
+        name: tyro.cli(files[script].Args, args=["--seed", "1", *flags, "--output-dir", "out"])
+        for name, (script, flags) in dapo_benchmark.ROWS.items()
+    }
+    assert parsed["dapo-smollm2"].model_name_or_path == "SmolLM2-135M-Instruct"
+    assert parsed["dapo-smollm2"].overlong_shaping and not parsed["dapo-smollm2-no-shaping"].overlong_shaping
+    differ = {k for k, v in vars(parsed["dapo-smollm2"]).items() if vars(parsed["dapo-smollm2-no-shaping"])[k] != v}
+    assert differ == {"overlong_shaping"}
