@@ -430,21 +430,30 @@ def call_tool(function, arguments):
 
 
 def parse_call(text, opening, closing, structured):
-    """The call in a turn's text, between opening and closing: (arguments, None), (None, error) when it cannot be
-    read, (None, None) when the turn calls nothing. structured: the call is JSON, {"name": "calculator", "arguments":
-    {"expression": ...}} (a chat template's format); else the text inside is the expression (the bundled format)."""
-    if opening not in text:
+    """The call in a turn's text (its stop token left out), between opening and closing: (arguments, None), (None,
+    error) when it cannot be read, (None, None) when the turn calls nothing. structured: the call is JSON,
+    {"name": "calculator", "arguments" (or "parameters", Llama 3.1's): {"expression": ...}}, a chat template's
+    format; with no opening it is the whole turn, read when the turn starts with "{" (Llama 3.1's). Else the text
+    inside is the expression (the bundled format)."""
+    if opening:
+        if opening not in text:
+            return None, None
+        inside = text.split(opening, 1)[1]
+    elif text.lstrip().startswith("{"):
+        inside = text
+    else:
         return None, None
-    inside = text.split(opening, 1)[1]
-    if closing not in inside:
-        return None, f"error: a call ends with {closing}"
-    inside = inside.split(closing, 1)[0].strip()
+    if closing:
+        if closing not in inside:
+            return None, f"error: a call ends with {closing}"
+        inside = inside.split(closing, 1)[0]
+    inside = inside.strip()
     if not structured:
         return {"expression": inside}, None
     try:
         call = json.loads(inside)
-        name, arguments = call["name"], call["arguments"]
-    except (ValueError, KeyError, TypeError):
+        name, arguments = call["name"], call.get("arguments", call.get("parameters"))
+    except (ValueError, KeyError, TypeError, AttributeError):
         name, arguments = None, None
     if name != "calculator" or not isinstance(arguments, dict) or set(arguments) != {"expression"}:
         return None, 'error: a call is {"name": "calculator", "arguments": {"expression": "..."}}'
@@ -452,45 +461,79 @@ def parse_call(text, opening, closing, structured):
 
 
 def tool_format(tokenizer, args):
-    """How the calculator's calls and results are written. A tokenizer with a chat template: in its own tool format,
-    which must write the tools it is given and a tool message (Qwen2.5's: <tool_call>{"name": ..., "arguments":
-    ...}</tool_call>, then <tool_response>...</tool_response> in a turn of its own). Without one: the bundled model's
-    <call>347*86</call><result>29842</result>. Returns {"tools": for apply_chat_template, "stop_ids": ids that also
-    end a turn, "parse": text -> (arguments, error), "result": a result's text -> the text appended as ids}."""
-    name = args.model_name_or_path
-    if not tokenizer.chat_template:
-        ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<call>", "</call>")]
-        if None in ids or tokenizer.unk_token_id in ids:
-            fail(
-                f"--model-name-or-path {name}: its tokenizer has no chat template and no <call> and </call> tokens, "
-                "so there is no way to write a call (docs/tool_grpo.md)"
-            )
-        return {
-            "tools": None,
-            "stop_ids": ids[1:],  # a turn that calls the tool ends at </call>
-            "parse": lambda text: parse_call(text, "<call>", "</call>", structured=False),
-            "result": lambda text: f"<result>{text}</result>",
-        }
-
-    def render(messages, tools, prompt):
-        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=prompt)
-
-    mark, chat = "(the result)", [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-    before, after = render(chat, None, False), render([*chat, {"role": "tool", "content": mark}], None, True)
-    written = "calculator" in render(chat[:1], [CALCULATOR], True) and "calculator" not in render(chat[:1], None, True)
-    if not written or mark not in after or not after.startswith(before):
+    """How the calculator's calls and results are written: as the chat template writes them (template_tool_format),
+    or without one the bundled model's <call>347*86</call><result>29842</result>. Returns {"tools": for
+    apply_chat_template, "stop_ids": ids that also end a turn, "parse": a turn's text, its stop token left out ->
+    (arguments, error), "result": a result's text -> the text appended as ids}."""
+    if tokenizer.chat_template:
+        return template_tool_format(tokenizer, args.model_name_or_path)
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<call>", "</call>")]
+    if None in ids or tokenizer.unk_token_id in ids:
         fail(
-            f"--model-name-or-path {name}: its chat template does not write the tools it is given or a tool message; "
-            "tool_grpo.py needs one that does, as Qwen2.5's (docs/tool_grpo.md)"
+            f"--model-name-or-path {args.model_name_or_path}: its tokenizer has no chat template and no <call> and "
+            "</call> tokens, so there is no way to write a call (docs/tool_grpo.md)"
         )
-    # after the stop token that ends the calling turn: the rest of that turn's end, the tool message, the next turn
-    end = tokenizer.eos_token
-    between = (before[before.rindex(end) + len(end) :] if end in before else "") + after[len(before) :]
+    return {
+        "tools": None,
+        "stop_ids": ids[1:],  # a turn that calls the tool ends at </call>
+        "parse": lambda text: parse_call(text, "<call>", "</call>", structured=False),
+        "result": lambda text: f"<result>{text}</result>",
+    }
+
+
+def template_tool_format(tokenizer, name):
+    """tool_format's, read off a conversation the chat template renders: the prompt, a call of the calculator, the
+    tool's message. The template must write the tools it is given, write the prompt alike with the call after it
+    (the rollout appends its turns to the prompt as sampled), write the call as JSON that parse_call reads back
+    (Qwen2.5's and Qwen3's <tool_call>{"name": ..., "arguments": ...}</tool_call>, Llama 3.1's bare {"name": ...,
+    "parameters": ...}), and write a tool message; else the run stops with one line that names what is missing."""
+
+    def refuse(what):
+        fail(f"--model-name-or-path {name}: its chat template {what} (docs/tool_grpo.md)")
+
+    def render(messages, tools):
+        try:
+            return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # the template's own error (raise_exception, an undefined variable)
+            refuse(f"fails on a conversation with a tool call: {e}")
+
+    user, arguments, mark = {"role": "user", "content": "x"}, {"expression": "347*86"}, "(the result)"
+    call = {"type": "function", "function": {"name": "calculator", "arguments": arguments}}
+    prompt = render([user], [CALCULATOR])
+    if "calculator" not in prompt or "calculator" in render([user], None):
+        refuse("does not write the tools it is given; tool_grpo.py needs one that does, as Qwen2.5's")
+    messages = [user, {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": mark}]
+    conversation = render(messages, [CALCULATOR])
+    if not conversation.startswith(prompt):
+        refuse(
+            "writes the prompt otherwise once a call and its result follow it (it is not prefix-stable), and a "
+            "rollout appends its turns to the prompt as sampled; give it a template that writes each message alike "
+            "whatever follows"
+        )
+    # the calling turn as the template writes it: [opening] {"name": ..., "arguments": ...} [closing] end-of-turn
+    turn, end = conversation[len(prompt) :], tokenizer.eos_token
+    unreadable = (
+        f"writes a call as {turn[:100]!r}, which tool_grpo.py cannot read: it reads a call as JSON, "
+        '{"name": ..., "arguments" (or "parameters"): {...}}, in tags (Qwen\'s) or alone in its turn (Llama 3.1\'s)'
+    )
+    try:
+        start = turn.index("{")
+        stop = json.JSONDecoder().raw_decode(turn, start)[1]  # where the call's JSON ends
+        turn_end = turn.index(end, stop)
+    except ValueError:  # no JSON, or no end of the turn after it
+        refuse(unreadable)
+    opening, closing = turn[:start].strip(), turn[stop:turn_end].strip()
+    if parse_call(turn[:turn_end], opening, closing, structured=True) != (arguments, None):  # read back
+        refuse(unreadable)
+    after = turn[turn_end + len(end) :]  # the rest of the calling turn's end, the tool's message, the next turn
+    if mark not in after:
+        refuse("does not write a tool message")
     return {
         "tools": [CALCULATOR],
         "stop_ids": [],  # a turn that calls the tool ends as any turn does
-        "parse": lambda text: parse_call(text, "<tool_call>", "</tool_call>", structured=True),
-        "result": lambda text: between.replace(mark, text),
+        "parse": lambda text: parse_call(text, opening, closing, structured=True),
+        # the result in place of the mark (Llama 3.1's template writes it as a JSON string)
+        "result": lambda text: after.replace(json.dumps(mark), json.dumps(text)).replace(mark, text),
     }
 
 
@@ -499,43 +542,45 @@ def rollout(policy, tokenizer, prompt_ids, prompt_mask, args, stop_ids, tool, te
     """Completions that call the tool, sampled at temperature (None: greedy), token ids in and out: the policy writes
     a turn until a stop token (a call's end too) or the length limit; a turn with a call gets the tool's result
     appended as ids (only the result is tokenised; the policy's ids are kept as sampled) and the policy writes
-    another, up to --max-turns turns and --max-new-tokens tokens in all. A call in the last turn, or one whose result
-    does not fit, ends the completion unanswered.
+    another, up to --max-turns turns and --max-new-tokens tokens in all. A call in the last turn is not run; a call
+    whose result leaves no room for a token after it ran, but its result is not appended. Either ends the completion
+    on a call: it has no answer.
 
     Returns {"completion_ids", "mask" (every token, every turn), "tool_mask" (the tool's tokens): (B, T); "texts"
-    and "answers" (each completion's text, and its last turn's); "calls", "failed", "turns", "call_rewards"}."""
+    and "answers" (each completion's text, and its last turn's unless that turn calls: ""); "calls" (written),
+    "ran" (answered by the tool, or by a parse error), "failed" (of those), "turns", "call_rewards"}."""
     device, size, pad = prompt_ids.device, len(prompt_ids), tokenizer.pad_token_id
     turn_ends = stop_ids + tool["stop_ids"]
     prompts = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
     ids, from_tool = [[] for _ in range(size)], [[] for _ in range(size)]  # each completion's ids; 1: the tool's
-    answers, calls, failed, turns, call_rewards = [""] * size, [0] * size, [0] * size, [0] * size, [0.0] * size
+    answers, turns, call_rewards = [""] * size, [0] * size, [0.0] * size
+    calls, ran, failed = [0] * size, [0] * size, [0] * size
     going = list(range(size))  # the completions that write another turn
     for turn in range(args.max_turns):
         if all_sum(torch.tensor(len(going))).item() == 0:  # every process stops at the same turn
             break
-        batch = going
+        batch, room = going, max((args.max_new_tokens - len(ids[i]) for i in going), default=1)
         if not going:  # this process's completions have all ended: under FSDP every process runs each forward pass,
-            batch = [0]  # so it writes one more turn for its first prompt, and drops it
+            batch = [0]  # so it writes one more token for its first prompt, and drops it
         contexts = [prompts[i] + ids[i] for i in batch]  # ids, never text
         width = max(len(c) for c in contexts)
         context_ids = torch.tensor([[pad] * (width - len(c)) + c for c in contexts], device=device)
         context_mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=device)
-        room = max(args.max_new_tokens - len(ids[i]) for i in batch)
         new_ids = generate(policy, tokenizer, context_ids, context_mask, room, temperature, turn_ends)
         new_mask = completion_mask(new_ids, turn_ends)  # up to and including the turn's stop token
         still = []
         for i, row, keep in zip(going, new_ids.tolist(), new_mask.tolist()):
             row = [t for t, k in zip(row, keep) if k][: args.max_new_tokens - len(ids[i])]
             ids[i], from_tool[i], turns[i] = ids[i] + row, from_tool[i] + [0] * len(row), turns[i] + 1
-            answers[i] = tokenizer.decode(row, skip_special_tokens=True)
-            arguments, error = tool["parse"](tokenizer.decode(row))
+            arguments, error = tool["parse"](tokenizer.decode(row[:-1] if row and row[-1] in stop_ids else row))
             if arguments is None and error is None:  # no call: the final answer
+                answers[i] = tokenizer.decode(row, skip_special_tokens=True)
                 continue
-            calls[i] += 1
-            if not row or row[-1] not in turn_ends or turn + 1 == args.max_turns:  # no room or no turn left
+            answers[i], calls[i] = "", calls[i] + 1  # a completion that ends on a call has no answer
+            if not row or row[-1] not in turn_ends or turn + 1 == args.max_turns:  # cut, or no turn left: not run
                 continue
-            text, reward, ran = (error, -1.0, False) if error else call_tool(calculator, arguments)
-            failed[i], call_rewards[i] = failed[i] + (not ran), call_rewards[i] + reward
+            text, reward, ok = (error, -1.0, False) if error else call_tool(calculator, arguments)
+            ran[i], failed[i], call_rewards[i] = ran[i] + 1, failed[i] + (not ok), call_rewards[i] + reward
             result = tokenizer(tool["result"](text), add_special_tokens=False)["input_ids"]
             if len(ids[i]) + len(result) < args.max_new_tokens:  # and room for an answer after it
                 ids[i], from_tool[i] = ids[i] + result, from_tool[i] + [1] * len(result)
@@ -549,6 +594,7 @@ def rollout(policy, tokenizer, prompt_ids, prompt_mask, args, stop_ids, tool, te
         "texts": [tokenizer.decode(r, skip_special_tokens=True) for r in ids],
         "answers": answers,
         "calls": calls,
+        "ran": ran,
         "failed": failed,
         "turns": turns,
         "call_rewards": torch.tensor(call_rewards, device=device),
@@ -557,12 +603,14 @@ def rollout(policy, tokenizer, prompt_ids, prompt_mask, args, stop_ids, tool, te
 
 def tool_metrics(rollouts, prefix):
     """The share of completions that call the tool, calls and turns a completion, and the share of the calls run
-    that failed to parse or run."""
-    calls, failed, turns = (torch.tensor(rollouts[k], dtype=torch.float) for k in ("calls", "failed", "turns"))
+    that failed to parse or run (a call not run counts in calls alone)."""
+    calls, ran, failed, turns = (
+        torch.tensor(rollouts[k], dtype=torch.float) for k in ("calls", "ran", "failed", "turns")
+    )
     return {
         f"{prefix}tool_call_rate": (calls > 0).float().mean(),
         f"{prefix}calls": calls.mean(),
-        f"{prefix}failed_calls": failed.sum() / calls.sum().clamp(min=1),
+        f"{prefix}failed_calls": failed.sum() / ran.sum().clamp(min=1),
         f"{prefix}turns": turns.mean(),
     }
 
@@ -579,7 +627,8 @@ def held_out_metrics(policy, tokenizer, records, args, stop_ids, tool, samples):
             prompts = [r["prompt"] for r in records[i : i + 128]]
             ids, mask = tokenize_prompts(tokenizer, prompts, device, args, tool["tools"])
             parts.append(rollout(policy, tokenizer, ids, mask, args, stop_ids, tool, temperature))
-        return {k: [x for part in parts for x in part[k]] for k in ("texts", "answers", "calls", "failed", "turns")}
+        keys = ("texts", "answers", "calls", "ran", "failed", "turns")
+        return {k: [x for part in parts for x in part[k]] for k in keys}
 
     greedy = rollouts_of(share, None)
     scores = [[reward_fn(t, r) for t, r in zip(greedy["answers"], share)]]

@@ -9,6 +9,7 @@ import runpy
 import subprocess
 import sys
 import traceback
+import zipfile
 
 import pytest
 import torch
@@ -122,8 +123,9 @@ TOOL_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
     'Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n{% endif %}'
     "{% for m in messages %}{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n"
-    "</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{{ c.function | tojson }}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 
@@ -172,6 +174,19 @@ def chat_model_dir(tmp_path_factory):
     model.generation_config.eos_token_id = [ids[2], ids[0]]
     model.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def real_chat_templates(tmp_path_factory):
+    """{file name: text} of real models' chat templates, as TRL's wheel ships them (trl/chat_templates/, each the
+    template of the model its name gives), fetched from PyPI with pip (no model hub; the package is not installed)."""
+    folder = tmp_path_factory.mktemp("trl_wheel")
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q"]
+    subprocess.run([*command, "-d", str(folder), "trl==1.16.0"], check=True, capture_output=True, timeout=300)
+    (wheel,) = folder.glob("trl-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = [n for n in z.namelist() if n.startswith("trl/chat_templates/") and n.endswith(".jinja")]
+        return {os.path.basename(n): z.read(n).decode() for n in names}
 
 
 REAL_MODEL = os.path.join(ROOT, "SmolLM2-135M-Instruct")

@@ -2,6 +2,7 @@
 multi-turn rollout's token ids and masks (with a stand-in policy), a chat template's tool format, and short runs."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -149,18 +150,130 @@ def test_a_rollout_appends_the_tools_result_as_ids_and_masks_it_even_when_pad_is
     assert loss_tokens.sum(dim=1).tolist() == [len(call) + len(answer), 3]
 
 
-def test_a_call_with_no_turn_or_room_left_ends_the_completion_unanswered(monkeypatch):
+def scripted_rollout(monkeypatch, turns, prompts=("12*3=",), **flags):
+    """tool_grpo.rollout of tiny-caller's tokenizer, its turns written by ScriptedPolicy ({prompt: [ids, ...]})."""
     tokenizer = AutoTokenizer.from_pretrained(CALLER)
-    call = tokenizer("<call>12*3</call>", add_special_tokens=False)["input_ids"]
-    # a turn left but only room for the result, <result>36</result> (4 ids), not for an answer after it
-    for flags in ({"max_turns": 1, "max_new_tokens": 24}, {"max_turns": 2, "max_new_tokens": len(call) + 4}):
-        monkeypatch.setattr(tool_grpo, "generate", ScriptedPolicy(tokenizer, {"12*3=": [call]}))
-        args = tool_grpo.Args(**flags)
-        prompt_ids, prompt_mask = tool_grpo.tokenize_prompts(tokenizer, ["12*3="], "cpu", args)
-        stop = [tokenizer.eos_token_id]
-        out = tool_grpo.rollout(None, tokenizer, prompt_ids, prompt_mask, args, stop, tool_format(tokenizer, args), 1.0)
+    monkeypatch.setattr(tool_grpo, "generate", ScriptedPolicy(tokenizer, turns))
+    args = tool_grpo.Args(**flags)
+    prompt_ids, prompt_mask = tool_grpo.tokenize_prompts(tokenizer, list(prompts), "cpu", args)
+    stop = [tokenizer.eos_token_id]
+    return tool_grpo.rollout(None, tokenizer, prompt_ids, prompt_mask, args, stop, tool_format(tokenizer, args), 1.0)
+
+
+def caller_ids(text):
+    return AutoTokenizer.from_pretrained(CALLER)(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_call_with_no_turn_or_room_left_ends_the_completion_unanswered(monkeypatch):
+    """A call in the last turn is not run; one whose result leaves no room for a token after it ran, but its result
+    is not appended. Either way the completion ends on the call, and has no answer (not the call's last number)."""
+    call = caller_ids("<call>0+36</call>")  # its last number is 12*3's answer: it must not score as one
+    cases = [({"max_turns": 1, "max_new_tokens": 24}, 0), ({"max_turns": 2, "max_new_tokens": len(call) + 4}, 1)]
+    for flags, ran in cases:  # a turn left, but only room for the result, <result>36</result> (4 ids), not after it
+        out = scripted_rollout(monkeypatch, {"12*3=": [call]}, **flags)
         assert out["completion_ids"][0].tolist() == call and not out["tool_mask"].any()
-        assert out["calls"] == [1] and out["turns"] == [1] and out["answers"] == ["<call>12*3</call>"]
+        assert out["calls"] == [1] and out["ran"] == [ran] and out["failed"] == [0] and out["turns"] == [1]
+        assert out["answers"] == [""] and tool_grpo.reward_fn(out["answers"][0], {"answer": "36"}) == 0.0
+        assert tool_grpo.reward_fn(out["texts"][0], {"answer": "36"}) == 1.0  # what the whole text would have scored
+
+
+def test_only_the_calls_run_are_rewarded_and_counted_as_failed(monkeypatch):
+    """5*5= writes a call the calculator refuses, reads the error, and ends on a second call in its last turn;
+    12*3= answers at once. The first call ran and failed (-1 with --tool-reward); the last was not run: no reward,
+    and not a failure. failed_calls = 1 failed of 1 run (not of the 2 written)."""
+    bad, last = caller_ids("<call>2--</call>"), caller_ids("<call>5*5</call>")
+    turns = {"5*5=": [bad, last], "12*3=": [caller_ids("36") + [AutoTokenizer.from_pretrained(CALLER).eos_token_id]]}
+    out = scripted_rollout(monkeypatch, turns, prompts=("5*5=", "12*3="), max_turns=2, max_new_tokens=120)
+    assert out["calls"] == [2, 0] and out["ran"] == [1, 0] and out["failed"] == [1, 0]
+    assert out["call_rewards"].tolist() == [-1.0, 0.0] and out["answers"] == ["", "36"]
+    metrics = tool_grpo.tool_metrics(out, "charts/")
+    assert metrics["charts/failed_calls"] == 1.0 and metrics["charts/calls"] == 1.0
+    assert metrics["charts/tool_call_rate"] == pytest.approx(0.5)
+
+
+def test_a_process_whose_completions_ended_writes_a_token_while_another_goes_on(monkeypatch):
+    """Under torchrun a process whose completions have all ended keeps running forward passes while another
+    process's go on. Here all_sum says another process still has one going, and this process's one completion was
+    cut at the length limit: its stand-in turn asks for at least one token (it asked for 0, and generate() raised
+    while the other process waited in a collective)."""
+    tokenizer = AutoTokenizer.from_pretrained(CALLER)
+    policy = tool_grpo.AutoModelForCausalLM.from_pretrained(CALLER)
+    asked = []
+
+    def generate(model, tokenizer, ids, mask, max_new_tokens, temperature, stop_ids):
+        asked.append(max_new_tokens)
+        return real_generate(model, tokenizer, ids, mask, max_new_tokens, temperature, stop_ids)
+
+    real_generate = tool_grpo.generate
+    monkeypatch.setattr(tool_grpo, "generate", generate)
+    monkeypatch.setattr(tool_grpo, "all_sum", lambda x: x + 1)  # another process has a completion going
+    args = tool_grpo.Args(max_turns=3, max_new_tokens=3)
+    prompt_ids, prompt_mask = tool_grpo.tokenize_prompts(tokenizer, ["347*86="], "cpu", args)
+    stop = tool_grpo.stop_token_ids(tokenizer, policy)
+    out = tool_grpo.rollout(policy, tokenizer, prompt_ids, prompt_mask, args, stop, tool_format(tokenizer, args), None)
+    assert asked == [3, 1, 1] and out["mask"].sum() == 3 and out["turns"] == [1]  # the stand-in turns are dropped
+
+
+# the chat templates docs/tool_grpo.md names (TRL's copies: conftest.real_chat_templates), each model's end of turn,
+# and a call as the model writes it (Qwen3 thinks first: its template would drop that block from the history)
+REAL_TEMPLATES_CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*3"}}\n</tool_call>'
+REAL_TEMPLATES = {
+    "Qwen2.5": ("qwen2_5.jinja", "<|im_end|>", REAL_TEMPLATES_CALL),
+    "Qwen3": ("qwen3.jinja", "<|im_end|>", "<think>\nThe calculator.\n</think>\n\n" + REAL_TEMPLATES_CALL),
+    "Llama 3.1": ("llama3_1.jinja", "<|eot_id|>", '{"name": "calculator", "parameters": {"expression": "12*3"}}'),
+}
+LLAMA_TOKENS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+
+def test_the_chat_templates_the_docs_name_run_a_call_and_others_stop_with_one_line(
+    chat_model_dir, real_chat_templates, monkeypatch
+):
+    """Each template the docs name, on the tiny chat tokenizer: the policy's call in its model's format is read and
+    run, and the next turn's context is the prompt, the call as sampled, and the tool's message as the template
+    writes one (with the result 36). Templates whose calls the file cannot read, that are not prefix-stable, or that
+    write no tools stop with one line that says so."""
+    docs = open(os.path.join(ROOT, "docs", "tool_grpo.md")).read()
+    user = {"role": "user", "content": "What is 12*3?"}
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12*3"}}}
+
+    def tokenizer_with(template, end="<|im_end|>"):  # the tiny chat tokenizer, with Llama's special tokens too
+        tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
+        tokenizer.add_special_tokens({"additional_special_tokens": LLAMA_TOKENS})
+        tokenizer.chat_template, tokenizer.eos_token, tokenizer.bos_token = template, end, LLAMA_TOKENS[0]
+        return tokenizer
+
+    for name, (file, end, written) in REAL_TEMPLATES.items():
+        assert name in docs and file in docs
+        tokenizer = tokenizer_with(real_chat_templates[file], end)
+        args = tool_grpo.Args(model_name_or_path=name, max_turns=2, max_new_tokens=400)
+        tool = tool_format(tokenizer, args)
+        stop = [tokenizer.convert_tokens_to_ids(end)]
+        turns = [tokenizer(written, add_special_tokens=False)["input_ids"] + stop, tokenizer("36")["input_ids"] + stop]
+        contexts = []
+
+        def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids):
+            contexts.append(tokenizer.decode(prompt_ids[0][prompt_mask[0].bool()]))
+            return torch.tensor([turns.pop(0)])
+
+        monkeypatch.setattr(tool_grpo, "generate", generate)
+        prompt_ids, prompt_mask = tool_grpo.tokenize_prompts(tokenizer, [user["content"]], "cpu", args, tool["tools"])
+        out = tool_grpo.rollout(None, tokenizer, prompt_ids, prompt_mask, args, stop, tool, 1.0)
+        assert (out["calls"], out["ran"], out["failed"], out["answers"]) == ([1], [1], [0], ["36"]), name
+        messages = [user, {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": "36"}]
+        rendered = tokenizer.apply_chat_template(
+            messages, tools=tool["tools"], tokenize=False, add_generation_prompt=True
+        )
+        tool_message = rendered[rendered.index(end, len(contexts[0])) + len(end) :]  # after the calling turn's end
+        assert contexts[1] == contexts[0] + written + end + tool_message, name
+    for file, line in [
+        ("qwen3_5_think.jinja", "its chat template writes a call as '"),  # <function=calculator> in XML
+        ("nemotron_3_nano.jinja", "its chat template writes the prompt otherwise once a call and its result follow"),
+        ("llama3.jinja", "its chat template does not write the tools it is given"),  # Llama 3's, before tools
+    ]:
+        tokenizer = tokenizer_with(real_chat_templates[file])
+        with pytest.raises(SystemExit, match=f"^error: --model-name-or-path x: {re.escape(line)}") as caught:
+            tool_format(tokenizer, tool_grpo.Args(model_name_or_path="x"))
+        assert "\n" not in str(caught.value) and str(caught.value).endswith("(docs/tool_grpo.md)")
 
 
 def test_a_chat_templates_tool_format_and_one_without_tools(chat_model_dir, tmp_path):
