@@ -18,9 +18,11 @@ bundled task: `47+8-3+5=` answered `47+8=55 55-3=52 52+5=57`, a step an equation
     python process_grpo.py --supervision outcome     # the same run with one reward a completion (GRPO)
 """
 
+import bisect
 import contextlib
 import glob
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -363,6 +365,11 @@ def step_rewards_fn(completion, record):
     the prompt's next ones, and c = a + b (or a - b); else 0.0, and so is a step past the last one asked.
     '47+8=55 55-3=52 52+5=58' for '47+8-3+5=' -> [(7, 1.0), (15, 1.0), (23, 0.0)]"""
     asked = re.findall(r"[+-]?\d+", record["prompt"])  # '47+8-3+5=' -> ['47', '+8', '-3', '+5']
+    if not asked:
+        fail(
+            f"step_rewards_fn: the prompt {record['prompt'][:60]!r} has no numbers; the bundled rule checks the chain "
+            "task's steps (47+8-3+5=): write step_rewards_fn for your records (docs/process_grpo.md)"
+        )
     previous, steps = asked[0], []
     for match in re.finditer(r"\S+", completion):
         equation = re.fullmatch(r"(-?\d+)([+-])(\d+)=(-?\d+)", match.group())
@@ -376,25 +383,45 @@ def step_rewards_fn(completion, record):
     return steps
 
 
+def scored_steps(completion, record):
+    """step_rewards_fn's steps, the last one's reward at most the final answer's (reward_fn): the last step is the
+    one that gives the answer, so a chain that stops early, or ends on a wrong answer, ends on a wrong step.
+    '47+8=55' for '47+8-3+5=' (answer 57) -> [(7, 0.0)]: a right step, but the answer it gives is wrong."""
+    steps = step_rewards_fn(completion, record)
+    if steps:
+        end, reward = steps[-1]
+        steps[-1] = (end, min(reward, reward_fn(completion, record)))
+    return steps
+
+
 def reward_steps(tokenizer, completion_ids, mask, texts, records, supervision):
-    """(step_rewards, step_ends) (B, T): each step's reward at the token that ends it, found by decoding prefixes of
-    the completion's own ids (never by tokenising the text again); the last step ends at the completion's last token,
-    its stop token included. Outcome supervision: one step, the whole completion, rewarded by reward_fn."""
+    """(step_rewards, step_ends) (B, T): each step's reward at the token that ends it, the first token whose text
+    reaches the step's end (text_lengths of the completion's own ids: the text is never tokenised again); the last
+    step ends at the completion's last token, its stop token included. Outcome supervision: one step, the whole
+    completion, rewarded by reward_fn."""
     step_rewards, step_ends = torch.zeros(mask.shape), torch.zeros(mask.shape, dtype=torch.bool)
     for i, (ids, text, record) in enumerate(zip(completion_ids.tolist(), texts, records)):
         length = int(mask[i].sum())
         steps = [(len(text), reward_fn(text, record))]
         if supervision == "process":
-            steps = step_rewards_fn(text, record)
-        prefixes = [
-            len(p) for p in tokenizer.batch_decode([ids[: t + 1] for t in range(length)], skip_special_tokens=True)
-        ]
+            steps = scored_steps(text, record)
+        lengths = text_lengths(tokenizer, ids[:length])  # non-decreasing
         for k, (end, reward) in enumerate(steps):  # a token that ends two steps keeps the later one's reward
-            t = next((t for t, n in enumerate(prefixes) if n >= end), length - 1)
+            t = min(bisect.bisect_left(lengths, end), length - 1)
             if k == len(steps) - 1:
                 t = length - 1
             step_rewards[i, t], step_ends[i, t] = reward, True
     return step_rewards.to(mask.device), step_ends.to(mask.device)
+
+
+def text_lengths(tokenizer, ids, context=4):
+    """[len(tokenizer.decode(ids[: t + 1])) for t in range(len(ids))] (special tokens skipped), in one pass: what
+    token t adds to the text is what it adds to the decoded `context` tokens before it (decoding is local: a UTF-8
+    character spans at most 4 byte-level tokens), so every prefix need not be decoded (docs/process_grpo.md)."""
+    windows = [ids[max(0, t - context) : t + 1] for t in range(len(ids))]
+    with_token = tokenizer.batch_decode(windows, skip_special_tokens=True)
+    without = tokenizer.batch_decode([w[:-1] for w in windows], skip_special_tokens=True)
+    return list(itertools.accumulate(len(a) - len(b) for a, b in zip(with_token, without)))
 
 
 def step_metrics(step_rewards, step_ends, group_size):
@@ -418,7 +445,7 @@ def held_out_metrics(policy, tokenizer, records, args, stop_ids, samples):
     share = process_share(records)
     texts = completion_texts(policy, tokenizer, share, args, stop_ids)
     answers = [reward_fn(t, r) for t, r in zip(texts, share)]
-    steps = [[x for _, x in step_rewards_fn(t, r)] for t, r in zip(texts, share)]
+    steps = [[x for _, x in scored_steps(t, r)] for t, r in zip(texts, share)]
     wrong_step = [float(right > 0 and any(x == 0 for x in s)) for right, s in zip(answers, steps)]
     counts = [sum(answers), len(answers), sum(map(sum, steps)), sum(map(len, steps)), sum(wrong_step)]
     right, total, right_steps, total_steps, traced = all_sum(torch.tensor(counts, dtype=torch.float64)).tolist()

@@ -2,13 +2,16 @@
 the steps found in the completion's own token ids, and a short run of each supervision as a user runs it."""
 
 import math
+import os
+import random
 import re
 
 import pytest
 import torch
-from conftest import read_metrics, run_script
+from conftest import ROOT, read_metrics, run_script
 
-from process_grpo import process_advantages, process_grpo_loss, reward_steps, step_rewards_fn
+import process_grpo
+from process_grpo import process_advantages, process_grpo_loss, reward_steps, scored_steps, step_rewards_fn
 
 SENTINEL = 1e6  # where no step ends, and in the padding: it must reach neither the advantage nor the loss
 
@@ -105,6 +108,58 @@ def test_steps_are_found_in_the_completions_own_ids(chat_model_dir):
         assert len(tokenizer.decode(ids[:t], skip_special_tokens=True)) < len(decoded[positions.index(t)])
     outcome, outcome_ends = reward_steps(tokenizer, torch.tensor([ids]), mask, [text], [record], "outcome")
     assert outcome_ends[0].nonzero().flatten().tolist() == [len(ids) - 2] and outcome.sum().item() == 0.0
+
+
+def test_a_chain_that_stops_early_ends_on_a_wrong_step_by_hand():
+    """G = 2 of 47+8-3+5= (answer 57): A stops after one right step, '47+8=55'; B writes three, the last sum wrong,
+    '47+8=55 55-3=52 52+5=58'. The last step gives the answer, so its reward is at most the answer's: A's one step
+    scores 0, B's [1, 1, 0]. R = (0, 1, 1, 0): mean 1/2, unbiased std sqrt(1/3) = 0.57735, r~ = (-0.86603, 0.86603,
+    0.86603, -0.86603) (eps aside). A: every token, its stop token included, -0.86603 (it scored +0.5 when only the
+    steps present counted: R = (1, 1, 1, 0)). B: step 1's tokens 0.86603 + 0.86603 - 0.86603 = 0.86603 (they were
+    pushed down, -0.5), step 2's 0, step 3's -0.86603."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "tiny-chainer"))  # a character a token
+    record = {"prompt": "47+8-3+5=", "answer": "57"}
+    texts = ["47+8=55", "47+8=55 55-3=52 52+5=58"]
+    assert [scored_steps(t, record) for t in texts] == [[(7, 0.0)], [(7, 1.0), (15, 1.0), (23, 0.0)]]
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
+    width = max(map(len, ids))
+    completion_ids = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in ids])
+    mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in ids]).bool()
+    rewards, ends = reward_steps(tokenizer, completion_ids, mask, texts, [record] * 2, "process")
+    advantages = process_advantages(rewards, ends, group_size=2)
+    r = 0.5 / math.sqrt(1 / 3)
+    expected_a = [-r] * 8 + [0.0] * 16  # 7 characters and the stop token
+    expected_b = [r] * 7 + [0.0] * 8 + [-r] * 9  # '47+8=55', ' 55-3=52', ' 52+5=58' and the stop token
+    torch.testing.assert_close(advantages, torch.tensor([expected_a, expected_b]), atol=1e-3, rtol=0)
+
+
+def test_the_default_step_rule_on_a_prompt_without_numbers_stops_with_one_line():
+    with pytest.raises(
+        SystemExit, match=r"^error: step_rewards_fn: the prompt 'What is two plus two\?' has no numbers"
+    ):
+        step_rewards_fn("4", {"prompt": "What is two plus two?", "answer": "4"})
+
+
+def prefix_lengths(tokenizer, ids):  # the definition: the length of every prefix's text, each decoded whole
+    return [len(tokenizer.decode(ids[: t + 1], skip_special_tokens=True)) for t in range(len(ids))]
+
+
+def test_the_text_lengths_of_one_pass_are_those_of_every_prefix_decoded(real_model_dir):
+    """On the bundled tokenizer (a character a token) and SmolLM2's (byte-level BPE, whose characters can span up to
+    4 tokens and whose prefixes can end inside one): random ids, whatever text they decode to, and texts with
+    spaces, newlines and characters of 2 to 4 bytes. So the steps end where decoding every prefix put them."""
+    from transformers import AutoTokenizer
+
+    rng = random.Random(0)
+    texts = ["47+8=55 55-3=52 52+5=57", " 47 + 8 = 55.\n\n55 − 3 = 52 → 52×5 ≠ 261 ✓ 日本 😀 done .", "a  b\tc"]
+    for path in (os.path.join(ROOT, "tiny-chainer"), real_model_dir):
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        cases = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        cases += [[rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))] for _ in range(200)]
+        for ids in cases:
+            assert process_grpo.text_lengths(tokenizer, ids) == prefix_lengths(tokenizer, ids), (path, ids)
 
 
 def test_the_benchmark_runs_both_supervisions_and_writes_their_table(tmp_path):
