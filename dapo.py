@@ -283,11 +283,12 @@ def main(args):
         timer.lap("logprob")
 
         # 4. num_iterations passes over the batch, each num_minibatches optimizer steps; a micro-batch's loss weighs
-        # its share of the minibatch's completions, or with DAPO's token mean, of its tokens
+        # its share of the minibatch's completions, or with DAPO's token mean, of its tokens (none: no update)
         policy.train()
         step_stats, rollout_stats, grad_norms = [], [], []
         token_mask = mask if args.loss_agg == "token-mean" else None
-        for minibatch in minibatches(batch_size, minibatch_size, args.num_iterations, shuffle_gen, device):
+        passes = args.num_iterations if has_tokens_to_train(mask, step) else 0
+        for minibatch in minibatches(batch_size, minibatch_size, passes, shuffle_gen, device):
             optimizer.zero_grad()
             for i, share in micro_batches(minibatch, args.micro_batch_size, [policy], token_mask):
                 logprobs = token_logprobs(policy, input_ids[i], attention_mask[i], prompt_len, args.temperature)
@@ -318,7 +319,7 @@ def main(args):
                 **sampling,
                 "charts/rollouts_sampled": rollouts_sampled,
                 "charts/learning_rate": optimizer.param_groups[0]["lr"],
-                "losses/grad_norm": torch.stack(grad_norms).mean(),  # the mean over the optimizer steps
+                **({"losses/grad_norm": torch.stack(grad_norms).mean()} if grad_norms else {}),  # over the updates
                 **timer.metrics(tokens=mask.sum()),
             }
             samples = rollout_samples(group, texts, rewards, advantages)
@@ -469,6 +470,19 @@ def join_groups(chosen, group_size, pad_id):
         "mask": join("mask", False),
         "engine_logprobs": join("engine_logprobs", 0.0),
     }
+
+
+def has_tokens_to_train(mask, step):
+    """Whether a token of any process carries loss. With --overlong-filter a step whose completions were all cut at
+    --max-new-tokens has none: it makes no update (an optimizer step on no gradient would still move the weights),
+    and a line says so."""
+    if all_sum(mask.sum()).item() > 0:
+        return True
+    print(
+        f"step {step}: every completion was cut at --max-new-tokens and --overlong-filter keeps them all out of the "
+        "loss: no update this step (raise --max-new-tokens if this repeats)"
+    )
+    return False
 
 
 # ---- Helpers that only some of the files need: each is kept equal to its copy in the other files that have it

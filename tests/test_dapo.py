@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from conftest import ROOT, read_metrics, run_script
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import dapo
 import grpo
@@ -66,7 +66,7 @@ def test_dynamic_sampling_keeps_the_groups_whose_rewards_differ(monkeypatch):
     assert batch["rewards"].tolist() == [1.0, -1.0, -1.0, 1.0]  # 0 for the wrong answer, -1 for its length
     overlong = counts.pop("charts/overlong_share")  # 4 of the 8 sampled completions were wrong, in the zone
     assert counts == {"charts/sample_batches": 2, "charts/dropped_groups": 2, "charts/filled_groups": 0}
-    assert overlong.item() == 0.5
+    assert overlong.item() == pytest.approx(0.5, abs=1e-6)
     # the batches' widths differ (a wrong answer is 8 ids, a right one 3 or 4): completions padded on the right,
     # their mask 0 there; the texts as sampled
     assert batch["texts"] == [str(int(b["answer"])), "9999999", "9999999", c["answer"]]
@@ -127,6 +127,15 @@ def test_a_short_run_logs_the_sampling_and_bad_input_stops_with_one_line(tmp_pat
         assert 0 <= m["charts/filled_groups"] <= 8 and 0 <= m["charts/overlong_share"] <= 1
     steps = read_metrics(out)[1:]
     assert steps[-1]["charts/rollouts_sampled"] == 32 * sum(m["charts/sample_batches"] for m in steps)
+    # every completion cut (2 new tokens; an answer and its EOS need 3): the filter leaves no token, no update
+    cut = ["--max-new-tokens", "2", "--overlong-cache", "1", "--max-sample-batches", "1", "--num-steps", "1"]
+    proc = run_script("dapo.py", *small, *cut, "--overlong-filter", "--output-dir", str(tmp_path / "cut"))
+    assert "step 1: every completion was cut at --max-new-tokens and --overlong-filter" in proc.stdout
+    step = read_metrics(tmp_path / "cut")[1]
+    assert step["charts/overlong_share"] == 1 and "losses/loss" not in step and "losses/grad_norm" not in step
+    start = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "tiny-adder")).state_dict()
+    for name, weight in AutoModelForCausalLM.from_pretrained(tmp_path / "cut").state_dict().items():
+        assert torch.equal(weight, start[name]), name  # trained on nothing: not moved
     for flags, line in [
         (["--overlong-cache", "9"], "error: --overlong-cache 9: the penalty's zone lies within --max-new-tokens 8"),
         (["--max-sample-batches", "0"], "error: --max-sample-batches"),
