@@ -348,7 +348,8 @@ def main(args):
                 check_finite(loss, step)
                 (loss * m.sum() / tokens).backward()
                 stats = {"loss": loss, "policy_loss": pg_loss, "value_loss": vf_loss, **pg_stats, **vf_stats}
-                step_stats.append(({**stats, "entropy": masked_mean(entropy, m)}, m.sum()))  # token means: by tokens
+                stats["entropy"] = masked_mean(entropy, m)  # the stats as numbers, without their graph:
+                step_stats.append(({k: v.detach() for k, v in stats.items()}, m.sum()))  # token means, by tokens
                 rollout_stats.append((is_stats, m.sum()))
             grad_norms.append(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
             optimizer.step()

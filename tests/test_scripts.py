@@ -526,7 +526,7 @@ def test_dpo_learns(tmp_path):
     run_script("dpo.py", "--num-steps", "25", "--eval-every", "25", "--num-train-prompts", "2000", "--output-dir", out)
     first, last = read_metrics(out)[0], read_metrics(out)[-1]
     # policy = reference: every margin is 0 up to rounding, which dpo.py counts as a tie (rounding_tolerance)
-    assert first["eval/pair_accuracy"] == 0.5
+    assert first["eval/pair_accuracy"] == pytest.approx(0.5, abs=1e-6)  # a float32 mean of ties: 0.4999999702 on CUDA
     assert last["eval/pair_accuracy"] >= 0.65 and last["eval/accuracy"] >= first["eval/accuracy"] + 0.05, last
 
 
