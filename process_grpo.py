@@ -399,7 +399,7 @@ def reward_steps(tokenizer, completion_ids, mask, texts, records, supervision):
     reaches the step's end (text_lengths of the completion's own ids: the text is never tokenised again); the last
     step ends at the completion's last token, its stop token included. Outcome supervision: one step, the whole
     completion, rewarded by reward_fn."""
-    step_rewards, step_ends = torch.zeros(mask.shape), torch.zeros(mask.shape, dtype=torch.bool)
+    ends = {}  # (row, token): the reward of the last step that ends there
     for i, (ids, text, record) in enumerate(zip(completion_ids.tolist(), texts, records)):
         length = int(mask[i].sum())
         steps = [(len(text), reward_fn(text, record))]
@@ -410,7 +410,11 @@ def reward_steps(tokenizer, completion_ids, mask, texts, records, supervision):
             t = min(bisect.bisect_left(lengths, end), length - 1)
             if k == len(steps) - 1:
                 t = length - 1
-            step_rewards[i, t], step_ends[i, t] = reward, True
+            ends[i, t] = reward
+    step_rewards, step_ends = torch.zeros(mask.shape), torch.zeros(mask.shape, dtype=torch.bool)
+    if ends:
+        rows, tokens = zip(*ends)
+        step_rewards[rows, tokens], step_ends[rows, tokens] = torch.tensor(list(ends.values())), True
     return step_rewards.to(mask.device), step_ends.to(mask.device)
 
 
@@ -419,9 +423,9 @@ def text_lengths(tokenizer, ids, context=4):
     token t adds to the text is what it adds to the decoded `context` tokens before it (decoding is local: a UTF-8
     character spans at most 4 byte-level tokens), so every prefix need not be decoded (docs/process_grpo.md)."""
     windows = [ids[max(0, t - context) : t + 1] for t in range(len(ids))]
-    with_token = tokenizer.batch_decode(windows, skip_special_tokens=True)
-    without = tokenizer.batch_decode([w[:-1] for w in windows], skip_special_tokens=True)
-    return list(itertools.accumulate(len(a) - len(b) for a, b in zip(with_token, without)))
+    added = [tokenizer.decode(w, skip_special_tokens=True) for w in windows]
+    before = [tokenizer.decode(w[:-1], skip_special_tokens=True) for w in windows]
+    return list(itertools.accumulate(len(a) - len(b) for a, b in zip(added, before)))
 
 
 def step_metrics(step_rewards, step_ends, group_size):

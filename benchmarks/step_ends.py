@@ -1,10 +1,10 @@
 """How long process_grpo.py takes to find where each step ends in a batch's token ids, by completion length.
 
-`reward_steps` puts each step's reward at the token whose text first reaches the step's end. It used to decode every
-prefix of every completion (quadratic in the length); `text_lengths` decodes each token with the few before it. This
-script times both on 256 completions of random ids at 32, 256 and 1,024 tokens, on the bundled tokenizer (a
-character a token) and on SmolLM2's (byte-level BPE; `python benchmarks/smollm2.py` makes its folder), and checks that
-both put every step end at the same token.
+`reward_steps` puts each step's reward at the token whose text first reaches the step's end. At commit 8bbd1fe it
+decoded every prefix of every completion (quadratic in the length); now `text_lengths` decodes each token with the few
+before it. This script times both on 256 completions of random ids at 32, 256 and 1,024 tokens, on the bundled
+tokenizer (a character a token) and on SmolLM2's (byte-level BPE; `python benchmarks/smollm2.py` makes its folder),
+and checks that both put the same rewards at the same tokens.
 
     python benchmarks/step_ends.py                      # both tokenizers, 32 / 256 / 1,024 tokens
     python benchmarks/step_ends.py --lengths 32 256 --completions 64
@@ -33,26 +33,32 @@ class Args:
     seed: int = 0
 
 
-def every_prefix_lengths(tokenizer, ids):
-    """The way reward_steps found the ends before: every prefix decoded whole."""
-    prefixes = tokenizer.batch_decode([ids[: t + 1] for t in range(len(ids))], skip_special_tokens=True)
-    return [len(p) for p in prefixes]
+def reward_steps_before(tokenizer, completion_ids, mask, texts, records):
+    """reward_steps as it was at commit 8bbd1fe (process supervision): every prefix of every completion decoded."""
+    step_rewards, step_ends = torch.zeros(mask.shape), torch.zeros(mask.shape, dtype=torch.bool)
+    for i, (ids, text, record) in enumerate(zip(completion_ids.tolist(), texts, records)):
+        length = int(mask[i].sum())
+        steps = process_grpo.scored_steps(text, record)  # the rewards as today's, for the same ends
+        prefixes = [
+            len(p) for p in tokenizer.batch_decode([ids[: t + 1] for t in range(length)], skip_special_tokens=True)
+        ]
+        for k, (end, reward) in enumerate(steps):
+            t = next((t for t, n in enumerate(prefixes) if n >= end), length - 1)
+            if k == len(steps) - 1:
+                t = length - 1
+            step_rewards[i, t], step_ends[i, t] = reward, True
+    return step_rewards, step_ends
 
 
-def step_ends(tokenizer, completion_ids, texts, records, lengths_of):
-    """(B, T) bool of the step ends reward_steps puts, with lengths_of as its text_lengths."""
-    saved = process_grpo.text_lengths
-    process_grpo.text_lengths = lambda tokenizer, ids: lengths_of(tokenizer, ids)
-    try:
-        mask = torch.ones(completion_ids.shape, dtype=torch.bool)
-        return process_grpo.reward_steps(tokenizer, completion_ids, mask, texts, records, "process")[1]
-    finally:
-        process_grpo.text_lengths = saved
+def reward_steps_now(tokenizer, completion_ids, mask, texts, records):
+    return process_grpo.reward_steps(tokenizer, completion_ids, mask, texts, records, "process")
 
 
 def main(args):
     rng = random.Random(args.seed)
-    print("| tokenizer | tokens | completions | every prefix (s) | one pass (s) | same ends |")
+    print(
+        "| tokenizer | tokens | completions | every prefix, 8bbd1fe (s) | one pass (s) | same step ends and rewards |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     for name in args.tokenizers:
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, name))
@@ -61,12 +67,13 @@ def main(args):
             completion_ids = torch.tensor(rows)
             texts = tokenizer.batch_decode(rows, skip_special_tokens=True)
             records = [{"prompt": "47+8-3+5=", "answer": "57"}] * len(rows)
-            times, ends = [], []
-            for lengths_of in (every_prefix_lengths, process_grpo.text_lengths):
+            mask = torch.ones(completion_ids.shape, dtype=torch.bool)
+            times, outs = [], []
+            for reward_steps in (reward_steps_before, reward_steps_now):
                 start = time.perf_counter()
-                ends.append(step_ends(tokenizer, completion_ids, texts, records, lengths_of))
+                outs.append(reward_steps(tokenizer, completion_ids, mask, texts, records))
                 times.append(time.perf_counter() - start)
-            same = torch.equal(ends[0], ends[1])
+            same = all(torch.equal(a, b) for a, b in zip(*outs))
             print(f"| {name} | {length} | {len(rows)} | {times[0]:.2f} | {times[1]:.2f} | {same} |", flush=True)
 
 
