@@ -35,8 +35,6 @@ import sys
 import time
 from dataclasses import dataclass
 
-import torch
-import transformers
 import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -161,16 +159,16 @@ QUICK_FLAGS["ppo-learned-rm-one-pair"] = QUICK_FLAGS["ppo-learned-rm"]
 QUICK_FLAGS["grpo-vllm"] = QUICK_FLAGS["grpo"]
 QUICK_FLAGS.update(
     {
-        name: ["--num-steps", "1", "--micro-batch-size", "4", "--max-new-tokens", "8"]
+        name: ["--num-steps", "1", "--micro-batch-size", "2", "--max-new-tokens", "4"]
         + (
-            ["--batch-size", "4", "--num-train-prompts", "8"]
+            ["--batch-size", "2", "--num-train-prompts", "8"]
             if name.startswith("dpo")
-            else ["--prompts-per-step", "2", "--group-size", "2"]
+            else ["--prompts-per-step", "1", "--group-size", "2"]
         )
         for name in REAL_FLAGS
     }
 )
-QUICK_COMMON = ["--eval-every", "2", "--log-every", "1", "--num-eval", "20"]
+QUICK_COMMON = ["--eval-every", "2", "--log-every", "1", "--num-eval", "8"]
 MEMORY_CASES = [
     ("plain", False, "float32"),
     ("chunked", False, "float32"),
@@ -315,7 +313,10 @@ def build_real_model(args):
 
 def measure_logprob_memory(args):
     """Each case in a fresh process, one at a time, so that one case's peak is not another's."""
+    import torch  # here and below, not at the top: a bad flag is refused before torch loads (seconds)
+
     seq_len, batch = (128, 2) if args.quick else (args.memory_seq_len, args.memory_batch_size)
+    vocabulary = ["--vocab-size", "8192"] if args.quick else []  # --quick: a check; Qwen's 151,936 otherwise
     device = "cuda" if torch.cuda.is_available() else "cpu"  # where the algorithm files would run
     results = []
     for method, grad, dtype in MEMORY_CASES:
@@ -334,6 +335,7 @@ def measure_logprob_memory(args):
             device,
             "--dtype",
             dtype,
+            *vocabulary,
         ]
         command += ["--grad"] if grad else []
         print(f"log-prob memory: {' '.join(command[1:])}", flush=True)
@@ -391,6 +393,9 @@ def time_breakdown(records):
 
 
 def machine_line():
+    import torch
+    import transformers
+
     cpu = platform.processor() or platform.machine()
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
@@ -414,6 +419,8 @@ def cpu_bfloat16_flags():
 
 
 def bundled_parameters():
+    import transformers
+
     transformers.utils.logging.disable_progress_bar()
     model = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "tiny-adder"))
     return sum(p.numel() for p in model.parameters())
@@ -531,6 +538,9 @@ def real_parameters():
 
 
 def write_results(runs, memory, args, path):
+    import torch
+    import transformers
+
     rows = summary_rows(runs)
     real = any(name in REAL_FLAGS for name in runs)
     records = [r for rs in runs.values() for r in rs]
@@ -806,8 +816,8 @@ def write_results(runs, memory, args, path):
         lines += [
             "## Memory of the log-prob computation",
             "",
-            f"A random one-layer Qwen2 model (hidden size 64) with Qwen's {first['vocab_size']:,}-token"
-            f" vocabulary, {first['batch_size']} sequences of {first['seq_len']:,} tokens"
+            f"A random one-layer Qwen2 model (hidden size 64) with a {first['vocab_size']:,}-token vocabulary"
+            f" (Qwen's is 151,936), {first['batch_size']} sequences of {first['seq_len']:,} tokens"
             f" ({first['prompt_len']} of prompt), on the {first['device'].upper()}: the float32 logits of the"
             f" completion positions alone would be {first['logits_gb']:.2f} GiB. Each case runs in a fresh"
             " process"

@@ -256,7 +256,7 @@ def test_a_finished_run_is_read_again_only_for_the_same_command(quick, tmp_path)
     )
     assert "sft seed 1: finished before" in proc.stdout
     assert "grpo seed 1: grpo.py --seed 1" in proc.stdout  # run again: its record was another command's
-    assert json.loads((runs / "grpo__1.json").read_text())["command"][-1] == "20"
+    assert json.loads((runs / "grpo__1.json").read_text())["command"][-1] == "8"  # --quick's --num-eval
     text = (tmp_path / "results.md").read_text()
     assert "| sft |" in text and "## Memory" not in text and "log-prob memory" not in proc.stdout
 

@@ -136,8 +136,10 @@ VALID_WITH = {
     **{(script, "max_length"): ["--max-prompt-length", "1"] for script in ("dpo.py", "reward_model.py", "sft.py")},
 }
 
-# runs each script's cases in one process, as `python script ...` does; building any model stops the case. One
-# process for every script: {name: [script, [argv, ...]]} in, {name: [[outcome, message], ...]} out
+# runs each script's cases in one process, as `python script ...` does: `main(parse_args())` with the case's argv, the
+# script loaded once (loaded again for each case, it was compiled again and tyro built its parser again for the new
+# Args class: 5x the time); building any model stops the case. One process for every script: {name: [script,
+# [argv, ...]]} in, {name: [[outcome, message], ...]} out
 HARNESS = """
 import contextlib, io, json, runpy, sys, transformers
 
@@ -148,12 +150,13 @@ transformers.PreTrainedModel.__init__ = no_model
 results = {}
 for name, (script, cases) in json.loads(sys.argv[1]).items():
     results[name] = []
+    module = runpy.run_path(script, run_name="harness")  # its definitions; as __main__ it runs main(parse_args())
     for argv in cases:
         sys.argv = [script, *argv]
         stderr = io.StringIO()
         try:
             with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
-                runpy.run_path(script, run_name="__main__")
+                module["main"](module["parse_args"]())
             results[name].append(["finished", ""])
         except SystemExit as e:
             message = e.code if isinstance(e.code, str) else f"code {e.code}: {stderr.getvalue()}"

@@ -129,8 +129,7 @@ def test_reward_model_then_ppo_against_it_on_the_real_model(real_model_dir, tmp_
         "--reward-model-path",
         rm,
         *SMALL["ppo.py"],
-        "--num-eval",
-        "2",
+        *["--prompts-per-step", "2", "--num-minibatches", "1", "--ppo-epochs", "1", "--num-eval", "2"],  # one pass
         *ONE_STEP,
         "--output-dir",
         ppo,

