@@ -21,6 +21,7 @@ sequence's KL to the reference, as in the paper's RLHF reward. See docs/rloo.md.
 import contextlib
 import glob
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -44,8 +45,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 @dataclass
@@ -721,38 +722,136 @@ def tokenize_prompts(tokenizer, prompts, device, args, tools=None):
     return input_ids, torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=device)
 
 
+STOP_CHECK = 16  # decoded tokens between two looks at whether every completion has stopped: a wait on the device
+
+
 @torch.no_grad()
-def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, processors=()):
-    """Completion ids (B, T) by plain sampling at temperature (None: greedy), whatever the model's config says."""
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        eos_token_id=stop_ids,
-        pad_token_id=tokenizer.pad_token_id,
-        do_sample=False,
-        repetition_penalty=1.0,
-        no_repeat_ngram_size=0,
-        num_beams=1,
-        remove_invalid_values=True,  # a diverged model reaches the NaN check
+def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, with_logprobs=False):
+    """Completion ids (B, T), a token at a time into a static KV cache, each drawn at temperature (None: greedy) from
+    the model's float32 logits, padded after each row's first stop token (with_logprobs: and each token's log-prob
+    under softmax(logits / temperature), (B, T), 0 after the stop). Every process runs as many forward passes."""
+    steps, device = max_new_tokens, prompt_ids.device
+    if dist.is_initialized():  # as many tokens as the process that asks for the most (tool_grpo.py's turns)
+        steps = int(all_sum(torch.tensor(max_new_tokens, device=device), dist.ReduceOp.MAX))
+    step, compiled = decode_step(model), compiles(model)
+    if compiled:  # prompts in a few widths, so that the compiled step's shapes come back
+        prompt_ids, prompt_mask = left_pad(prompt_ids, tokenizer.pad_token_id, 64), left_pad(prompt_mask, 0, 64)
+    size, width = prompt_ids.shape
+    mask = torch.cat([prompt_mask, prompt_mask.new_ones(size, steps)], dim=1)  # (B, P + T); causal on top of it
+    position = prompt_mask.sum(dim=1, keepdim=True)  # (B, 1): the first new token's
+    inputs, own = rollout_inputs(model, mask, static_cache(model, size, width + steps, compiled)), own_logits(model)
+    stops = torch.tensor(stop_ids, device=device)
+    tokens, logprobs, done = [], [], torch.zeros(size, dtype=torch.bool, device=device)
+    with autocast(model), gathered(model):
+        logits = next_logits(model, prompt_ids, (prompt_mask.cumsum(1) - 1).clamp(0), inputs, own)  # the prefill
+        for t in range(steps):
+            logits = torch.nan_to_num(logits)  # a diverged model still samples; the loss's check names it later
+            token, logprob = draw(logits, temperature)
+            tokens.append(torch.where(done, tokenizer.pad_token_id, token))
+            logprobs.append(torch.where(done, 0.0, logprob))
+            done = done | torch.isin(token, stops)
+            if t + 1 == steps or (t % STOP_CHECK == STOP_CHECK - 1 and all_sum((~done).sum()) == 0):
+                break
+            logits = step(model, tokens[-1][:, None], position + t, inputs, own)
+    out = torch.stack(tokens, dim=1)[:, :max_new_tokens]  # (B, T)
+    stopped = torch.isin(out, stops)
+    length = int(torch.where(stopped.any(1), stopped.int().argmax(1) + 1, out.shape[1]).max())  # the longest row's
+    if with_logprobs:
+        return out[:, :length], torch.stack(logprobs, dim=1)[:, :length]
+    return out[:, :length]
+
+
+def draw(logits, temperature):
+    """A token a row (B,) from float32 logits (B, vocab), and its log-prob (B,): greedy for temperature None, else
+    sampled at temperature by inverting the cumulative distribution at one uniform number a row (torch.multinomial
+    draws a number for each entry of the vocabulary); the sums in float64, so that no entry's share is rounded."""
+    if temperature is None:
+        return logits.argmax(dim=-1), torch.zeros(len(logits), device=logits.device)
+    logprobs = (logits / temperature).log_softmax(dim=-1)  # (B, vocab)
+    cumulative = logprobs.exp().double().cumsum(dim=-1)  # (B, vocab)
+    u = torch.rand_like(cumulative[:, -1:]) * cumulative[:, -1:]  # (B, 1), in [0, the sum of all)
+    token = torch.searchsorted(cumulative, u, right=True).clamp_(max=logits.shape[-1] - 1)  # the first sum above u
+    return token.squeeze(1), logprobs.gather(1, token).squeeze(1)
+
+
+def next_logits(model, ids, positions, inputs, own):
+    """float32 logits (B, vocab) of the token after ids (B, n) at positions (B, n); inputs: the attention mask (B,
+    cache length), 1 on the prompts' tokens and the new ones, and the cache, which keeps their keys and values
+    (rollout_inputs); own: the model's own logits (own_logits), else its decoder's state times the output layer."""
+    causal_lm = unwrap(model)
+    if own:
+        return causal_lm(input_ids=ids, position_ids=positions, logits_to_keep=1, **inputs).logits[:, -1].float()
+    hidden = causal_lm.get_decoder()(input_ids=ids, position_ids=positions, **inputs).last_hidden_state[:, -1]
+    head = causal_lm.get_output_embeddings()
+    with torch.autocast(ids.device.type, enabled=False):
+        return torch.nn.functional.linear(hidden.float(), head.weight.float(), head.bias)
+
+
+def rollout_inputs(model, mask, cache):
+    """next_logits' inputs, named as the model's forward takes them: `cache` since transformers 5.24."""
+    parameters = inspect.signature(unwrap(model).get_decoder().forward).parameters
+    return {"attention_mask": mask, "use_cache": True, "cache" if "cache" in parameters else "past_key_values": cache}
+
+
+def own_logits(model):
+    """Whether the model scales or caps its logits (Gemma 2's softcapping): then its own, not the layer's product."""
+    config = unwrap(model).config.get_text_config()
+    scaled = any(getattr(config, k, None) not in (None, 1) for k in ("logit_scale", "logits_scaling"))
+    return scaled or getattr(config, "final_logit_softcapping", None) is not None
+
+
+def compiles(model):
+    """Whether the rollouts run a compiled step: on a GPU, so that a token costs one launch of a CUDA graph, not one
+    per operation (docs/gpu.md); not under FSDP2, whose hooks gather, nor on a CPU, which runs it as it is."""
+    return next(model.parameters()).device.type == "cuda" and not any(
+        isinstance(m, FSDPModule) for m in model.modules()
     )
-    if temperature is not None:
-        config.do_sample, config.temperature, config.top_k, config.top_p = True, temperature, 0, 1.0
+
+
+def decode_step(model):
+    """next_logits for one new token, compiled once a model where compiles() says so."""
+    if not compiles(model):
+        return next_logits
+    if "compiled_step" not in unwrap(model).__dict__:
+        unwrap(model).compiled_step = compile_step(next_logits)
+    return unwrap(model).compiled_step
+
+
+def compile_step(function):  # the one part only a GPU runs (the tests compile with backend="eager")
+    return torch.compile(function, mode="reduce-overhead", fullgraph=True)
+
+
+def static_cache(model, size, length, keep):
+    """A StaticCache for size rows of length tokens; kept on the model and emptied for the next rollout when keep (a
+    compiled step reads the same tensors every time)."""
+    config = unwrap(model).config
+    if not keep:
+        return transformers.StaticCache(config=config, max_cache_len=length)
+    caches = unwrap(model).__dict__.setdefault("static_caches", {})
+    if (size, length) not in caches:
+        caches[size, length] = transformers.StaticCache(config=config, max_cache_len=length)
+    caches[size, length].reset()
+    return caches[size, length]
+
+
+def left_pad(x, value, multiple):
+    """x (B, P) padded on the left to a multiple of `multiple` columns."""
+    return torch.nn.functional.pad(x, (-x.shape[1] % multiple, 0), value=value)
+
+
+@contextlib.contextmanager
+def gathered(model):
+    """Under FSDP2, every layer's weights gathered once for the whole rollout, not for every token."""
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if sharded:  # FSDP: each layer gathered once for the rollout, not for every token
-        model.set_reshard_after_forward(False)
+    for module in sharded:
+        module.unshard()
+        module.set_reshard_after_forward(False, recurse=False)
     try:
-        with autocast(model):  # each weight cast to --dtype once
-            out = unwrap(model).generate(
-                input_ids=prompt_ids,
-                attention_mask=prompt_mask,
-                generation_config=config,
-                logits_processor=transformers.LogitsProcessorList(processors),
-                synced_gpus=dist.is_initialized(),
-            )
+        yield
     finally:
         for module in sharded:  # then every layer but the root reshards after its forward again
             module.reshard()
             module.set_reshard_after_forward(module is not model, recurse=False)
-    return out[:, prompt_ids.shape[1] :]
 
 
 def completion_mask(completion_ids, stop_ids):
@@ -791,9 +890,8 @@ def token_logprobs(
     attention = [0,   0,   1, 1, 1  | 1, 1, 1  ]   positions [0, 0, 0, 1, 2 | 3, 4, 5], as in generate()
     The state at prompt_len - 1 + t predicts token t; chunk_values logits at a time (docs/gpu.md).
     """
-    length, config = input_ids.shape[1] - prompt_len, unwrap(model).config.get_text_config()
-    scaled = any(getattr(config, k, None) not in (None, 1) for k in ("logit_scale", "logits_scaling"))
-    if scaled or getattr(config, "final_logit_softcapping", None) is not None:  # its own logits, under autocast
+    length = input_ids.shape[1] - prompt_len
+    if own_logits(model):  # its own logits, under autocast
         hidden = forward(model, input_ids, attention_mask, logits_to_keep=length + 1).logits[:, :-1]  # (B, T, vocab)
         weight, bias, vocab = None, None, hidden.shape[-1]
     else:  # the output layer's weight and bias, multiplied in float32 below
@@ -1186,12 +1284,12 @@ def process_share(items):
     return items[: len(items) - left_out][rank::world]
 
 
-def all_sum(x):
-    """The sum of tensor x over the processes (every process calls it)."""
+def all_sum(x, op=dist.ReduceOp.SUM):
+    """The sum of tensor x over the processes, or op's reduction (every process calls it)."""
     if not dist.is_initialized():
         return x
     y = x.detach().to(f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu", copy=True)
-    dist.all_reduce(y)
+    dist.all_reduce(y, op=op)
     return y.to(x.device)
 
 
@@ -1224,8 +1322,6 @@ def distribute(model, fsdp):
         layers = [m for m in model.modules() if model._no_split_modules and type(m).__name__ in model._no_split_modules]
         for module in [*layers, model]:  # each decoder layer, then the rest
             fully_shard(module, mp_policy=precision)
-        if model.can_generate():
-            register_fsdp_forward_method(model, "generate")  # generate() gathers as forward() does
         return model
     trained = any(p.requires_grad for p in model.parameters())
     return torch.nn.parallel.DistributedDataParallel(model) if trained else model

@@ -8,9 +8,8 @@ import pytest
 import torch
 from conftest import read_metrics, run_script
 from test_resume import assert_same_records, untimed
-from test_shared import tiny_model
 
-from async_grpo import SampledLogprobs, behaviour_weights, completion_mask, decoupled_loss, generate
+from async_grpo import behaviour_weights, decoupled_loss
 
 L = math.log
 PAD = 1e4  # a large sentinel at the padded positions: it must reach neither the loss nor the gradient
@@ -73,37 +72,6 @@ def test_behaviour_weights_by_hand():
     assert torch.allclose(weights, torch.tensor([[1.0, 0.5, 0.0, 0.0]]), atol=1e-6)
     assert stats["behav_weight"].item() == pytest.approx(0.5, rel=1e-6)
     assert stats["behav_capped"].item() == pytest.approx(1 / 3, rel=1e-6)
-
-
-def test_the_behaviour_logprobs_are_those_of_the_distribution_sampled():
-    """SampledLogprobs, given to generate(), records for each sampled token the log-prob that transformers sampled
-    it with: the log_softmax of the scores after every processor (temperature 0.7 here), captured from the same
-    call. Left padding, and completions that stop early (their positions after the stop are masked)."""
-    model = tiny_model("llama")
-    prompt_ids = torch.tensor([[0, 0, 0, 11, 12], [0, 21, 22, 23, 24], [31, 32, 33, 34, 35]])  # left-padded
-    prompt_mask = (prompt_ids != 0).long()
-    captured, original = {}, model.generate
-
-    def spy(**kwargs):  # the same call, asked to return its scores too
-        kwargs["generation_config"].output_scores = True
-        kwargs["generation_config"].return_dict_in_generate = True
-        out = original(**kwargs)
-        captured["scores"] = out.scores
-        return out.sequences
-
-    model.generate = spy
-    torch.manual_seed(1)
-    behaviour = SampledLogprobs(0.7)
-    completion = generate(model, SimpleNamespace(pad_token_id=0), prompt_ids, prompt_mask, 6, 0.7, [2], [behaviour])
-    mask = completion_mask(completion, [2])
-    sampled = torch.stack(captured["scores"], dim=1).log_softmax(-1).gather(-1, completion[:, :, None])[..., 0]
-    recorded = behaviour.logprobs(completion)
-    assert recorded.shape == completion.shape and torch.isfinite(recorded[mask]).all()
-    torch.testing.assert_close(recorded[mask], sampled[mask], atol=1e-6, rtol=0)
-    # the log-probs without the temperature (scores x 0.7: the logits) are far off: the check can tell them apart
-    logits = torch.stack(captured["scores"], dim=1) * 0.7
-    untempered = logits.log_softmax(-1).gather(-1, completion[:, :, None])[..., 0]
-    assert (recorded[mask] - untempered[mask]).abs().max() > 1e-2
 
 
 RL = ["--prompts-per-step", "8", "--group-size", "4", "--num-eval", "50", "--log-every", "1", "--eval-every", "2"]

@@ -4,12 +4,11 @@ import ast
 import os
 import re
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import ROOT
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import reading  # noqa: E402
@@ -17,7 +16,6 @@ import reading  # noqa: E402
 from grpo import (
     addition_task,
     completion_mask,
-    generate,
     last_number,
     masked_mean,
     prompt_answer,
@@ -142,63 +140,6 @@ def test_held_out_records_are_shared_evenly_or_the_run_says_why(monkeypatch, cap
     assert grpo.process_share(list(range(6))) == [1, 4] and capsys.readouterr().out == ""
     with pytest.raises(SystemExit, match="error: 2 held-out records for 3 processes, which need one each"):
         grpo.process_share([0, 1])
-
-
-def tiny_model(kind):
-    torch.manual_seed(0)
-    if kind == "gpt2":  # absolute position embeddings
-        config = GPT2Config(
-            vocab_size=300, n_embd=32, n_layer=2, n_head=4, n_positions=64, eos_token_id=2, pad_token_id=0
-        )
-    else:  # rotary position embeddings
-        config = LlamaConfig(
-            vocab_size=300,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=64,
-            eos_token_id=2,
-            pad_token_id=0,
-        )
-    return AutoModelForCausalLM.from_config(config).eval()
-
-
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_training_logprobs_match_generation_scores(kind):
-    """The training forward pass scores each sampled token as generation sampled it (left padding)."""
-    model = tiny_model(kind)
-    prompt_ids = torch.tensor([[0, 0, 0, 11, 12], [0, 21, 22, 23, 24], [31, 32, 33, 34, 35]])  # left-padded
-    prompt_mask = (prompt_ids != 0).long()
-    captured = {}
-    original = model.generate
-
-    def spy(**kwargs):  # the helper's own generation config, asked to return the scores too
-        kwargs["generation_config"].output_scores = True
-        kwargs["generation_config"].return_dict_in_generate = True
-        out = original(**kwargs)
-        captured["scores"] = out.scores
-        return out.sequences
-
-    model.generate = spy
-    torch.manual_seed(1)
-    temperature = 0.7
-    completion = generate(model, SimpleNamespace(pad_token_id=0), prompt_ids, prompt_mask, 6, temperature, [2])
-    mask = completion_mask(completion, [2])
-    # the scores are the logits after every processor: log_softmax of them is what was sampled from
-    scores = torch.stack(captured["scores"], dim=1).log_softmax(-1)  # (B, T, vocab)
-    at_generation = scores.gather(-1, completion[:, :, None]).squeeze(-1)
-    with torch.no_grad():
-        in_training = token_logprobs(
-            model,
-            torch.cat([prompt_ids, completion], 1),
-            torch.cat([prompt_mask, mask.long()], 1),
-            prompt_ids.shape[1],
-            temperature,
-            chunk_values=1,
-        )  # one row per chunk
-    assert torch.isfinite(at_generation[mask]).all()  # no top-k: every sampled token had its full probability
-    torch.testing.assert_close(in_training[mask], at_generation[mask], atol=1e-4, rtol=0)
 
 
 def top_level_functions(path):

@@ -314,7 +314,7 @@ def test_it_learns_to_call_the_tool_and_short_runs_log_the_tool_metrics(tmp_path
         assert read_metrics(out)[1][f"charts/{key}"] >= 0
     # bad input: one line, before any work
     for flags, line in [
-        (["--vllm"], "error: --vllm: tool_grpo.py samples its multi-turn rollouts with transformers' generate()"),
+        (["--vllm"], "error: --vllm: tool_grpo.py samples its multi-turn rollouts with its own generate()"),
         (["--model-name-or-path", "tiny-adder"], "error: --model-name-or-path tiny-adder: its tokenizer has no chat"),
         (["--max-turns", "0"], "error: --max-turns"),
     ]:

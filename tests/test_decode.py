@@ -1,0 +1,189 @@
+"""The shared decode loop, generate(): the distribution it samples, its host synchronisations, its compiled step."""
+
+import math
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import ROOT
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig
+
+import grpo
+from grpo import completion_mask, draw, forward, generate, token_logprobs
+
+TINY_ADDER = os.path.join(ROOT, "tiny-adder")
+
+
+def test_draw_samples_each_token_at_its_probability():
+    """Probabilities 0.1, 0.2, 0.7 and an entry of probability 0: at temperature 1 drawn as often as that, at
+    temperature 0.5 as 0.01 : 0.04 : 0.49 (p^2, normalised: 0.0185, 0.0741, 0.9074), the zero never; each draw's
+    log-prob is the log of its probability at that temperature; greedy takes the largest."""
+    logits = torch.tensor([math.log(0.1), math.log(0.2), math.log(0.7), -math.inf]).repeat(50_000, 1)
+    torch.manual_seed(0)
+    for temperature, expected in ((1.0, [0.1, 0.2, 0.7, 0.0]), (0.5, [0.01 / 0.54, 0.04 / 0.54, 0.49 / 0.54, 0.0])):
+        token, logprob = draw(logits, temperature)
+        share = torch.bincount(token, minlength=4) / len(token)
+        assert share[3] == 0
+        for seen, p in zip(share.tolist(), expected):
+            assert abs(seen - p) < 4 * math.sqrt(p * (1 - p) / len(token)) + 1e-9, (temperature, share, expected)
+        torch.testing.assert_close(logprob, torch.tensor(expected).log()[token], atol=1e-6, rtol=0)
+    token, _ = draw(logits[:2], None)
+    assert token.tolist() == [2, 2]
+
+
+def test_draw_reads_one_random_number_a_row():
+    """torch.multinomial drew a number for each vocabulary entry (72% of a token's time on a CPU at 151,936
+    entries); draw() one a row: the generator moves by as much for a vocabulary of 8 as for one of 50,000."""
+    states = []
+    for vocab in (8, 50_000):
+        torch.manual_seed(0)
+        draw(torch.zeros(4, vocab), 1.0)
+        states.append(torch.rand(1).item())
+    assert states[0] == states[1]
+
+
+def tiny(kind):
+    torch.manual_seed(0)
+    if kind == "gpt2":  # absolute position embeddings
+        config = GPT2Config(vocab_size=300, n_embd=32, n_layer=2, n_head=4, n_positions=64, eos_token_id=2)
+    else:  # rotary position embeddings
+        config = LlamaConfig(
+            vocab_size=300,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def models(chat_model_dir):
+    """(name, model, tokenizer-like, prompt ids, prompt mask, stop ids): left-padded prompts of unequal lengths."""
+    tokenizer = AutoTokenizer.from_pretrained(TINY_ADDER)
+    adder = AutoModelForCausalLM.from_pretrained(TINY_ADDER).eval()
+    ids, mask = grpo.tokenize_prompts(tokenizer, ["3+4=", "12+30=", "7+88="], "cpu", grpo.Args())
+    yield "tiny-adder", adder, tokenizer, ids, mask, grpo.stop_token_ids(tokenizer, adder)
+    chat = grpo.load_tokenizer(chat_model_dir, False)
+    qwen = AutoModelForCausalLM.from_pretrained(chat_model_dir).eval()  # its output layer tied to the embedding
+    args = grpo.Args(model_name_or_path=chat_model_dir)
+    ids, mask = grpo.tokenize_prompts(chat, ["What is 2 + 3?", "Name a colour, please."], "cpu", args)
+    yield "tied qwen2", qwen, chat, ids, mask, grpo.stop_token_ids(chat, qwen)
+    prompt_ids = torch.tensor([[0, 0, 0, 11, 12], [0, 21, 22, 23, 24], [31, 32, 33, 34, 35]])
+    for kind in ("gpt2", "llama"):
+        yield kind, tiny(kind), SimpleNamespace(pad_token_id=0), prompt_ids, (prompt_ids != 0).long(), [2]
+
+
+def test_the_loop_samples_from_the_plain_forward_pass(chat_model_dir, monkeypatch):
+    """At every position the loop's float32 logits equal the model's plain forward pass over prompt and completion
+    to 1e-5 (the static cache sums in another order), the log-probs it returns equal token_logprobs' (the
+    training's pi_old, at the temperature: without it they are far off), greedy completions equal transformers'
+    generate(), and the same seed gives the same tokens."""
+    for case in models(chat_model_dir):
+        check_the_loop(*case, monkeypatch)
+
+
+def test_the_loop_samples_from_the_plain_forward_pass_of_smollm2(real_model_dir, monkeypatch):
+    """The same on SmolLM2-135M-Instruct (30 layers, a 49,152-token vocabulary, its chat template), to 1e-4: its
+    logits reach 38, and 30 layers in float32 sum to 6.5e-5 apart in another order (transformers' generate(), with
+    its dynamic cache, is 5.1e-5 from the plain forward pass here)."""
+    tokenizer = grpo.load_tokenizer(real_model_dir, False)
+    model = AutoModelForCausalLM.from_pretrained(real_model_dir).eval()
+    args = grpo.Args(model_name_or_path=real_model_dir)
+    ids, mask = grpo.tokenize_prompts(tokenizer, ["What is 12 + 30?", "Name a colour."], "cpu", args)
+    stops = grpo.stop_token_ids(tokenizer, model)
+    check_the_loop("SmolLM2", model, tokenizer, ids, mask, stops, monkeypatch, tolerance=1e-4)
+
+
+def check_the_loop(name, model, tokenizer, ids, mask, stops, monkeypatch, tolerance=1e-5):
+    seen = []
+    monkeypatch.setattr(grpo, "draw", lambda logits, temperature: seen.append(logits) or draw(logits, temperature))
+    torch.manual_seed(3)
+    tokens, logprobs = generate(model, tokenizer, ids, mask, 12, 0.7, stops, with_logprobs=True)
+    cmask = completion_mask(tokens, stops)
+    full_ids, full_mask = torch.cat([ids, tokens], 1), torch.cat([mask, cmask.long()], 1)
+    with torch.no_grad():
+        plain = forward(model, full_ids, full_mask).logits[:, ids.shape[1] - 1 : -1].float()  # (B, T, vocab)
+        training = token_logprobs(model, full_ids, full_mask, ids.shape[1], 0.7, chunk_values=1)  # a row a chunk
+        untempered = token_logprobs(model, full_ids, full_mask, ids.shape[1], 1.0)
+    loop = torch.stack(seen, dim=1)[:, : tokens.shape[1]]
+    assert loop.shape == plain.shape, name
+    torch.testing.assert_close(loop[cmask], plain[cmask], atol=tolerance, rtol=0, msg=name)
+    torch.testing.assert_close(logprobs[cmask], training[cmask], atol=tolerance, rtol=0, msg=name)
+    assert (logprobs[cmask] - untempered[cmask]).abs().max() > 1e-2, name  # the check tells them apart
+    assert (logprobs[~cmask] == 0).all() and (tokens[~cmask] == tokenizer.pad_token_id).all(), name
+    torch.manual_seed(3)
+    assert torch.equal(generate(model, tokenizer, ids, mask, 12, 0.7, stops), tokens), name
+    greedy = generate(model, tokenizer, ids, mask, 12, None, stops)
+    reference = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=stops,
+        pad_token_id=tokenizer.pad_token_id,
+    )[:, ids.shape[1] :]  # fmt: skip
+    assert torch.equal(greedy, reference), name
+
+
+class CountSyncs(TorchDispatchMode):
+    """Counts the operations that make the host wait for the device (a value read back, a shape that depends on
+    one), and the forward passes' tokens."""
+
+    WAITS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "masked_select", "unique", "allclose"}
+
+    def __init__(self):
+        super().__init__()
+        self.waits = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.WAITS:
+            self.waits.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("new_tokens", [8, 64])
+def test_the_loop_waits_on_the_device_once_in_16_tokens(new_tokens):
+    """A rollout of 8 and of 64 tokens that no row stops waits for the device once before its first token
+    (transformers' mask for the prompts reads the padding), after every 16th token but the last (the stop check)
+    and once at the end (the completions' length): 2 and 5 waits, 0.08 a token at 64 (transformers' generate()
+    waited 2.2 times a token, docs/gpu.md); none for the NaN guard or the sampling."""
+    model = tiny("llama")
+    prompt_ids = torch.tensor([[0, 0, 0, 11, 12], [0, 21, 22, 23, 24], [31, 32, 33, 34, 35]])
+    prompt_mask, pad = (prompt_ids != 0).long(), SimpleNamespace(pad_token_id=0)
+    with CountSyncs() as counter:
+        tokens = generate(model, pad, prompt_ids, prompt_mask, new_tokens, 1.0, [-1])
+    assert tokens.shape[1] == new_tokens
+    assert counter.waits == ["_local_scalar_dense"] * ((new_tokens - 1) // 16 + 2)
+
+
+def test_the_compiled_step_has_no_graph_break_and_compiles_once_a_shape(monkeypatch):
+    """As on a GPU (there with CUDA graphs): the one-token step compiled with fullgraph=True, which fails at any
+    graph break, gives the eager step's logits; prompts of 4 and of 7 tokens share a bucket width and a cache, so
+    the second rollout compiles nothing new; a new batch size compiles once more."""
+    import torch._dynamo
+
+    model = tiny("llama")
+    tokenizer = SimpleNamespace(pad_token_id=0)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    monkeypatch.setattr(grpo, "compiles", lambda model: True)
+    monkeypatch.setattr(grpo, "compile_step", lambda f: torch.compile(f, backend="eager", fullgraph=True))
+    eager, compiled = [], []
+    for width, rows in ((4, 3), (7, 3), (5, 2)):
+        torch.manual_seed(width)
+        ids = torch.randint(3, 300, (rows, width))
+        ids[0, :2] = 0
+        mask = (ids != 0).long()
+        torch.manual_seed(1)
+        compiled.append(generate(model, tokenizer, ids, mask, 10, 1.0, [-1], with_logprobs=True))
+        with monkeypatch.context() as eager_only:
+            eager_only.setattr(grpo, "compiles", lambda model: False)
+            torch.manual_seed(1)
+            eager.append(generate(model, tokenizer, ids, mask, 10, 1.0, [-1], with_logprobs=True))
+        stats = torch._dynamo.utils.counters["stats"]
+        assert stats["unique_graphs"] == (1 if rows == 3 else 2), dict(stats)
+    for (a, la), (b, lb) in zip(eager, compiled):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(la, lb, atol=1e-5, rtol=0)
+    torch._dynamo.reset()
