@@ -741,9 +741,6 @@ def tokenize_prompts(tokenizer, prompts, device, args, tools=None):
     return input_ids, torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=device)
 
 
-STOP_CHECK = 16  # decoded tokens between two looks at whether every completion has stopped: a wait on the device
-
-
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, with_logprobs=False):
     """Completion ids (B, T), a token at a time into a static KV cache, each drawn at temperature (None: greedy) from
@@ -752,7 +749,7 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     steps, device = max_new_tokens, prompt_ids.device
     if dist.is_initialized():  # as many tokens as the process that asks for the most (tool_grpo.py's turns)
         steps = int(all_sum(torch.tensor(max_new_tokens, device=device), dist.ReduceOp.MAX))
-    step, compiled = decode_step(model), compiles(model)
+    step, compiled, every = decode_step(model), compiles(model), stop_check_every(device)
     if compiled:  # prompts in a few widths, so that the compiled step's shapes come back
         prompt_ids, prompt_mask = left_pad(prompt_ids, tokenizer.pad_token_id, 64), left_pad(prompt_mask, 0, 64)
     size, width = prompt_ids.shape
@@ -769,7 +766,7 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
             tokens.append(torch.where(done, tokenizer.pad_token_id, token))
             logprobs.append(torch.where(done, 0.0, logprob))
             done = done | torch.isin(token, stops)
-            if t + 1 == steps or (t % STOP_CHECK == STOP_CHECK - 1 and all_sum((~done).sum()) == 0):
+            if t + 1 == steps or ((t + 1) % every == 0 and all_sum((~done).sum()) == 0):
                 break
             logits = step(model, tokens[-1][:, None], position + t, inputs, own)
     out = torch.stack(tokens, dim=1)[:, :max_new_tokens]  # (B, T)
@@ -778,6 +775,13 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     if with_logprobs:
         return out[:, :length], torch.stack(logprobs, dim=1)[:, :length]
     return out[:, :length]
+
+
+def stop_check_every(device):
+    """Decoded tokens between two looks at whether every completion has stopped: 16 on a GPU, where a look waits for
+    the device to finish what is queued; 1 on a CPU, where the values are there already and a token past the last
+    stop costs a forward pass."""
+    return 16 if device.type == "cuda" else 1
 
 
 def draw(logits, temperature):
@@ -797,10 +801,19 @@ def next_logits(model, ids, positions, inputs, own):
     """float32 logits (B, vocab) of the token after ids (B, n) at positions (B, n); inputs: the attention mask (B,
     cache length), 1 on the prompts' tokens and the new ones, and the cache, which keeps their keys and values
     (rollout_inputs); own: the model's own logits (own_logits), else its decoder's state times the output layer."""
-    causal_lm = unwrap(model)
+    causal_lm, inputs = unwrap(model), {"input_ids": ids, "position_ids": positions, **inputs}
     if own:
-        return causal_lm(input_ids=ids, position_ids=positions, logits_to_keep=1, **inputs).logits[:, -1].float()
-    hidden = causal_lm.get_decoder()(input_ids=ids, position_ids=positions, **inputs).last_hidden_state[:, -1]
+        return causal_lm(**inputs, logits_to_keep=1).logits[:, -1].float()
+    if isinstance(causal_lm, FSDPModule):  # through the model's forward, whose hooks FSDP2 needs: the state on its way
+        states = []
+        hook = causal_lm.get_decoder().register_forward_hook(lambda module, args, out: states.append(out[0]))
+        try:
+            causal_lm(**inputs, logits_to_keep=1)
+        finally:
+            hook.remove()
+        hidden = states[0][:, -1]
+    else:
+        hidden = causal_lm.get_decoder()(**inputs).last_hidden_state[:, -1]  # (B, d)
     head = causal_lm.get_output_embeddings()
     with torch.autocast(ids.device.type, enabled=False):
         return torch.nn.functional.linear(hidden.float(), head.weight.float(), head.bias)
@@ -808,8 +821,10 @@ def next_logits(model, ids, positions, inputs, own):
 
 def rollout_inputs(model, mask, cache):
     """next_logits' inputs, named as the model's forward takes them: `cache` since transformers 5.24."""
-    parameters = inspect.signature(unwrap(model).get_decoder().forward).parameters
-    return {"attention_mask": mask, "use_cache": True, "cache" if "cache" in parameters else "past_key_values": cache}
+    name = "past_key_values"
+    if "cache" in inspect.signature(unwrap(model).get_decoder().forward).parameters:
+        name = "cache"
+    return {"attention_mask": mask, "use_cache": True, name: cache}
 
 
 def own_logits(model):

@@ -71,13 +71,29 @@ def build_model(out, shape, tokenizer_dir, vocab_size=151936):
 
 
 def step_flags(args, model_dir, out):
+    data = ["--dataset", args.data] if args.data else ["--task", "addition-question"]
     return [
-        *("--model-name-or-path", model_dir, "--dataset", DATA, "--num-eval", "2", "--eval-every", "1000"),
+        *("--model-name-or-path", model_dir, *data, "--num-eval", "2", "--eval-every", "1000"),
         *("--max-new-tokens", str(args.max_new_tokens), "--prompts-per-step", str(args.prompts)),
         *("--group-size", str(args.group_size), "--micro-batch-size", str(args.micro_batch_size)),
-        *("--learning-rate", "1e-6", "--num-steps", str(args.steps), "--log-every", "1", "--output-dir", out),
-        *(["--gradient-checkpointing"] if args.gradient_checkpointing else []),
+        *("--learning-rate", str(args.learning_rate), "--num-steps", str(args.steps), "--log-every", "1"),
+        *("--output-dir", out, *(["--gradient-checkpointing"] if args.gradient_checkpointing else [])),
     ]
+
+
+def trl_data(args, workdir):
+    """The prompts grpo.py trains on, as question/answer records for TRL: GSM8K's, or the addition question's."""
+    if args.data:
+        return args.data
+    sys.path.insert(0, ROOT)
+    import grpo
+
+    train, _ = grpo.addition_task(2, "addition-question")
+    path = os.path.join(workdir, "addition.jsonl")
+    with open(path, "w") as f:
+        for record in train[: args.prompts * (args.steps + 1)]:
+            f.write(json.dumps({"question": record["prompt"], "answer": str(record["answer"])}) + "\n")
+    return path
 
 
 def run_steps(args, model_dir, parameters, workdir):
@@ -93,12 +109,12 @@ def run_steps(args, model_dir, parameters, workdir):
     rows, tokens = args.prompts * args.group_size, args.max_new_tokens
     for m in steps:
         generated = m["charts/tokens_per_sec"] * m["charts/step_time"]  # completion tokens of the step
-        length = generated / rows + 95  # + the prompts' tokens (about 95 with the chat template)
-        flop = (8 if args.gradient_checkpointing else 6) * parameters * rows * length
+        length = generated / rows + args.prompt_tokens
+        flop = (8 if args.gradient_checkpointing else 6) * (parameters or 0) * rows * length
         print(
             f"step {m['step']}: {m['charts/step_time']:.2f} s: generation {m['charts/generation_time']:.2f} s "
             f"({generated / m['charts/generation_time']:,.0f} tokens/s, "
-            f"{m['charts/generation_time'] / tokens * 1e3:.1f} ms a decoded token at batch {rows}), "
+            f"{m['charts/generation_time'] / tokens * 1e3:.1f} ms a decoding step at batch {rows}), "
             f"log-probs {m['charts/logprob_time']:.2f} s, update {m['charts/update_time']:.2f} s "
             f"({flop / m['charts/update_time'] / 1e12:.1f} TFLOP/s)"
         )
@@ -113,7 +129,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-model_dir, data, steps, micro, new_tokens, prompts, group, checkpointing, out = json.loads(sys.argv[1])
+model_dir, data, steps, micro, new_tokens, prompts, group, checkpointing, out, rate = json.loads(sys.argv[1])
 with open(data) as f:
     records = [json.loads(line) for line in f]
 rows = [{"prompt": [{"role": "user", "content": r["question"]}], "answer": r["answer"].split("####")[-1].strip()}
@@ -135,7 +151,7 @@ class Seconds(TrainerCallback):
 cuda = torch.cuda.is_available()
 config = GRPOConfig(output_dir=out, per_device_train_batch_size=micro, num_generations=group,
                     gradient_accumulation_steps=prompts * group // micro, max_completion_length=new_tokens,
-                    learning_rate=1e-6, beta=0.04,
+                    learning_rate=rate, beta=0.04,
                     max_steps=steps, logging_steps=1, report_to="none", use_cpu=not cuda, bf16=cuda,
                     gradient_checkpointing=checkpointing, save_strategy="no", temperature=1.0, top_p=1.0, top_k=0,
                     seed=1, num_iterations=1)
@@ -148,8 +164,8 @@ trainer.train()
 
 def run_trl(args, model_dir, workdir):
     """TRL's GRPOTrainer at equal work, in a process of its own; the mean of its steps 2 on."""
-    spec = [model_dir, DATA, args.steps, args.micro_batch_size, args.max_new_tokens, args.prompts, args.group_size]
-    spec += [args.gradient_checkpointing, os.path.join(workdir, "trl")]
+    spec = [model_dir, trl_data(args, workdir), args.steps, args.micro_batch_size, args.max_new_tokens, args.prompts]
+    spec += [args.group_size, args.gradient_checkpointing, os.path.join(workdir, "trl"), args.learning_rate]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
     result = subprocess.run(
         [sys.executable, "-c", TRL, json.dumps(spec)], capture_output=True, text=True, env=env, check=False
@@ -240,7 +256,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="a 2-layer model of width 64 and a short step (CPU)")
     parser.add_argument("--decode", action="store_true", help="time the decode loop alone")
-    parser.add_argument("--model", help="--decode: a model folder (default: a random 24-layer model of width 64)")
+    parser.add_argument(
+        "--model",
+        help="a model folder: the step of docs/smollm2.md's GRPO command on its addition "
+        "question; --decode: its decode loop (default: a random 24-layer model of width 64)",
+    )
     parser.add_argument("--vs", help="--decode: another grpo.py whose generate() runs in turn with this one's")
     parser.add_argument("--batch", type=int, default=32, help="--decode: prompts")
     parser.add_argument("--repeats", type=int, default=5, help="--decode: timed rollouts of each loop")
@@ -252,14 +272,25 @@ def main(argv=None):
     if args.decode:
         args.max_new_tokens = args.max_new_tokens or 64
         return decode(args)
-    small = args.small
-    args.prompts, args.group_size, args.micro_batch_size = (4, 4, 8) if small else (16, 8, 8)
-    args.max_new_tokens = args.max_new_tokens or (32 if small else 512)
-    args.gradient_checkpointing = not small
+    if args.model:  # docs/smollm2.md's GRPO command
+        args.prompts, args.group_size, args.micro_batch_size, args.learning_rate = 8, 4, 8, 1e-5
+        new_tokens, args.gradient_checkpointing, args.data, args.prompt_tokens = 16, False, None, 40
+    elif args.small:
+        args.prompts, args.group_size, args.micro_batch_size, args.learning_rate = 4, 4, 8, 1e-6
+        new_tokens, args.gradient_checkpointing, args.data, args.prompt_tokens = 32, False, DATA, 95
+    else:  # the README's GPU command (prompts of about 95 tokens with the chat template)
+        args.prompts, args.group_size, args.micro_batch_size, args.learning_rate = 16, 8, 8, 1e-6
+        new_tokens, args.gradient_checkpointing, args.data, args.prompt_tokens = 512, True, DATA, 95
+    args.max_new_tokens = args.max_new_tokens or new_tokens
     with tempfile.TemporaryDirectory() as workdir:
-        model_dir = os.path.join(workdir, "model")
-        parameters = build_model(model_dir, SMALL if small else QWEN_05B, smollm2_tokenizer())
-        print(f"a random Qwen2 of {parameters / 1e6:.1f} M parameters ({'small' if small else 'Qwen2.5-0.5B'}'s shape)")
+        model_dir = args.model or os.path.join(workdir, "model")
+        if args.model:
+            parameters = None  # no update TFLOP/s
+            print(f"{args.model}: docs/smollm2.md's GRPO command, {args.steps} steps")
+        else:
+            parameters = build_model(model_dir, SMALL if args.small else QWEN_05B, smollm2_tokenizer())
+            shape = "small" if args.small else "Qwen2.5-0.5B"
+            print(f"a random Qwen2 of {parameters / 1e6:.1f} M parameters ({shape}'s shape)")
         ours = run_steps(args, model_dir, parameters, workdir)
         if args.trl:
             theirs = run_trl(args, model_dir, workdir)

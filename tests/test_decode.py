@@ -2,11 +2,12 @@
 
 import math
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, run_script
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig
 
@@ -143,18 +144,38 @@ class CountSyncs(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("new_tokens", [8, 64])
-def test_the_loop_waits_on_the_device_once_in_16_tokens(new_tokens):
-    """A rollout of 8 and of 64 tokens that no row stops waits for the device once before its first token
-    (transformers' mask for the prompts reads the padding), after every 16th token but the last (the stop check)
-    and once at the end (the completions' length): 2 and 5 waits, 0.08 a token at 64 (transformers' generate()
-    waited 2.2 times a token, docs/gpu.md); none for the NaN guard or the sampling."""
+def test_the_loop_waits_on_the_device_once_in_16_tokens_on_a_gpu(new_tokens, monkeypatch):
+    """With a GPU's stop check (every 16 tokens), a rollout of 8 and of 64 tokens that no row stops waits for the
+    device once before its first token (transformers' mask for the prompts reads the padding), after every 16th
+    token but the last, and once at the end (the completions' length): 2 and 5 waits, 0.08 a token at 64
+    (transformers' generate() waited 2.2 times a token, docs/gpu.md); none for the NaN guard or the sampling. On
+    a CPU it looks after every token, where a look waits for nothing and a token past the last stop costs a
+    forward pass."""
     model = tiny("llama")
     prompt_ids = torch.tensor([[0, 0, 0, 11, 12], [0, 21, 22, 23, 24], [31, 32, 33, 34, 35]])
     prompt_mask, pad = (prompt_ids != 0).long(), SimpleNamespace(pad_token_id=0)
+    assert grpo.stop_check_every(torch.device("cuda")) == 16 and grpo.stop_check_every(torch.device("cpu")) == 1
+    monkeypatch.setattr(grpo, "stop_check_every", lambda device: 16)
     with CountSyncs() as counter:
         tokens = generate(model, pad, prompt_ids, prompt_mask, new_tokens, 1.0, [-1])
     assert tokens.shape[1] == new_tokens
     assert counter.waits == ["_local_scalar_dense"] * ((new_tokens - 1) // 16 + 2)
+
+
+def test_the_loop_stops_at_the_longest_completion():
+    """Greedy rows whose third token (or an earlier one) stops them: the loop runs as many forward passes as the
+    longest row has tokens (the prefill and one a token after the first), not --max-new-tokens' 20, and the
+    completions are cut there."""
+    model = tiny("llama")
+    prompt_ids = torch.tensor([[0, 0, 0, 11, 12], [0, 21, 22, 23, 24], [31, 32, 33, 34, 35]])
+    prompt_mask, pad = (prompt_ids != 0).long(), SimpleNamespace(pad_token_id=0)
+    stops = sorted(set(generate(model, pad, prompt_ids, prompt_mask, 3, None, [-1])[:, 2].tolist()))
+    forwards = []
+    hook = model.get_decoder().register_forward_hook(lambda *_: forwards.append(1))
+    tokens = generate(model, pad, prompt_ids, prompt_mask, 20, None, stops)
+    hook.remove()
+    longest = completion_mask(tokens, stops).sum(1).max().item()
+    assert longest <= 3 and tokens.shape[1] == longest and len(forwards) == longest
 
 
 def test_the_compiled_step_has_no_graph_break_and_compiles_once_a_shape(monkeypatch):
@@ -187,3 +208,16 @@ def test_the_compiled_step_has_no_graph_break_and_compiles_once_a_shape(monkeypa
         assert torch.equal(a, b)
         torch.testing.assert_close(la, lb, atol=1e-5, rtol=0)
     torch._dynamo.reset()
+
+
+def test_the_gpu_benchmark_runs_on_the_cpu(real_model_dir):
+    """benchmarks/gpu_benchmark.py at its small shape (a random 2-layer Qwen2 with Qwen's 151,936-token vocabulary
+    and SmolLM2's tokenizer) prints each step's split, and its decode mode the loop's ms and waits a token."""
+    out = run_script("benchmarks/gpu_benchmark.py", "--small", "--steps", "2", "--max-new-tokens", "8").stdout
+    assert "a random Qwen2 of 9.8 M parameters (small's shape)" in out, out
+    steps = re.findall(r"step (\d): ([\d.]+) s: generation ([\d.]+) s .* log-probs ([\d.]+) s, update ([\d.]+) s", out)
+    assert [s[0] for s in steps] == ["1", "2"], out
+    assert all(float(step) + 0.02 >= float(g) + float(lp) + float(u) for _, step, g, lp, u in steps), out  # rounded
+    out = run_script("benchmarks/gpu_benchmark.py", "--decode", "--batch", "4", "--max-new-tokens", "8").stdout
+    waits = re.search(r"this: [\d.]+ ms a token .* ([\d.]+) host waits a token", out)
+    assert waits and float(waits.group(1)) == 9 / 8, out  # the prompts' mask, a CPU's 7 stop checks, the length
