@@ -834,7 +834,9 @@ def stop_check_every(device):
     """Decoded tokens between two looks at whether every completion has stopped: 16 on a GPU, where a look waits for
     the device to finish what is queued; 1 on a CPU, where the values are there already and a token past the last
     stop costs a forward pass."""
-    return 16 if device.type == "cuda" else 1
+    if device.type == "cuda":
+        return 16
+    return 1
 
 
 def draw(logits, temperature):
