@@ -110,13 +110,13 @@ def run_steps(args, model_dir, parameters, workdir):
     for m in steps:
         generated = m["charts/tokens_per_sec"] * m["charts/step_time"]  # completion tokens of the step
         length = generated / rows + args.prompt_tokens
-        flop = (8 if args.gradient_checkpointing else 6) * (parameters or 0) * rows * length
+        flop = (8 if args.gradient_checkpointing else 6) * (parameters or 0) * rows * length  # a random model's
         print(
             f"step {m['step']}: {m['charts/step_time']:.2f} s: generation {m['charts/generation_time']:.2f} s "
             f"({generated / m['charts/generation_time']:,.0f} tokens/s, "
             f"{m['charts/generation_time'] / tokens * 1e3:.1f} ms a decoding step at batch {rows}), "
-            f"log-probs {m['charts/logprob_time']:.2f} s, update {m['charts/update_time']:.2f} s "
-            f"({flop / m['charts/update_time'] / 1e12:.1f} TFLOP/s)"
+            f"log-probs {m['charts/logprob_time']:.2f} s, update {m['charts/update_time']:.2f} s"
+            + (f" ({flop / m['charts/update_time'] / 1e12:.1f} TFLOP/s)" if parameters else "")
         )
     if torch.cuda.is_available():
         print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated")
