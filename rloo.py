@@ -730,8 +730,9 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     steps, device = max_new_tokens, prompt_ids.device
     if dist.is_initialized():  # as many tokens as the process that asks for the most (tool_grpo.py's turns)
         steps = int(all_sum(torch.tensor(max_new_tokens, device=device), dist.ReduceOp.MAX))
-    step, compiled, every = decode_step(model), compiles(model), stop_check_every(device)
+    step, compiled, every = next_logits, compiles(model), stop_check_every(device)
     if compiled:  # prompts in a few widths, so that the compiled step's shapes come back
+        step = compiled_step(model)
         prompt_ids, prompt_mask = left_pad(prompt_ids, tokenizer.pad_token_id, 64), left_pad(prompt_mask, 0, 64)
     size, width = prompt_ids.shape
     mask = torch.cat([prompt_mask, prompt_mask.new_ones(size, steps)], dim=1)  # (B, P + T); causal on top of it
@@ -825,10 +826,8 @@ def compiles(model):
     )
 
 
-def decode_step(model):
-    """next_logits for one new token, compiled once a model where compiles() says so."""
-    if not compiles(model):
-        return next_logits
+def compiled_step(model):
+    """next_logits for one new token, compiled once a model (where compiles() says so)."""
     if "compiled_step" not in unwrap(model).__dict__:
         unwrap(model).compiled_step = compile_step(next_logits)
     return unwrap(model).compiled_step

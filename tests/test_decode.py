@@ -124,7 +124,13 @@ def check_the_loop(name, model, tokenizer, ids, mask, stops, monkeypatch, tolera
         input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=stops,
         pad_token_id=tokenizer.pad_token_id,
     )[:, ids.shape[1] :]  # fmt: skip
-    assert torch.equal(greedy, reference), name
+    with torch.no_grad():  # each greedy choice's margin: a near tie may go either way in another summation order
+        top = forward(model, torch.cat([ids, reference], 1), torch.cat([mask, torch.ones_like(reference)], 1))
+    top = top.logits[:, ids.shape[1] - 1 : -1].float().topk(2, dim=-1).values  # (B, T, 2)
+    clear = int((top[..., 0] - top[..., 1] > 1e-4).all(0).long().cumprod(0).sum())  # positions before any near tie
+    assert clear > 0 and torch.equal(greedy[:, :clear], reference[:, :clear]), name
+    if clear == reference.shape[1]:
+        assert torch.equal(greedy, reference), name
 
 
 class CountSyncs(TorchDispatchMode):
