@@ -948,17 +948,21 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
     if dist.is_initialized():  # as many tokens as the process that asks for the most (tool_grpo.py's turns)
         steps = int(all_sum(torch.tensor(max_new_tokens, device=device), dist.ReduceOp.MAX))
     step, compiled, every = next_logits, compiles(model), stop_check_every(device)
-    if compiled:  # prompts in a few widths, so that the compiled step's shapes come back
+    size, width = prompt_ids.shape
+    length = width + steps  # the cache's
+    if compiled:  # prompts and caches in a few widths, so that the compiled step's shapes come back
         step = compiled_step(model)
         prompt_ids, prompt_mask = left_pad(prompt_ids, tokenizer.pad_token_id, 64), left_pad(prompt_mask, 0, 64)
-    size, width = prompt_ids.shape
-    mask = torch.cat([prompt_mask, prompt_mask.new_ones(size, steps)], dim=1)  # (B, P + T); causal on top of it
+        width = prompt_ids.shape[1]
+        length = width + steps + (-steps % 64)
+    mask = torch.cat([prompt_mask, prompt_mask.new_ones(size, length - width)], dim=1)  # (B, length); causal on top
     position = prompt_mask.sum(dim=1, keepdim=True)  # (B, 1): the first new token's
-    inputs, own = rollout_inputs(model, mask, static_cache(model, size, width + steps, compiled)), own_logits(model)
+    inputs, own = rollout_inputs(model, mask, static_cache(model, size, length, compiled)), own_logits(model)
+    weights = rollout_weights(model, compiled)
     stops = torch.tensor(stop_ids, device=device)
     tokens, logprobs, done = [], [], torch.zeros(size, dtype=torch.bool, device=device)
     with autocast(model), gathered(model):
-        logits = next_logits(model, prompt_ids, (prompt_mask.cumsum(1) - 1).clamp(0), inputs, own)  # the prefill
+        logits = next_logits(model, prompt_ids, (prompt_mask.cumsum(1) - 1).clamp(0), inputs, own, weights)  # prefill
         for t in range(steps):
             logits = torch.nan_to_num(logits)  # a diverged model still samples; the loss's check names it later
             token, logprob = draw(logits, temperature)
@@ -967,7 +971,7 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
             done = done | torch.isin(token, stops)
             if t + 1 == steps or ((t + 1) % every == 0 and all_sum((~done).sum()) == 0):
                 break
-            logits = step(model, tokens[-1][:, None], position + t, inputs, own)
+            logits = step(model, tokens[-1][:, None], position + t, inputs, own, weights)
     out = torch.stack(tokens, dim=1)[:, :max_new_tokens]  # (B, T)
     stopped = torch.isin(out, stops)
     length = int(torch.where(stopped.any(1), stopped.int().argmax(1) + 1, out.shape[1]).max())  # the longest row's
@@ -998,10 +1002,11 @@ def draw(logits, temperature):
     return token.squeeze(1), logprobs.gather(1, token).squeeze(1)
 
 
-def next_logits(model, ids, positions, inputs, own):
+def next_logits(model, ids, positions, inputs, own, weights):
     """float32 logits (B, vocab) of the token after ids (B, n) at positions (B, n); inputs: the attention mask (B,
     cache length), 1 on the prompts' tokens and the new ones, and the cache, which keeps their keys and values
-    (rollout_inputs); own: the model's own logits (own_logits), else its decoder's state times the output layer."""
+    (rollout_inputs); own: the model's own logits (own_logits), else its decoder's state times the output layer;
+    weights: the decoder's, by name, to use in place of its own (rollout_weights)."""
     causal_lm, inputs = unwrap(model), {"input_ids": ids, "position_ids": positions, **inputs}
     if own:
         return causal_lm(**inputs, logits_to_keep=1).logits[:, -1].float()
@@ -1013,6 +1018,8 @@ def next_logits(model, ids, positions, inputs, own):
         finally:
             hook.remove()
         hidden = states[0][:, -1]
+    elif weights:
+        hidden = torch.func.functional_call(causal_lm.get_decoder(), weights, (), inputs).last_hidden_state[:, -1]
     else:
         hidden = causal_lm.get_decoder()(**inputs).last_hidden_state[:, -1]  # (B, d)
     head = causal_lm.get_output_embeddings()
@@ -1041,6 +1048,25 @@ def compiles(model):
     return next(model.parameters()).device.type == "cuda" and not any(
         isinstance(m, FSDPModule) for m in model.modules()
     )
+
+
+def rollout_weights(model, compiled):
+    """For a compiled step in bfloat16 (or float16): the decoder's linear layers' weights and biases cast to it once
+    a rollout, by name, and kept on the model, where a CUDA graph finds them at the same address every time; else {}
+    (the model's own weights: an eager step's autocast casts each once a rollout by itself, a compiled step's at
+    every token, which reads 3 bytes a parameter more)."""
+    dtype = getattr(unwrap(model), "compute_dtype", torch.float32)
+    if not compiled or dtype == torch.float32:
+        return {}
+    weights = unwrap(model).__dict__.setdefault("rollout_weights", {})
+    linears = [(name, m) for name, m in unwrap(model).get_decoder().named_modules() if isinstance(m, torch.nn.Linear)]
+    for name, module in linears:
+        for key, master in module.named_parameters(prefix=name, recurse=False):
+            if key not in weights:
+                weights[key] = torch.empty_like(master, dtype=dtype)
+                torch._dynamo.mark_static_address(weights[key])
+            weights[key].copy_(master)
+    return weights
 
 
 def compiled_step(model):

@@ -186,33 +186,55 @@ def test_the_loop_stops_at_the_longest_completion():
 
 def test_the_compiled_step_has_no_graph_break_and_compiles_once_a_shape(monkeypatch):
     """As on a GPU (there with CUDA graphs): the one-token step compiled with fullgraph=True, which fails at any
-    graph break, gives the eager step's logits; prompts of 4 and of 7 tokens share a bucket width and a cache, so
-    the second rollout compiles nothing new; a new batch size compiles once more."""
+    graph break, gives the eager step's logits; prompts of 4 and of 7 tokens share a bucket width and a cache, and
+    10 and 12 new tokens a cache length, so the second and third rollouts compile nothing new; a new batch size
+    compiles once more. In bfloat16 the compiled step reads the decoder's linear weights from a bfloat16 copy made
+    once a rollout (the same tensors every time, refreshed from the masters) and samples the eager step's tokens
+    (the log-probs to bfloat16's rounding: the padded prompts and the longer cache sum in another order) and,
+    bit for bit, the tokens and log-probs of the compiled step without the copy."""
     import torch._dynamo
 
-    model = tiny("llama")
     tokenizer = SimpleNamespace(pad_token_id=0)
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
     monkeypatch.setattr(grpo, "compiles", lambda model: True)
     monkeypatch.setattr(grpo, "compile_step", lambda f: torch.compile(f, backend="eager", fullgraph=True))
-    eager, compiled = [], []
-    for width, rows in ((4, 3), (7, 3), (5, 2)):
-        torch.manual_seed(width)
-        ids = torch.randint(3, 300, (rows, width))
-        ids[0, :2] = 0
-        mask = (ids != 0).long()
-        torch.manual_seed(1)
-        compiled.append(generate(model, tokenizer, ids, mask, 10, 1.0, [-1], with_logprobs=True))
-        with monkeypatch.context() as eager_only:
-            eager_only.setattr(grpo, "compiles", lambda model: False)
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny("llama")
+        model.compute_dtype = dtype
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        eager, compiled, copies = [], [], []
+        for width, rows, new_tokens in ((4, 3, 10), (7, 3, 12), (7, 3, 10), (5, 2, 10)):
+            torch.manual_seed(width)
+            ids = torch.randint(3, 300, (rows, width))
+            ids[0, :2] = 0
+            mask = (ids != 0).long()
+            with torch.no_grad():
+                model.model.layers[0].mlp.up_proj.weight.mul_(1.01)  # the rollout's copy must follow the masters
             torch.manual_seed(1)
-            eager.append(generate(model, tokenizer, ids, mask, 10, 1.0, [-1], with_logprobs=True))
-        stats = torch._dynamo.utils.counters["stats"]
-        assert stats["unique_graphs"] == (1 if rows == 3 else 2), dict(stats)
-    for (a, la), (b, lb) in zip(eager, compiled):
-        assert torch.equal(a, b)
-        torch.testing.assert_close(la, lb, atol=1e-5, rtol=0)
+            compiled.append(generate(model, tokenizer, ids, mask, new_tokens, 1.0, [-1], with_logprobs=True))
+            copies.append(dict(model.__dict__.get("rollout_weights", {})))
+            with monkeypatch.context() as eager_only:
+                eager_only.setattr(grpo, "compiles", lambda model: False)
+                torch.manual_seed(1)
+                eager.append(generate(model, tokenizer, ids, mask, new_tokens, 1.0, [-1], with_logprobs=True))
+            stats = torch._dynamo.utils.counters["stats"]
+            assert stats["unique_graphs"] == (1 if rows == 3 else 2), dict(stats)
+        for (a, la), (b, lb) in zip(eager, compiled):
+            assert torch.equal(a, b)
+            torch.testing.assert_close(la, lb, atol=1e-5 if dtype == torch.float32 else 1e-3, rtol=0)
+        if dtype == torch.float32:
+            assert copies == [{}] * 4
+            continue
+        with monkeypatch.context() as no_copy:  # the copy's values are autocast's casts: the same step, bit for bit
+            no_copy.setattr(grpo, "rollout_weights", lambda model, compiled: {})
+            torch.manual_seed(1)
+            without = generate(model, tokenizer, ids, mask, new_tokens, 1.0, [-1], with_logprobs=True)
+        assert torch.equal(without[0], compiled[-1][0]) and torch.equal(without[1], compiled[-1][1])
+        linears = [n for n, m in model.model.named_modules() if isinstance(m, torch.nn.Linear)]
+        assert sorted(copies[0]) == sorted(f"{n}.weight" for n in linears)  # the tiny llama's layers have no bias
+        for name, copy in copies[-1].items():  # the same tensors every rollout, equal to the masters cast
+            assert copy.dtype == torch.bfloat16 and copy.data_ptr() == copies[0][name].data_ptr()
+            assert torch.equal(copy, model.model.get_parameter(name).to(torch.bfloat16)), name
     torch._dynamo.reset()
 
 
