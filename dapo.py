@@ -166,9 +166,9 @@ def grpo_loss(
 ):
     """GRPO's clipped surrogate plus beta times the k3 KL to the reference, to be minimised.
 
-    logprobs (B, T) carries the gradient; old_logprobs, ref_logprobs (B, T) and advantages (B,)
-    are constants; mask (B, T) marks completion tokens. Per token:
-        l_t = -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) + beta (exp(d_t) - d_t - 1),
+    logprobs (B, T) carries the gradient; old_logprobs, ref_logprobs (B, T) and advantages (B,), or (B, T) with an
+    advantage for every token (process_grpo.py), are constants; mask (B, T) marks completion tokens. Per token:
+        l_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t) + beta (exp(d_t) - d_t - 1),
         r_t = exp(logprobs_t - old_logprobs_t),  d_t = ref_logprobs_t - logprobs_t.
     loss_agg: "seq-mean-token-mean"     1/B sum_i 1/|o_i| sum_t l_it   (the paper)
               "token-mean"              1/sum_i |o_i| sum_i sum_t l_it (DAPO)
@@ -178,7 +178,7 @@ def grpo_loss(
     m = mask.bool()
     log_ratio = torch.where(m, logprobs - old_logprobs, 0.0)  # padding never reaches exp()
     ratio = torch.exp(log_ratio)  # (B, T)
-    adv = advantages[:, None]  # (B, 1)
+    adv = torch.where(m, advantages.reshape(len(advantages), -1), 0.0)  # (B, T): A_i, or A_it; 0 on padding
     clipped_ratio = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high)
     per_token = -torch.min(ratio * adv, clipped_ratio * adv)  # (B, T)
     if is_weights is not None:  # the engine sampled the tokens, not pi_old
@@ -211,6 +211,174 @@ def overlong_penalty(lengths, max_length, cache_length):
     max_length = 8, cache_length = 4: lengths [3, 4, 5, 6, 8, 9] -> [0, 0, -0.25, -0.5, -1, -1]
     """
     return ((max_length - cache_length - lengths.float()) / cache_length).clamp(min=-1.0, max=0.0)
+
+
+def truncated_is_weights(old_logprobs, engine_logprobs, mask, cap):
+    """Truncated importance sampling (TIS): the engine sampled the tokens, the loss assumes pi_old did, so each
+    token's policy-gradient term is weighed by w_t = min(pi_old(o_t) / pi_engine(o_t), cap), a constant.
+
+    old_logprobs, engine_logprobs, mask: (B, T); 0 at padding.
+    old = log [0.5, 0.3, 0.1], engine = log [0.5, 0.6, 0.01], cap = 2 -> w = [1, 0.5, 2 (10, truncated)]
+    Also the step's statistics: logprob_diff, the mean |old - engine| over the tokens, and the weights' mean.
+    Without an engine (engine_logprobs None), no weights and no statistics.
+    """
+    if engine_logprobs is None:  # generate() sampled from pi_old itself
+        return None, {}
+    m = mask.bool()
+    log_ratio = torch.where(m, old_logprobs - engine_logprobs, 0.0).detach()  # padding never reaches exp()
+    weights = torch.where(m, torch.exp(log_ratio).clamp(max=cap), 0.0)
+    return weights, {
+        "logprob_diff": masked_mean(log_ratio.abs(), m),
+        "is_weight": masked_mean(weights, m),
+        "is_truncated": masked_mean((log_ratio > math.log(cap)).float(), m),
+    }
+
+
+# ---- The task and its reward: what a user edits for a task of their own (docs/your_own_task.md)
+def addition_task(num_eval, task="addition"):
+    """(train, held-out) records of a + b for 0 <= a, b <= 99, held out alike in every run."""
+    prompts = {"addition": "{a}+{b}=", "addition-question": "What is {a} + {b}? Reply with the number only."}
+    pairs = [(a, b) for a in range(100) for b in range(100)]
+    random.Random(0).shuffle(pairs)
+    records = [{"prompt": prompts[task].format(a=a, b=b), "answer": str(a + b)} for a, b in pairs]
+    return records[num_eval:], records[:num_eval]
+
+
+def last_number(text):
+    """The last number in text, as a float ('1,234.5' -> 1234.5), or None."""
+    found = re.findall(r"-?\d+(?:,\d{3})*(?:\.\d+)?", text)
+    return float(found[-1].replace(",", "")) if found else None
+
+
+def reward_fn(completion, record):
+    """1.0 if the completion ends with the answer: its last number, or its last words (docs/your_own_task.md)."""
+    answer = str(record["answer"])
+    if last_number(answer) is not None:
+        return float(last_number(completion) == last_number(answer))
+    text, expected = (" ".join(s.lower().split()).strip(" .,;:!?\"'`*()[]{}") for s in (completion, answer))
+    return float(bool(expected) and (text == expected or text.endswith(" " + expected)))
+
+
+def prompt_answer(record):
+    """The record with a 'prompt' and an 'answer' (text or None), from prompt/answer or question/answer (GSM8K:
+    the answer after '####'); other fields stay, for reward_fn."""
+    answer = None if record.get("answer") is None else str(record["answer"])
+    if "question" not in record:
+        return {**record, "answer": answer}
+    answer = None if answer is None else answer.split("####")[-1].strip()
+    return {**record, "prompt": record["question"], "answer": answer}
+
+
+# ---- Dynamic sampling
+def overlong_cache(args):
+    """--overlong-cache, or a quarter of --max-new-tokens (at least 1 token)."""
+    if args.overlong_cache is None:
+        return max(1, args.max_new_tokens // 4)
+    return args.overlong_cache
+
+
+def dynamic_sample(policy, engine, tokenizer, records, data_rng, args, stop_ids):
+    """Dynamic sampling (DAPO): sample batches of --prompts-per-step prompts until this process holds num_prompts
+    groups whose rewards differ, at most --max-sample-batches batches. Every process samples as many batches: after
+    each, they agree whether any of them is still short. The step's batch is the groups kept, in the order sampled,
+    and if still short the first groups dropped (their rewards agree: advantage 0). Without --dynamic-sampling: one
+    batch, every group kept (grpo.py's).
+
+    Returns the batch (sample_batch's keys) and the step's counts, of all processes: batches sampled, groups dropped,
+    groups filled in; and the share of the completions sampled that lie in the overlong zone."""
+    num_prompts = args.prompts_per_step // rank_and_world()[1]
+    kept, dropped, lengths = [], [], []  # groups as (a sampled batch, the group's index in it)
+    for batches in range(1, args.max_sample_batches + 1):
+        sampled = sample_batch(policy, engine, tokenizer, records, data_rng, args, stop_ids)
+        lengths.append(sampled["mask"].sum(dim=1))
+        grouped = sampled["rewards"].view(-1, args.group_size)  # (num_prompts, G)
+        for g, differ in enumerate((grouped.amax(dim=1) > grouped.amin(dim=1)).tolist()):
+            if differ or not args.dynamic_sampling:
+                kept.append((sampled, g))
+            else:
+                dropped.append((sampled, g))
+        processes_short = all_sum(torch.tensor(len(kept) < num_prompts)).item()
+        if processes_short == 0:
+            break
+    filled = max(0, num_prompts - len(kept))  # dropped groups the batch takes back
+    dropped_groups, filled_groups = all_sum(torch.tensor([len(dropped) - filled, filled])).tolist()
+    zone = torch.cat(lengths) > args.max_new_tokens - overlong_cache(args)
+    counts = {
+        "charts/sample_batches": batches,
+        "charts/dropped_groups": dropped_groups,
+        "charts/filled_groups": filled_groups,
+        "charts/overlong_share": zone.float().mean(),
+    }
+    return join_groups((kept + dropped)[:num_prompts], args.group_size, tokenizer.pad_token_id), counts
+
+
+def sample_batch(policy, engine, tokenizer, records, data_rng, args, stop_ids):
+    """One batch of rollouts: --prompts-per-step prompts (this process's share), G completions each from pi_old,
+    group-contiguous, each rewarded: its answer, plus the overlong penalty with --overlong-shaping."""
+    rank, world = rank_and_world()
+    num_prompts, device = args.prompts_per_step // world, next(policy.parameters()).device
+    prompts = data_rng.choices(records, k=args.prompts_per_step)  # every process draws the same prompts
+    prompts = prompts[rank * num_prompts : (rank + 1) * num_prompts]  # and takes its share
+    group = [r for r in prompts for _ in range(args.group_size)]
+    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device, args)  # (B, P)
+    completion_ids, engine_logprobs = sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids)
+    mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
+    texts = decode_completions(tokenizer, completion_ids, mask)
+    rewards = torch.tensor([reward_fn(t, r) for t, r in zip(texts, group)], device=device)  # (B,)
+    if args.overlong_shaping:  # the length counts the stop token
+        rewards = rewards + overlong_penalty(mask.sum(dim=1), args.max_new_tokens, overlong_cache(args))
+    stopped = (torch.isin(completion_ids, torch.tensor(stop_ids, device=device)) & mask).any(dim=1)  # (B,)
+    return {
+        "group": group,
+        "texts": texts,
+        "rewards": rewards,
+        "stopped": stopped,  # a stop token ends the completion (not cut at --max-new-tokens)
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "mask": mask,
+        "engine_logprobs": engine_logprobs,  # None without --vllm
+    }
+
+
+def join_groups(chosen, group_size, pad_id):
+    """The chosen groups' rows as one batch; chosen: [(a sampled batch, the group's index in it)]. The batches differ
+    in width: each tensor is padded to the widest, the prompts on the left, the completions on the right with their
+    mask 0 there (the mask comes from the sampling, so a cut completion padded wider does not grow)."""
+    rows = [(sampled, slice(g * group_size, (g + 1) * group_size)) for sampled, g in chosen]
+
+    def join(key, pad, left=False):
+        if rows[0][0][key] is None:  # no engine: no engine log-probs
+            return None
+        parts = [sampled[key][r] for sampled, r in rows]
+        width = max(p.shape[1] for p in parts)
+        sides = [(width - p.shape[1], 0) if left else (0, width - p.shape[1]) for p in parts]
+        return torch.cat([torch.nn.functional.pad(p, side, value=pad) for p, side in zip(parts, sides)])
+
+    return {
+        "group": [record for sampled, r in rows for record in sampled["group"][r]],
+        "texts": [text for sampled, r in rows for text in sampled["texts"][r]],
+        "rewards": torch.cat([sampled["rewards"][r] for sampled, r in rows]),
+        "stopped": torch.cat([sampled["stopped"][r] for sampled, r in rows]),
+        "prompt_ids": join("prompt_ids", pad_id, left=True),
+        "prompt_mask": join("prompt_mask", 0, left=True),
+        "completion_ids": join("completion_ids", pad_id),
+        "mask": join("mask", False),
+        "engine_logprobs": join("engine_logprobs", 0.0),
+    }
+
+
+def has_tokens_to_train(mask, step):
+    """Whether a token of any process carries loss. With --overlong-filter a step whose completions were all cut at
+    --max-new-tokens has none: it makes no update (an optimizer step on no gradient would still move the weights),
+    and a line says so."""
+    if all_sum(mask.sum()).item() > 0:
+        return True
+    print(
+        f"step {step}: every completion was cut at --max-new-tokens and --overlong-filter keeps them all out of the "
+        "loss: no update this step (raise --max-new-tokens if this repeats)"
+    )
+    return False
 
 
 def main(args):
@@ -337,6 +505,7 @@ def main(args):
     end_processes()
 
 
+# ==== The algorithm ends here. Below: machinery, this file's own, then (second banner) the part every file shares ====
 def check_args(args):
     """Stops at a flag outside its range, or at options that cannot run together, before anything loads."""
     ranges = {
@@ -361,189 +530,6 @@ def check_args(args):
     check_vllm(args)
 
 
-def batch_sizes(args):
-    """(prompts, completions, completions of a minibatch) of this process at each step; a division that is not exact
-    stops the run, naming the flags. Sets args.batch_size and args.minibatch_size (of all processes)."""
-    world = rank_and_world()[1]
-    num_prompts = exact_div(args.prompts_per_step, world, "--prompts-per-step among the processes")
-    batch_size = num_prompts * args.group_size
-    what = "--prompts-per-step x --group-size"
-    minibatch_size = exact_div(batch_size, args.num_minibatches, f"{what} (per process) by --num-minibatches")
-    fit_micro_batches(args, minibatch_size, f"a minibatch ({what} / --num-minibatches, per process)")
-    args.batch_size, args.minibatch_size = batch_size * world, minibatch_size * world
-    return num_prompts, batch_size, minibatch_size
-
-
-# ---- Dynamic sampling
-def overlong_cache(args):
-    """--overlong-cache, or a quarter of --max-new-tokens (at least 1 token)."""
-    if args.overlong_cache is None:
-        return max(1, args.max_new_tokens // 4)
-    return args.overlong_cache
-
-
-def dynamic_sample(policy, engine, tokenizer, records, data_rng, args, stop_ids):
-    """Dynamic sampling (DAPO): sample batches of --prompts-per-step prompts until this process holds num_prompts
-    groups whose rewards differ, at most --max-sample-batches batches. Every process samples as many batches: after
-    each, they agree whether any of them is still short. The step's batch is the groups kept, in the order sampled,
-    and if still short the first groups dropped (their rewards agree: advantage 0). Without --dynamic-sampling: one
-    batch, every group kept (grpo.py's).
-
-    Returns the batch (sample_batch's keys) and the step's counts, of all processes: batches sampled, groups dropped,
-    groups filled in; and the share of the completions sampled that lie in the overlong zone."""
-    num_prompts = args.prompts_per_step // rank_and_world()[1]
-    kept, dropped, lengths = [], [], []  # groups as (a sampled batch, the group's index in it)
-    for batches in range(1, args.max_sample_batches + 1):
-        sampled = sample_batch(policy, engine, tokenizer, records, data_rng, args, stop_ids)
-        lengths.append(sampled["mask"].sum(dim=1))
-        grouped = sampled["rewards"].view(-1, args.group_size)  # (num_prompts, G)
-        for g, differ in enumerate((grouped.amax(dim=1) > grouped.amin(dim=1)).tolist()):
-            if differ or not args.dynamic_sampling:
-                kept.append((sampled, g))
-            else:
-                dropped.append((sampled, g))
-        processes_short = all_sum(torch.tensor(len(kept) < num_prompts)).item()
-        if processes_short == 0:
-            break
-    filled = max(0, num_prompts - len(kept))  # dropped groups the batch takes back
-    dropped_groups, filled_groups = all_sum(torch.tensor([len(dropped) - filled, filled])).tolist()
-    zone = torch.cat(lengths) > args.max_new_tokens - overlong_cache(args)
-    counts = {
-        "charts/sample_batches": batches,
-        "charts/dropped_groups": dropped_groups,
-        "charts/filled_groups": filled_groups,
-        "charts/overlong_share": zone.float().mean(),
-    }
-    return join_groups((kept + dropped)[:num_prompts], args.group_size, tokenizer.pad_token_id), counts
-
-
-def sample_batch(policy, engine, tokenizer, records, data_rng, args, stop_ids):
-    """One batch of rollouts: --prompts-per-step prompts (this process's share), G completions each from pi_old,
-    group-contiguous, each rewarded: its answer, plus the overlong penalty with --overlong-shaping."""
-    rank, world = rank_and_world()
-    num_prompts, device = args.prompts_per_step // world, next(policy.parameters()).device
-    prompts = data_rng.choices(records, k=args.prompts_per_step)  # every process draws the same prompts
-    prompts = prompts[rank * num_prompts : (rank + 1) * num_prompts]  # and takes its share
-    group = [r for r in prompts for _ in range(args.group_size)]
-    prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device, args)  # (B, P)
-    completion_ids, engine_logprobs = sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids)
-    mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
-    texts = decode_completions(tokenizer, completion_ids, mask)
-    rewards = torch.tensor([reward_fn(t, r) for t, r in zip(texts, group)], device=device)  # (B,)
-    if args.overlong_shaping:  # the length counts the stop token
-        rewards = rewards + overlong_penalty(mask.sum(dim=1), args.max_new_tokens, overlong_cache(args))
-    stopped = (torch.isin(completion_ids, torch.tensor(stop_ids, device=device)) & mask).any(dim=1)  # (B,)
-    return {
-        "group": group,
-        "texts": texts,
-        "rewards": rewards,
-        "stopped": stopped,  # a stop token ends the completion (not cut at --max-new-tokens)
-        "prompt_ids": prompt_ids,
-        "prompt_mask": prompt_mask,
-        "completion_ids": completion_ids,
-        "mask": mask,
-        "engine_logprobs": engine_logprobs,  # None without --vllm
-    }
-
-
-def join_groups(chosen, group_size, pad_id):
-    """The chosen groups' rows as one batch; chosen: [(a sampled batch, the group's index in it)]. The batches differ
-    in width: each tensor is padded to the widest, the prompts on the left, the completions on the right with their
-    mask 0 there (the mask comes from the sampling, so a cut completion padded wider does not grow)."""
-    rows = [(sampled, slice(g * group_size, (g + 1) * group_size)) for sampled, g in chosen]
-
-    def join(key, pad, left=False):
-        if rows[0][0][key] is None:  # no engine: no engine log-probs
-            return None
-        parts = [sampled[key][r] for sampled, r in rows]
-        width = max(p.shape[1] for p in parts)
-        sides = [(width - p.shape[1], 0) if left else (0, width - p.shape[1]) for p in parts]
-        return torch.cat([torch.nn.functional.pad(p, side, value=pad) for p, side in zip(parts, sides)])
-
-    return {
-        "group": [record for sampled, r in rows for record in sampled["group"][r]],
-        "texts": [text for sampled, r in rows for text in sampled["texts"][r]],
-        "rewards": torch.cat([sampled["rewards"][r] for sampled, r in rows]),
-        "stopped": torch.cat([sampled["stopped"][r] for sampled, r in rows]),
-        "prompt_ids": join("prompt_ids", pad_id, left=True),
-        "prompt_mask": join("prompt_mask", 0, left=True),
-        "completion_ids": join("completion_ids", pad_id),
-        "mask": join("mask", False),
-        "engine_logprobs": join("engine_logprobs", 0.0),
-    }
-
-
-def has_tokens_to_train(mask, step):
-    """Whether a token of any process carries loss. With --overlong-filter a step whose completions were all cut at
-    --max-new-tokens has none: it makes no update (an optimizer step on no gradient would still move the weights),
-    and a line says so."""
-    if all_sum(mask.sum()).item() > 0:
-        return True
-    print(
-        f"step {step}: every completion was cut at --max-new-tokens and --overlong-filter keeps them all out of the "
-        "loss: no update this step (raise --max-new-tokens if this repeats)"
-    )
-    return False
-
-
-# ---- Helpers that only some of the files need: each is kept equal to its copy in the other files that have it
-def prompt_answer(record):
-    """The record with a 'prompt' and an 'answer' (text or None), from prompt/answer or question/answer (GSM8K:
-    the answer after '####'); other fields stay, for reward_fn."""
-    answer = None if record.get("answer") is None else str(record["answer"])
-    if "question" not in record:
-        return {**record, "answer": answer}
-    answer = None if answer is None else answer.split("####")[-1].strip()
-    return {**record, "prompt": record["question"], "answer": answer}
-
-
-def load_task(args, answers=True):
-    """(train, held-out) records with a 'prompt' and an 'answer' (with answers=False it may be None)."""
-
-    def read(name, split, flag, needed=("answer",) if answers else ()):  # a .jsonl's records, or a hub split's
-        if name.endswith(".jsonl"):
-            return read_jsonl(name, ("prompt", *needed), ("question", *needed), flag=flag)
-        return load_hub_split(name, args.dataset_config, split, flag)
-
-    if args.dataset is None:
-        train, held_out = addition_task(args.num_eval, args.task)
-    else:
-        train, held_out = read(args.dataset, args.train_split, "--dataset"), None
-    if args.eval_dataset:  # its first --num-eval, and all of --dataset is trained on
-        held_out = read(args.eval_dataset, args.eval_split, "--eval-dataset")[: args.num_eval]
-    elif held_out is None and args.dataset.endswith(".jsonl"):  # its last --num-eval, not trained on
-        if len(train) <= args.num_eval:
-            fail(f"--dataset {args.dataset}: {len(train)} records, but --num-eval {args.num_eval} are held out")
-        train, held_out = train[: -args.num_eval], train[-args.num_eval :]
-    elif held_out is None:
-        held_out = read(args.dataset, args.eval_split, "--dataset")[: args.num_eval]
-    return [prompt_answer(r) for r in train], [prompt_answer(r) for r in held_out]
-
-
-def rollout_samples(records, texts, rewards, advantages):
-    """The first four rollouts of a step, for samples.jsonl: prompt, completion, answer, reward and advantage."""
-    rows = zip(records[:4], texts, rewards.tolist(), advantages.tolist())
-    return [
-        {"kind": "rollout", "prompt": r["prompt"], "completion": t, "answer": r["answer"], "reward": x, "advantage": a}
-        for r, t, x, a in rows
-    ]
-
-
-def no_signal_note(step, rewards, group_size, signal):
-    """signal + the groups of this step (of every process) whose rewards differ; at step 5, if none ever did, one
-    line says that nothing can be learned, and why (docs/your_own_task.md). rewards (B,) group-contiguous."""
-    if step <= 5:
-        grouped = rewards.view(-1, group_size)  # (groups, G)
-        signal += all_sum((grouped.amax(dim=1) > grouped.amin(dim=1)).sum()).item()
-        if step == 5 and signal == 0:
-            print(
-                "note: in the first 5 steps every group of completions got equal rewards, so there is no learning"
-                " signal; likely cause: reward_fn scores every completion alike on your records (see"
-                " docs/your_own_task.md), or the task is too hard or too easy for this model within --max-new-tokens"
-            )
-    return signal
-
-
 # ---- vLLM (--vllm): an engine in this process samples the rollouts (docs/vllm.md)
 VLLM_RANGES = {"vllm_kv_cache_gib": "> 0", "vllm_is_cap": "> 0"}
 
@@ -555,6 +541,19 @@ def check_vllm(args):
             "--vllm: vLLM is not installed; install requirements-vllm.txt (CUDA) or requirements-vllm-cpu.txt (CPU), "
             "each in an environment of its own (docs/vllm.md)"
         )
+
+
+def batch_sizes(args):
+    """(prompts, completions, completions of a minibatch) of this process at each step; a division that is not exact
+    stops the run, naming the flags. Sets args.batch_size and args.minibatch_size (of all processes)."""
+    world = rank_and_world()[1]
+    num_prompts = exact_div(args.prompts_per_step, world, "--prompts-per-step among the processes")
+    batch_size = num_prompts * args.group_size
+    what = "--prompts-per-step x --group-size"
+    minibatch_size = exact_div(batch_size, args.num_minibatches, f"{what} (per process) by --num-minibatches")
+    fit_micro_batches(args, minibatch_size, f"a minibatch ({what} / --num-minibatches, per process)")
+    args.batch_size, args.minibatch_size = batch_size * world, minibatch_size * world
+    return num_prompts, batch_size, minibatch_size
 
 
 def load_engine(args, device):
@@ -593,6 +592,29 @@ def load_engine(args, device):
             f"--vllm: vLLM cannot serve --model-name-or-path {args.model_name_or_path}: {type(e).__name__}: "
             f"{' '.join(str(e).split())[:300]}{hint}"
         )
+
+
+def load_task(args, answers=True):
+    """(train, held-out) records with a 'prompt' and an 'answer' (with answers=False it may be None)."""
+
+    def read(name, split, flag, needed=("answer",) if answers else ()):  # a .jsonl's records, or a hub split's
+        if name.endswith(".jsonl"):
+            return read_jsonl(name, ("prompt", *needed), ("question", *needed), flag=flag)
+        return load_hub_split(name, args.dataset_config, split, flag)
+
+    if args.dataset is None:
+        train, held_out = addition_task(args.num_eval, args.task)
+    else:
+        train, held_out = read(args.dataset, args.train_split, "--dataset"), None
+    if args.eval_dataset:  # its first --num-eval, and all of --dataset is trained on
+        held_out = read(args.eval_dataset, args.eval_split, "--eval-dataset")[: args.num_eval]
+    elif held_out is None and args.dataset.endswith(".jsonl"):  # its last --num-eval, not trained on
+        if len(train) <= args.num_eval:
+            fail(f"--dataset {args.dataset}: {len(train)} records, but --num-eval {args.num_eval} are held out")
+        train, held_out = train[: -args.num_eval], train[-args.num_eval :]
+    elif held_out is None:
+        held_out = read(args.dataset, args.eval_split, "--dataset")[: args.num_eval]
+    return [prompt_answer(r) for r in train], [prompt_answer(r) for r in held_out]
 
 
 def sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids):
@@ -645,39 +667,8 @@ def sync_engine(engine, policy):
         engine.wake_up(tags=["kv_cache"])
 
 
-def truncated_is_weights(old_logprobs, engine_logprobs, mask, cap):
-    """Truncated importance sampling (TIS): the engine sampled the tokens, the loss assumes pi_old did, so each
-    token's policy-gradient term is weighed by w_t = min(pi_old(o_t) / pi_engine(o_t), cap), a constant.
-
-    old_logprobs, engine_logprobs, mask: (B, T); 0 at padding.
-    old = log [0.5, 0.3, 0.1], engine = log [0.5, 0.6, 0.01], cap = 2 -> w = [1, 0.5, 2 (10, truncated)]
-    Also the step's statistics: logprob_diff, the mean |old - engine| over the tokens, and the weights' mean.
-    Without an engine (engine_logprobs None), no weights and no statistics.
-    """
-    if engine_logprobs is None:  # generate() sampled from pi_old itself
-        return None, {}
-    m = mask.bool()
-    log_ratio = torch.where(m, old_logprobs - engine_logprobs, 0.0).detach()  # padding never reaches exp()
-    weights = torch.where(m, torch.exp(log_ratio).clamp(max=cap), 0.0)
-    return weights, {
-        "logprob_diff": masked_mean(log_ratio.abs(), m),
-        "is_weight": masked_mean(weights, m),
-        "is_truncated": masked_mean((log_ratio > math.log(cap)).float(), m),
-    }
-
-
 # ==== Everything below this line is the same in every file, byte for byte (tests/test_shared.py checks it) ====
-# Why each piece is as it is, with its measurements: docs/gpu.md, docs/distributed.md, docs/outputs.md
-def fail(message):
-    raise SystemExit(f"error: {message}")
-
-
-def exact_div(a, b, what):
-    """a // b; unless b divides a, the run stops, naming what to change."""
-    if b <= 0 or a % b != 0:
-        fail(f"{what}: {a} does not divide by {b}")
-    return a // b
-
+# the order in which grpo.py's main() first calls it; what grpo.py never calls at the end
 
 # the range of each numeric flag that every file has; each file adds its own
 COMMON_RANGES = {
@@ -702,640 +693,38 @@ COMMON_RANGES = {
 }
 
 
-def flag(name):
-    return "--" + name.replace("_", "-")
-
-
-def check_ranges(args, ranges):
-    """Stops at the first flag outside its range: '> 0', '>= 2' or 'in [0, 0.5)', maybe with a reason."""
-    for name, spec in ranges.items():
-        x = getattr(args, name, None)
-        if x is None:  # an optional flag left unset, or one this file lacks
-            continue
-        op, bounds = re.match(r"(>=|>|in) ([\[(].*?[\])]|\S+)", spec).groups()
-        if op != "in":  # '> 0' is 'in (0, inf)', '>= 2' is 'in [2, inf)'
-            bounds = f"{'[' if op == '>=' else '('}{bounds}, inf)"
-        low, high = map(float, bounds[1:-1].split(","))
-        above = x > low or (bounds[0] == "[" and x == low)
-        below = x < high or (bounds[-1] == "]" and x == high)
-        if not (math.isfinite(x) and above and below):  # nan and inf are in no range
-            fail(f"{flag(name)} {x}: must be {'' if math.isfinite(x) else 'a finite number '}{spec}")
-
-
-def fit_micro_batches(args, minibatch_size, what):
-    """Makes --micro-batch-size no larger than a minibatch, which it must divide (or the run stops, naming what)."""
-    args.micro_batch_size = min(args.micro_batch_size, minibatch_size)
-    if minibatch_size % args.micro_batch_size != 0:
-        fail(f"{what} by --micro-batch-size: {minibatch_size} does not divide by {args.micro_batch_size}")
-
-
-def check_lora(args):
-    """Stops before anything loads if --lora-r cannot run: with --fsdp, or without peft."""
-    if args.lora_r and args.fsdp:
-        fail("--lora-r with --fsdp: LoRA runs under DDP (torchrun without --fsdp); its gradients are small to copy")
-    if args.lora_r and importlib.util.find_spec("peft") is None:
-        fail("--lora-r: LoRA needs the peft library: pip install peft")
-
-
-# ---- The task and its reward
-def addition_task(num_eval, task="addition"):
-    """(train, held-out) records of a + b for 0 <= a, b <= 99, held out alike in every run."""
-    prompts = {"addition": "{a}+{b}=", "addition-question": "What is {a} + {b}? Reply with the number only."}
-    pairs = [(a, b) for a in range(100) for b in range(100)]
-    random.Random(0).shuffle(pairs)
-    records = [{"prompt": prompts[task].format(a=a, b=b), "answer": str(a + b)} for a, b in pairs]
-    return records[num_eval:], records[:num_eval]
-
-
-def last_number(text):
-    """The last number in text, as a float ('1,234.5' -> 1234.5), or None."""
-    found = re.findall(r"-?\d+(?:,\d{3})*(?:\.\d+)?", text)
-    return float(found[-1].replace(",", "")) if found else None
-
-
-def reward_fn(completion, record):
-    """1.0 if the completion ends with the answer: its last number, or its last words (docs/your_own_task.md)."""
-    answer = str(record["answer"])
-    if last_number(answer) is not None:
-        return float(last_number(completion) == last_number(answer))
-    text, expected = (" ".join(s.lower().split()).strip(" .,;:!?\"'`*()[]{}") for s in (completion, answer))
-    return float(bool(expected) and (text == expected or text.endswith(" " + expected)))
-
-
-# ---- Data
-def read_jsonl(path, *schemas, flag="--dataset"):
-    """The records of a JSONL file, each with the fields of a schema; a bad record stops the run naming its line."""
-    if not os.path.isfile(path):
-        fail(f"{flag} {path}: no such file")
-    with open(path, encoding="utf-8") as f:
-        lines = [(f"{flag} {path}: line {n}", line) for n, line in enumerate(f, start=1) if line.strip()]
-    records = []
-    for at, line in lines:
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            fail(f"{at} is not valid JSON ({e.msg})")
-        record = records[-1] if isinstance(records[-1], dict) else {}
-        for k in next((s for s in schemas if set(s) <= set(record)), schemas[0]):
-            if k not in record:
-                fail(f"{at} has no field {k!r} (a record needs {' or '.join(' and '.join(s) for s in schemas)})")
-            v = record[k]
-            number = type(v) in (int, float) and math.isfinite(v)
-            messages = isinstance(v, list) and len(v) > 0 and all(isinstance(m, dict) for m in v)
-            chat = messages and all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in v)
-            if k == "answer" and not (isinstance(v, str) or number):
-                fail(f"{at}: field {k!r} holds {json.dumps(v)[:40]}, where it needs text or a finite number")
-            if k != "answer" and not (isinstance(v, str) or chat):
-                fail(
-                    f"{at}: field {k!r} holds {json.dumps(v)[:40]}, where it needs text or a list of role/content "
-                    "messages"
-                )
-    if not records:
-        fail(f"{flag} {path}: the file holds no records")
-    return records
-
-
-def load_hub_split(name, config, split, flag="--dataset"):
-    if importlib.util.find_spec("datasets") is None:
-        fail(f"{flag} {name}: a hub dataset needs the datasets library: pip install datasets")
-    import datasets
-
-    try:
-        return list(datasets.load_dataset(name, config, split=split))
-    except Exception as e:  # the library raises many kinds
-        fail(f"{flag} {name}: could not load split {split!r} ({type(e).__name__}: {e})".splitlines()[0])
-
-
-# ---- Models, tokens, generation and log-probs
-def from_pretrained(cls, path, trust_remote_code, flag="--model-name-or-path", **kwargs):
-    if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1 or os.path.exists(path)):
-        fail(f"{flag} {path}: no such folder")
-    try:
-        return cls.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
-    except (OSError, ValueError) as e:
-        fail(f"{flag} {path}: not a model folder, nor loadable from the hub ({type(e).__name__})")
-
-
-def load_model(path, args, device, frozen=False, model=None):
-    """The model (from path unless given) with float32 weights, computing under autocast in --dtype (docs/gpu.md)."""
-    if model is None:
-        model = from_pretrained(AutoModelForCausalLM, path, args.trust_remote_code, dtype=torch.float32)
-    model.requires_grad_(not frozen)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0  # the policy that samples is the one trained
-    if args.gradient_checkpointing:  # nothing recomputed is random: no random state to keep
-        enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)  # < 5.24
-        enable({"use_reentrant": False, "preserve_rng_state": False})
-    model.compute_dtype = getattr(torch, args.dtype)  # setup() settled an auto --dtype
-    if args.dtype != "float32":
-        model.forward = torch.autocast(device.type, dtype=model.compute_dtype)(model.forward)
-    return model.to(device)
-
-
-def add_lora(model, args):
-    """With --lora-r, the model with LoRA adapters (peft), which alone train (docs/training.md); else the model."""
-    if not args.lora_r:
-        return model
-    import peft
-
-    modules = args.lora_target_modules
-    check_lora_targets(model, modules)
-    targets = "all-linear" if modules == ["all-linear"] else modules
-    config = peft.LoraConfig(
-        r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=targets
-    )
-    try:
-        model = peft.get_peft_model(model, config)
-    except ValueError as e:
-        fail(f"--lora-target-modules {' '.join(modules)}: {str(e).splitlines()[0]}")
-    head = model.get_output_embeddings()
-    for module in model.modules():  # frozen: held in --dtype, as autocast would cast them at every token (gpu.md)
-        if isinstance(module, torch.nn.Linear) and module is not head and not module.weight.requires_grad:
-            module.to(model.compute_dtype)
-    return model
-
-
-def check_lora_targets(model, modules):
-    """Stops if --lora-target-modules names the output layer, or an input embedding tied to it (docs/training.md)."""
-    names = {module: name for name, module in model.named_modules()}
-    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    refused = {names[head]: "the output layer, whose weight the log-probs multiply without an adapter"}
-    if head.weight is embedding.weight:
-        refused[names[embedding]] = "tied to the output layer, which would keep no adapter"
-    for name, why in refused.items():
-        if any(name == m or name.endswith("." + m) for m in modules):
-            fail(f"--lora-target-modules {' '.join(modules)}: {name} is {why}; leave it out")
-
-
-def reference_model(policy, args, device):
-    """The frozen reference: with LoRA the policy itself (adapters_off switches its adapters off), else a copy."""
-    if args.lora_r:
-        return policy
-    return distribute(load_model(args.model_name_or_path, args, device, frozen=True).eval(), args.fsdp)
-
-
-def adapters_off(model):  # `with adapters_off(policy):` the policy without its LoRA adapters: the reference
-    return getattr(unwrap(model), "disable_adapter", contextlib.nullcontext)()
-
-
-@torch.no_grad()
-def merged_weights(model):
-    """(name, float32 tensor) of each weight, under the plain model's names; with LoRA merged, a layer at a time."""
-    model = unwrap(model)
-    if hasattr(model, "get_base_model"):  # LoRA
-        model = model.get_base_model()
-    adapted = {f"{n}.base_layer.weight": m for n, m in model.named_modules() if hasattr(m, "get_delta_weight")}
-    for name, tensor in model.state_dict().items():
-        if "lora_" in name:
-            continue
-        if name in adapted:  # a new tensor: the model's weight is never merged into and back (not exact)
-            tensor = tensor + adapted[name].get_delta_weight("default")
-        if tensor.is_floating_point():  # a frozen layer held in --dtype (add_lora)
-            tensor = tensor.float()
-        yield name.replace(".base_layer", ""), tensor
-
-
-def autocast(model):
-    """torch.autocast in the model's --dtype, for a layer of it applied by hand."""
-    dtype = getattr(unwrap(model), "compute_dtype", torch.float32)
-    return torch.autocast(next(model.parameters()).device.type, dtype=dtype, enabled=dtype != torch.float32)
-
-
-def load_tokenizer(path, trust_remote_code):
-    tokenizer = from_pretrained(AutoTokenizer, path, trust_remote_code)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def stop_token_ids(tokenizer, model):
-    """Every id that ends a completion: the tokenizer's EOS and the generation config's."""
-    ids = model.generation_config.eos_token_id  # None, an id, or a list of ids
-    if ids is None:
-        ids = []
-    if isinstance(ids, int):
-        ids = [ids]
-    return sorted({tokenizer.eos_token_id, *ids})
-
-
-def tokenize_prompts(tokenizer, prompts, device, args, tools=None):
-    """Left-padded ids and mask (B, P) of each prompt's last --max-prompt-length tokens, chat-templated if it can be
-    (with the tools' descriptions, tool_grpo.py's)."""
-    system = [] if args.system_prompt is None else [{"role": "system", "content": args.system_prompt}]
-    if tokenizer.chat_template:
-        chats = [p if isinstance(p, list) else [*system, {"role": "user", "content": p}] for p in prompts]
-        prompts = [
-            tokenizer.apply_chat_template(c, tools=tools, tokenize=False, add_generation_prompt=True) for c in chats
-        ]
-    elif system or any(isinstance(p, list) for p in prompts):
-        what = "--system-prompt" if system else "conversational records (--dataset, --eval-dataset)"
-        fail(f"{what} need a tokenizer with a chat template, and {args.model_name_or_path} has none")
-    ids = tokenizer(prompts, add_special_tokens=not tokenizer.chat_template)["input_ids"]
-    if args.max_prompt_length:
-        ids = [i[-args.max_prompt_length :] for i in ids]
-    width = max(len(i) for i in ids)
-    input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(i)) + i for i in ids], device=device)
-    return input_ids, torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=device)
-
-
-@torch.no_grad()
-def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, with_logprobs=False):
-    """Completion ids (B, T), a token at a time into a static KV cache, each drawn at temperature (None: greedy) from
-    the model's float32 logits, padded after each row's first stop token (with_logprobs: and each token's log-prob
-    under softmax(logits / temperature), (B, T), 0 after the stop). Every process runs as many forward passes."""
-    steps, device = max_new_tokens, prompt_ids.device
-    if dist.is_initialized():  # as many tokens as the process that asks for the most (tool_grpo.py's turns)
-        steps = int(all_sum(torch.tensor(max_new_tokens, device=device), dist.ReduceOp.MAX))
-    step, compiled, every = next_logits, compiles(model), stop_check_every(device)
-    size, width = prompt_ids.shape
-    length = width + steps  # the cache's
-    if compiled:  # prompts and caches in a few widths, so that the compiled step's shapes come back
-        step = compiled_step(model)
-        prompt_ids, prompt_mask = left_pad(prompt_ids, tokenizer.pad_token_id, 64), left_pad(prompt_mask, 0, 64)
-        width = prompt_ids.shape[1]
-        length = width + steps + (-steps % 64)
-    mask = torch.cat([prompt_mask, prompt_mask.new_ones(size, length - width)], dim=1)  # (B, length); causal on top
-    position = prompt_mask.sum(dim=1, keepdim=True)  # (B, 1): the first new token's
-    inputs, own = rollout_inputs(model, mask, static_cache(model, size, length, compiled)), own_logits(model)
-    weights = rollout_weights(model, compiled)
-    stops = torch.tensor(stop_ids, device=device)
-    tokens, logprobs, done = [], [], torch.zeros(size, dtype=torch.bool, device=device)
-    with autocast(model), gathered(model):
-        logits = next_logits(model, prompt_ids, (prompt_mask.cumsum(1) - 1).clamp(0), inputs, own, weights)  # prefill
-        for t in range(steps):
-            logits = torch.nan_to_num(logits)  # a diverged model still samples; the loss's check names it later
-            token, logprob = draw(logits, temperature)
-            tokens.append(torch.where(done, tokenizer.pad_token_id, token))
-            logprobs.append(torch.where(done, 0.0, logprob))
-            done = done | torch.isin(token, stops)
-            if t + 1 == steps or ((t + 1) % every == 0 and all_sum((~done).sum()) == 0):
-                break
-            logits = step(model, tokens[-1][:, None], position + t, inputs, own, weights)
-    out = torch.stack(tokens, dim=1)[:, :max_new_tokens]  # (B, T)
-    stopped = torch.isin(out, stops)
-    length = int(torch.where(stopped.any(1), stopped.int().argmax(1) + 1, out.shape[1]).max())  # the longest row's
-    if with_logprobs:
-        return out[:, :length], torch.stack(logprobs, dim=1)[:, :length]
-    return out[:, :length]
-
-
-def stop_check_every(device):
-    """Decoded tokens between two looks at whether every completion has stopped: 16 on a GPU, where a look waits for
-    the device to finish what is queued; 1 on a CPU, where the values are there already and a token past the last
-    stop costs a forward pass."""
-    if device.type == "cuda":
-        return 16
-    return 1
-
-
-def draw(logits, temperature):
-    """A token a row (B,) from float32 logits (B, vocab), and its log-prob (B,): greedy for temperature None, else
-    sampled at temperature by inverting the cumulative distribution at one uniform number a row (torch.multinomial
-    draws a number for each entry of the vocabulary); the sums in float64, so that no entry's share is rounded."""
-    if temperature is None:
-        return logits.argmax(dim=-1), torch.zeros(len(logits), device=logits.device)
-    logprobs = (logits / temperature).log_softmax(dim=-1)  # (B, vocab)
-    cumulative = logprobs.exp().double().cumsum(dim=-1)  # (B, vocab)
-    u = torch.rand_like(cumulative[:, -1:]) * cumulative[:, -1:]  # (B, 1), in [0, the sum of all)
-    token = torch.searchsorted(cumulative, u, right=True).clamp_(max=logits.shape[-1] - 1)  # the first sum above u
-    return token.squeeze(1), logprobs.gather(1, token).squeeze(1)
-
-
-def next_logits(model, ids, positions, inputs, own, weights):
-    """float32 logits (B, vocab) of the token after ids (B, n) at positions (B, n); inputs: the attention mask (B,
-    cache length), 1 on the prompts' tokens and the new ones, and the cache, which keeps their keys and values
-    (rollout_inputs); own: the model's own logits (own_logits), else its decoder's state times the output layer;
-    weights: the decoder's, by name, to use in place of its own (rollout_weights)."""
-    causal_lm, inputs = unwrap(model), {"input_ids": ids, "position_ids": positions, **inputs}
-    if own:
-        return causal_lm(**inputs, logits_to_keep=1).logits[:, -1].float()
-    if isinstance(causal_lm, FSDPModule):  # through the model's forward, whose hooks FSDP2 needs: the state on its way
-        states = []
-        hook = causal_lm.get_decoder().register_forward_hook(lambda module, args, out: states.append(out[0]))
-        try:
-            causal_lm(**inputs, logits_to_keep=1)
-        finally:
-            hook.remove()
-        hidden = states[0][:, -1]
-    elif weights:
-        hidden = torch.func.functional_call(causal_lm.get_decoder(), weights, (), inputs).last_hidden_state[:, -1]
-    else:
-        hidden = causal_lm.get_decoder()(**inputs).last_hidden_state[:, -1]  # (B, d)
-    head = causal_lm.get_output_embeddings()
-    with torch.autocast(ids.device.type, enabled=False):
-        return torch.nn.functional.linear(hidden.float(), head.weight.float(), head.bias)
-
-
-def rollout_inputs(model, mask, cache):
-    """next_logits' inputs, named as the model's forward takes them: `cache` since transformers 5.24."""
-    name = "past_key_values"
-    if "cache" in inspect.signature(unwrap(model).get_decoder().forward).parameters:
-        name = "cache"
-    return {"attention_mask": mask, "use_cache": True, name: cache}
-
-
-def own_logits(model):
-    """Whether the model scales or caps its logits (Gemma 2's softcapping): then its own, not the layer's product."""
-    config = unwrap(model).config.get_text_config()
-    scaled = any(getattr(config, k, None) not in (None, 1) for k in ("logit_scale", "logits_scaling"))
-    return scaled or getattr(config, "final_logit_softcapping", None) is not None
-
-
-def compiles(model):
-    """Whether the rollouts run a compiled step: on a GPU, so that a token costs one launch of a CUDA graph, not one
-    per operation (docs/gpu.md); not under FSDP2, whose hooks gather, nor on a CPU, which runs it as it is."""
-    return next(model.parameters()).device.type == "cuda" and not any(
-        isinstance(m, FSDPModule) for m in model.modules()
-    )
-
-
-def rollout_weights(model, compiled):
-    """For a compiled step in bfloat16 (or float16): the decoder's linear layers' weights and biases cast to it once
-    a rollout, by name, and kept on the model, where a CUDA graph finds them at the same address every time; else {}
-    (the model's own weights: an eager step's autocast casts each once a rollout by itself, a compiled step's at
-    every token, which reads 3 bytes a parameter more)."""
-    dtype = getattr(unwrap(model), "compute_dtype", torch.float32)
-    if not compiled or dtype == torch.float32:
-        return {}
-    weights = unwrap(model).__dict__.setdefault("rollout_weights", {})
-    linears = [(name, m) for name, m in unwrap(model).get_decoder().named_modules() if isinstance(m, torch.nn.Linear)]
-    for name, module in linears:
-        for key, master in module.named_parameters(prefix=name, recurse=False):
-            if key not in weights:
-                weights[key] = torch.empty_like(master, dtype=dtype)
-                torch._dynamo.mark_static_address(weights[key])
-            weights[key].copy_(master)
-    return weights
-
-
-def compiled_step(model):
-    """next_logits for one new token, compiled once a model (where compiles() says so)."""
-    if "compiled_step" not in unwrap(model).__dict__:
-        unwrap(model).compiled_step = compile_step(next_logits)
-    return unwrap(model).compiled_step
-
-
-def compile_step(function):  # the one part only a GPU runs (the tests compile with backend="eager")
-    return torch.compile(function, mode="reduce-overhead", fullgraph=True)
-
-
-def static_cache(model, size, length, keep):
-    """A StaticCache for size rows of length tokens; kept on the model and emptied for the next rollout when keep (a
-    compiled step reads the same tensors every time)."""
-    config = unwrap(model).config
-    if not keep:
-        return transformers.StaticCache(config=config, max_cache_len=length)
-    caches = unwrap(model).__dict__.setdefault("static_caches", {})
-    if (size, length) not in caches:
-        caches[size, length] = transformers.StaticCache(config=config, max_cache_len=length)
-    caches[size, length].reset()
-    return caches[size, length]
-
-
-def left_pad(x, value, multiple):
-    """x (B, P) padded on the left to a multiple of `multiple` columns."""
-    return torch.nn.functional.pad(x, (-x.shape[1] % multiple, 0), value=value)
-
-
-@contextlib.contextmanager
-def gathered(model):
-    """Under FSDP2, every layer's weights gathered once for the whole rollout, not for every token."""
-    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for module in sharded:
-        module.unshard()
-        module.set_reshard_after_forward(False, recurse=False)
-    try:
-        yield
-    finally:
-        for module in sharded:  # then every layer but the root reshards after its forward again
-            module.reshard()
-            module.set_reshard_after_forward(module is not model, recurse=False)
-
-
-def completion_mask(completion_ids, stop_ids):
-    """1 up to and including the first stop token: [[5, 7, EOS, PAD], [6, 6, 6, 6]] -> [[1, 1, 1, 0], [1, 1, 1, 1]]"""
-    is_stop = torch.isin(completion_ids, torch.tensor(stop_ids, device=completion_ids.device)).long()
-    return (is_stop.cumsum(dim=1) - is_stop) == 0  # no stop token before this one
-
-
-def decode_completions(tokenizer, completion_ids, mask):
-    return [tokenizer.decode(ids[m], skip_special_tokens=True) for ids, m in zip(completion_ids, mask)]
-
-
-def forward(model, input_ids, attention_mask, **kwargs):
-    """The model's output, with generate()'s positions and no KV cache (nobody would read it)."""
-    positions = (attention_mask.cumsum(1) - 1).clamp(0)
-    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, **kwargs)
-
-
-def hidden_states(model, input_ids, attention_mask):
-    """The decoder's last hidden states (B, L, d), as the output layer (or a score head) takes them."""
-    states, causal_lm = [], unwrap(model).get_output_embeddings() is not None
-    hook = unwrap(model).get_decoder().register_forward_hook(lambda module, inputs, out: states.append(out[0]))
-    try:
-        forward(model, input_ids, attention_mask, **({"logits_to_keep": 1} if causal_lm else {}))  # its last logits
-    finally:
-        hook.remove()
-    return states[0]
-
-
-def token_logprobs(
-    model, input_ids, attention_mask, prompt_len, temperature=1.0, with_entropy=False, chunk_values=2**26
-):
-    """Log-probs (B, T) of the completion tokens input_ids[:, prompt_len:], float32 (and entropies (B, T)).
-
-    input_ids = [PAD, PAD, 4, 7, 13 | 5, 5, EOS]   left-padded prompt | completion (T = 3)
-    attention = [0,   0,   1, 1, 1  | 1, 1, 1  ]   positions [0, 0, 0, 1, 2 | 3, 4, 5], as in generate()
-    The state at prompt_len - 1 + t predicts token t; chunk_values logits at a time (docs/gpu.md).
-    """
-    length = input_ids.shape[1] - prompt_len
-    if own_logits(model):  # its own logits, under autocast
-        hidden = forward(model, input_ids, attention_mask, logits_to_keep=length + 1).logits[:, :-1]  # (B, T, vocab)
-        weight, bias, vocab = None, None, hidden.shape[-1]
-    else:  # the output layer's weight and bias, multiplied in float32 below
-        hidden = hidden_states(model, input_ids, attention_mask)[:, -length - 1 : -1]  # (B, T, d)
-        head = unwrap(model).get_output_embeddings()
-        weight, bias, vocab = head.weight, head.bias, head.weight.shape[0]
-    hidden, targets = hidden.flatten(0, 1), input_ids[:, prompt_len:].flatten()  # (B T, d or vocab), (B T,)
-
-    def chunk(hidden, targets, weight, bias):  # log-probs (n,) and entropies (n,) at n positions
-        with torch.autocast(hidden.device.type, enabled=False):
-            logits = hidden.float()
-            if weight is not None:
-                logits = torch.nn.functional.linear(logits, weight.float(), None if bias is None else bias.float())
-        logits = logits / temperature  # (n, vocab)
-        logsumexp = torch.logsumexp(logits, dim=-1)
-        entropy = None
-        if with_entropy:
-            entropy = logsumexp - (logits.softmax(-1) * logits).sum(-1)
-        return logits.gather(-1, targets[:, None]).squeeze(-1) - logsumexp, entropy
-
-    span, chunks = max(1, chunk_values // vocab), []
-    recompute = torch.is_grad_enabled() and len(targets) > span  # in the backward pass (one chunk: no need)
-    for i in range(0, len(targets), span):
-        part = hidden[i : i + span], targets[i : i + span], weight, bias
-        if recompute:
-            chunks.append(
-                torch.utils.checkpoint.checkpoint(chunk, *part, use_reentrant=False, preserve_rng_state=False)
-            )
+def setup(args):
+    """The device; names the run, settles --dtype auto, seeds (seed + rank) and joins torchrun's processes."""
+    transformers.utils.logging.disable_progress_bar()
+    if not args.run_name:
+        args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before CUDA starts
+    cuda = args.cuda and torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    bfloat16 = not cuda or torch.cuda.is_bf16_supported()
+    if args.dtype == "bfloat16" and not bfloat16:
+        fail("--dtype bfloat16: this GPU has no bfloat16; use --dtype float32")
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if cuda and bfloat16 else "float32"
+    if "LOCAL_RANK" in os.environ:  # torchrun: a process a GPU
+        if cuda:
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", device_id=device)
         else:
-            chunks.append(chunk(*part))
-    logprobs = torch.cat([c[0] for c in chunks]).view(-1, length)  # (B, T)
-    if with_entropy:
-        return logprobs, torch.cat([c[1] for c in chunks]).view(-1, length)
-    return logprobs
+            dist.init_process_group("gloo")
+        if dist.get_rank() != 0:
+            sys.stdout = open(os.devnull, "w")  # rank 0 alone prints
+    elif args.fsdp:
+        fail("--fsdp shards the models across processes: start them with torchrun --nproc-per-node N")
+    seed = args.seed + rank_and_world()[0]
+    random.seed(seed)
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(args.torch_deterministic)
+    return device
 
 
-@torch.no_grad()
-def batched_logprobs(model, input_ids, attention_mask, prompt_len, temperature, batch_size):
-    """token_logprobs (B, T) in batches of batch_size, without gradient; None for no model (no reference)."""
-    if model is None:
-        return None
-    model.eval()
-    batches = [slice(i, i + batch_size) for i in range(0, len(input_ids), batch_size)]
-    return torch.cat([token_logprobs(model, input_ids[b], attention_mask[b], prompt_len, temperature) for b in batches])
-
-
-def rows(tensor, idx):  # tensor[idx], or None (a run without a reference, or without an engine, has no log-probs)
-    return None if tensor is None else tensor[idx]
-
-
-def masked_mean(x, mask, dim=None):
-    """Mean of x where mask is 1; masked positions never leak, even inf or nan."""
-    x = torch.where(mask.bool(), x, 0.0)
-    return x.sum() / mask.sum().clamp(min=1) if dim is None else x.sum(dim) / mask.sum(dim).clamp(min=1)
-
-
-def weighted_means(records, prefix=""):
-    """{prefix + name: sum w x / sum w} of (stats, w) records: [({"kl": 1.0}, 1), ({"kl": 0.0}, 3)] -> {"kl": 0.25}"""
-    sums, totals = {}, {}
-    for stats, weight in records:
-        for name, value in stats.items():
-            sums[name] = sums.get(name, 0.0) + float(value) * float(weight)
-            totals[name] = totals.get(name, 0.0) + float(weight)
-    return {prefix + name: sums[name] / totals[name] for name in sums}
-
-
-def minibatches(size, minibatch_size, passes, generator, device):
-    """The index blocks of `passes` passes over a batch of `size`, each pass shuffled anew and cut in minibatches."""
-    for _ in range(passes):
-        yield from torch.randperm(size, generator=generator).to(device).split(minibatch_size)
-
-
-def micro_batches(minibatch, size, models, token_mask=None):
-    """(part, share) of each micro-batch (its indices, or its records), its gradients synced (DDP) at the last one only;
-    weighed by share, they add up to the minibatch loss's: share of the sequences, or of the tokens of all processes."""
-    parts = [minibatch[i : i + size] for i in range(0, len(minibatch), size)]
-    for i, idx in enumerate(parts):
-        share = len(idx) / len(minibatch)
-        if token_mask is not None:
-            share = token_mask[idx].sum() / (all_sum(token_mask[minibatch].sum()) / rank_and_world()[1])
-        with gradient_sync(i == len(parts) - 1, *models):
-            yield idx, share
-
-
-def check_finite(loss, step, cause="the rewards"):
-    if not torch.isfinite(loss):
-        fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check {cause}")
-
-
-@torch.no_grad()
-def completion_texts(model, tokenizer, records, args, stop_ids, temperature=None):
-    """The texts of the records' completions, greedy (or sampled at temperature)."""
-    model.eval()
-    texts, device = [], next(model.parameters()).device
-    for i in range(0, len(records), 128):
-        ids, mask = tokenize_prompts(tokenizer, [r["prompt"] for r in records[i : i + 128]], device, args)
-        completion_ids = generate(model, tokenizer, ids, mask, args.max_new_tokens, temperature, stop_ids)
-        texts += decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
-    return texts
-
-
-def evaluate(model, tokenizer, records, args, stop_ids, samples=None, k=0, pause=contextlib.nullcontext):
-    """{eval/accuracy of greedy completions, and with k sampled per record eval/mean@k and eval/pass@k}, of all
-    processes; pause(): a context in which no other thread draws random numbers (async_grpo.py's generator)."""
-    records = process_share(records)
-    texts = completion_texts(model, tokenizer, records, args, stop_ids)
-    scores = [[reward_fn(t, r) for t, r in zip(texts, records)]]
-    if samples is not None:
-        samples += [
-            {"kind": "eval", "prompt": r["prompt"], "completion": t, "answer": r["answer"], "reward": x}
-            for r, t, x in zip(records[:4], texts, scores[0])
-        ]
-    if k:  # its own random numbers: training draws the same ones with or without --eval-samples
-        group = [r for r in records for _ in range(k)]
-        with pause(), torch.random.fork_rng([torch.cuda.current_device()] if torch.cuda.is_initialized() else []):
-            texts = completion_texts(model, tokenizer, group, args, stop_ids, args.eval_temperature)
-        sampled = torch.tensor([reward_fn(t, r) for t, r in zip(texts, group)]).view(-1, k)  # (records, K)
-        scores += [sampled.mean(dim=1).tolist(), sampled.amax(dim=1).tolist()]
-    totals = all_sum(torch.tensor([[sum(x), len(x)] for x in scores], dtype=torch.float64)).tolist()
-    return {name: x / count for name, (x, count) in zip(["eval/accuracy", "eval/mean@k", "eval/pass@k"], totals)}
-
-
-def lr_scheduler(optimizer, args, first_step):
-    """--learning-rate x factor(steps done): --warmup-steps of linear warm-up, then --lr-schedule's decay (to 0)."""
-
-    def factor(done):
-        progress = max(0, done - args.warmup_steps) / max(1, args.num_steps - args.warmup_steps)
-        decay = {"constant": 1, "linear": 1 - progress, "cosine": (1 + math.cos(math.pi * progress)) / 2}
-        return min(1, (done + 1) / max(1, args.warmup_steps)) * decay[args.lr_schedule]
-
-    for group in optimizer.param_groups:  # what LambdaLR scales (a checkpoint does not keep it)
-        group["initial_lr"] = args.learning_rate
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=first_step - 2)
-
-
-# ---- The run's folder: metrics, samples, the model, checkpoints (docs/outputs.md)
-def clock(device):
-    """Seconds, once this thread's CUDA stream has done its queued work."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-    return time.perf_counter()
-
-
-class Timer:
-    """A step's seconds: timer.lap("generation") ends a phase begun at the step's start or at the last lap."""
-
-    def __init__(self, device, run_start):
-        self.device, self.run_start, self.seconds = device, run_start, {}
-        self.start = self.last = clock(device)
-
-    def lap(self, name=None):
-        now = clock(self.device)
-        if name is not None:
-            self.seconds[f"charts/{name}_time"] = now - self.last
-        self.last = now
-
-    def metrics(self, tokens):
-        step = clock(self.device) - self.start
-        times = {"charts/step_time": step, "charts/tokens_per_sec": tokens / step, **self.seconds}
-        return {**times, "charts/elapsed_time": time.time() - self.run_start}
-
-
-def reduce_and_log(output_dir, step, metrics, samples=()):
-    """Every process calls it: the step's metrics, averaged over the processes (an all-reduce); rank 0 writes them
-    and the samples to their files, wandb and the console."""
-    values = all_sum(torch.tensor([float(v) for v in metrics.values()], dtype=torch.float64)) / rank_and_world()[1]
-    metrics = dict(zip(metrics, values.tolist()))
-    if rank_and_world()[0] != 0:
-        return
-    for name, rows in (("metrics", [metrics]), ("samples", samples)):
-        try:
-            with open(os.path.join(output_dir, f"{name}.jsonl"), "a") as f:
-                f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
-        except OSError as e:
-            fail(f"--output-dir {output_dir}: cannot write its {name} ({e.strerror})")
-    wandb = sys.modules.get("wandb")  # --track: imported, its run started by make_output_dir
-    if wandb is not None and wandb.run is not None:
-        columns = list(dict.fromkeys(k for s in samples for k in s))
-        if samples:
-            metrics = {**metrics, "samples": wandb.Table(columns, [[s.get(k) for k in columns] for s in samples])}
-        wandb.log(metrics, step=step)
-    shown = ["charts/reward", "losses/loss", "eval/loss", "eval/accuracy", "eval/pair_accuracy", "charts/step_time"]
-    print(f"step {step:5d}  " + "  ".join(f"{k} {metrics[k]:.4f}" for k in shown if k in metrics), flush=True)
-    if samples:
-        print("  sample  " + "  ".join(f"{k} {repr(v)[:80]}" for k, v in samples[0].items()), flush=True)
+def rank_and_world():
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 def checkpoint_to_resume(args):
@@ -1402,28 +791,456 @@ def make_output_dir(args, checkpoint):
     return path
 
 
-def save(model, tokenizer, output_dir, merged=True):
-    """The model and the tokenizer, loadable with from_pretrained (rank 0 writes); with LoRA the adapter alone in
-    adapter/, and the model with it merged in unless merged=False."""
-    model, weights = unwrap(model), None
-    if isinstance(model, FSDPModule):
-        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)).items()
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def load_tokenizer(path, trust_remote_code):
+    tokenizer = from_pretrained(AutoTokenizer, path, trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def from_pretrained(cls, path, trust_remote_code, flag="--model-name-or-path", **kwargs):
+    if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1 or os.path.exists(path)):
+        fail(f"{flag} {path}: no such folder")
     try:
-        if rank_and_world()[0] != 0:
-            return
-        if hasattr(model, "get_base_model"):  # LoRA
-            model.save_pretrained(os.path.join(output_dir, "adapter"))
-            if not merged:
-                return
-            model, weights = model.get_base_model(), merged_weights(model)
-        state_dict = None
-        if weights is not None:  # a tensor at a time to the CPU, a tied weight under one name
-            names = {n.replace(".base_layer", "") for n, _ in [*model.named_parameters(), *model.named_buffers()]}
-            state_dict = {name: tensor.cpu() for name, tensor in weights if name in names}
-        model.save_pretrained(output_dir, state_dict=state_dict)
-        tokenizer.save_pretrained(output_dir)
-    except OSError as e:
-        fail(f"--output-dir {output_dir}: cannot save the model there ({e.strerror})")
+        return cls.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError) as e:
+        fail(f"{flag} {path}: not a model folder, nor loadable from the hub ({type(e).__name__})")
+
+
+def add_lora(model, args):
+    """With --lora-r, the model with LoRA adapters (peft), which alone train (docs/training.md); else the model."""
+    if not args.lora_r:
+        return model
+    import peft
+
+    modules = args.lora_target_modules
+    check_lora_targets(model, modules)
+    targets = "all-linear" if modules == ["all-linear"] else modules
+    config = peft.LoraConfig(
+        r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=targets
+    )
+    try:
+        model = peft.get_peft_model(model, config)
+    except ValueError as e:
+        fail(f"--lora-target-modules {' '.join(modules)}: {str(e).splitlines()[0]}")
+    head = model.get_output_embeddings()
+    for module in model.modules():  # frozen: held in --dtype, as autocast would cast them at every token (gpu.md)
+        if isinstance(module, torch.nn.Linear) and module is not head and not module.weight.requires_grad:
+            module.to(model.compute_dtype)
+    return model
+
+
+def check_lora_targets(model, modules):
+    """Stops if --lora-target-modules names the output layer, or an input embedding tied to it (docs/training.md)."""
+    names = {module: name for name, module in model.named_modules()}
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    refused = {names[head]: "the output layer, whose weight the log-probs multiply without an adapter"}
+    if head.weight is embedding.weight:
+        refused[names[embedding]] = "tied to the output layer, which would keep no adapter"
+    for name, why in refused.items():
+        if any(name == m or name.endswith("." + m) for m in modules):
+            fail(f"--lora-target-modules {' '.join(modules)}: {name} is {why}; leave it out")
+
+
+def load_model(path, args, device, frozen=False, model=None):
+    """The model (from path unless given) with float32 weights, computing under autocast in --dtype (docs/gpu.md)."""
+    if model is None:
+        model = from_pretrained(AutoModelForCausalLM, path, args.trust_remote_code, dtype=torch.float32)
+    model.requires_grad_(not frozen)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0  # the policy that samples is the one trained
+    if args.gradient_checkpointing:  # nothing recomputed is random: no random state to keep
+        enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)  # < 5.24
+        enable({"use_reentrant": False, "preserve_rng_state": False})
+    model.compute_dtype = getattr(torch, args.dtype)  # setup() settled an auto --dtype
+    if args.dtype != "float32":
+        model.forward = torch.autocast(device.type, dtype=model.compute_dtype)(model.forward)
+    return model.to(device)
+
+
+def stop_token_ids(tokenizer, model):
+    """Every id that ends a completion: the tokenizer's EOS and the generation config's."""
+    ids = model.generation_config.eos_token_id  # None, an id, or a list of ids
+    if ids is None:
+        ids = []
+    if isinstance(ids, int):
+        ids = [ids]
+    return sorted({tokenizer.eos_token_id, *ids})
+
+
+def distribute(model, fsdp):
+    """The model over the processes from rank 0's weights: DDP (a frozen one: a copy each), or FSDP2 with fsdp."""
+    if not dist.is_initialized():
+        return model
+    for tensor in model.state_dict().values():
+        dist.broadcast(tensor, src=0)
+    if fsdp:
+        precision = MixedPrecisionPolicy(param_dtype=model.compute_dtype, reduce_dtype=torch.float32)
+        layers = [m for m in model.modules() if model._no_split_modules and type(m).__name__ in model._no_split_modules]
+        for module in [*layers, model]:  # each decoder layer, then the rest
+            fully_shard(module, mp_policy=precision)
+        return model
+    trained = any(p.requires_grad for p in model.parameters())
+    return torch.nn.parallel.DistributedDataParallel(model) if trained else model
+
+
+def reference_model(policy, args, device):
+    """The frozen reference: with LoRA the policy itself (adapters_off switches its adapters off), else a copy."""
+    if args.lora_r:
+        return policy
+    return distribute(load_model(args.model_name_or_path, args, device, frozen=True).eval(), args.fsdp)
+
+
+def resume(checkpoint, models, optimizer, generators):
+    """(the first step, the loop's state): (1, {}) for a new run, else the checkpoint's, its states put back."""
+    if checkpoint is None:
+        return 1, {}
+    modules, state = checkpoint_state(models, optimizer)  # what to load into
+    dcp.load(state, checkpoint_id=os.path.join(checkpoint, "state"))
+    set_state_dict(
+        modules,
+        optimizer,
+        model_state_dict=state["models"],
+        optim_state_dict=state["optimizer"],
+        options=StateDictOptions(strict=False),
+    )  # the frozen weights stay as loaded
+    rng = torch.load(os.path.join(checkpoint, f"rng_{rank_and_world()[0]}.pt"))
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"])
+    torch.cuda.set_rng_state_all(rng["cuda"])
+    sys.modules["numpy"].random.set_state(("MT19937", rng["numpy"][0].numpy(), *rng["numpy"][1:]))
+    for generator, value in zip(generators, rng["generators"]):
+        if isinstance(generator, random.Random):
+            generator.setstate(value)
+        else:
+            generator.set_state(value)
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        state = json.load(f)
+    return state["step"] + 1, state["state"]
+
+
+def checkpoint_state(models, optimizer):
+    """(the models in a ModuleDict, the state a checkpoint keeps of them and of the optimizer): frozen weights left
+    out, a tied one too (LoRA: the adapters alone; a resumed run loads the rest from --model-name-or-path)."""
+    modules = torch.nn.ModuleDict({name: unwrap(model) for name, model in models.items()})
+    frozen = {name for name, p in modules.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    model_state, optimizer_state = get_state_dict(modules, optimizer)
+    return modules, {"models": {k: v for k, v in model_state.items() if k not in frozen}, "optimizer": optimizer_state}
+
+
+def unwrap(model):  # the model inside a DDP wrapper (an FSDP2 model is its own)
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def lr_scheduler(optimizer, args, first_step):
+    """--learning-rate x factor(steps done): --warmup-steps of linear warm-up, then --lr-schedule's decay (to 0)."""
+
+    def factor(done):
+        progress = max(0, done - args.warmup_steps) / max(1, args.num_steps - args.warmup_steps)
+        decay = {"constant": 1, "linear": 1 - progress, "cosine": (1 + math.cos(math.pi * progress)) / 2}
+        return min(1, (done + 1) / max(1, args.warmup_steps)) * decay[args.lr_schedule]
+
+    for group in optimizer.param_groups:  # what LambdaLR scales (a checkpoint does not keep it)
+        group["initial_lr"] = args.learning_rate
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=first_step - 2)
+
+
+def evaluate(model, tokenizer, records, args, stop_ids, samples=None, k=0, pause=contextlib.nullcontext):
+    """{eval/accuracy of greedy completions, and with k sampled per record eval/mean@k and eval/pass@k}, of all
+    processes; pause(): a context in which no other thread draws random numbers (async_grpo.py's generator)."""
+    records = process_share(records)
+    texts = completion_texts(model, tokenizer, records, args, stop_ids)
+    scores = [[reward_fn(t, r) for t, r in zip(texts, records)]]
+    if samples is not None:
+        samples += [
+            {"kind": "eval", "prompt": r["prompt"], "completion": t, "answer": r["answer"], "reward": x}
+            for r, t, x in zip(records[:4], texts, scores[0])
+        ]
+    if k:  # its own random numbers: training draws the same ones with or without --eval-samples
+        group = [r for r in records for _ in range(k)]
+        with pause(), torch.random.fork_rng([torch.cuda.current_device()] if torch.cuda.is_initialized() else []):
+            texts = completion_texts(model, tokenizer, group, args, stop_ids, args.eval_temperature)
+        sampled = torch.tensor([reward_fn(t, r) for t, r in zip(texts, group)]).view(-1, k)  # (records, K)
+        scores += [sampled.mean(dim=1).tolist(), sampled.amax(dim=1).tolist()]
+    totals = all_sum(torch.tensor([[sum(x), len(x)] for x in scores], dtype=torch.float64)).tolist()
+    return {name: x / count for name, (x, count) in zip(["eval/accuracy", "eval/mean@k", "eval/pass@k"], totals)}
+
+
+def process_share(items):
+    """This process's held-out items: every N-th from its rank on, as many for each (a remainder is left out, said)."""
+    rank, world = rank_and_world()
+    if len(items) < world:
+        fail(f"{len(items)} held-out records for {world} processes, which need one each: raise --num-eval")
+    left_out = len(items) % world
+    if left_out:
+        print(
+            f"note: the last {left_out} of {len(items)} held-out records are left out, so that each of the {world} "
+            "processes evaluates as many"
+        )
+    return items[: len(items) - left_out][rank::world]
+
+
+@torch.no_grad()
+def completion_texts(model, tokenizer, records, args, stop_ids, temperature=None):
+    """The texts of the records' completions, greedy (or sampled at temperature)."""
+    model.eval()
+    texts, device = [], next(model.parameters()).device
+    for i in range(0, len(records), 128):
+        ids, mask = tokenize_prompts(tokenizer, [r["prompt"] for r in records[i : i + 128]], device, args)
+        completion_ids = generate(model, tokenizer, ids, mask, args.max_new_tokens, temperature, stop_ids)
+        texts += decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
+    return texts
+
+
+def all_sum(x, op=dist.ReduceOp.SUM):
+    """The sum of tensor x over the processes, or op's reduction (every process calls it)."""
+    if not dist.is_initialized():
+        return x
+    y = x.detach().to(f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu", copy=True)
+    dist.all_reduce(y, op=op)
+    return y.to(x.device)
+
+
+def reduce_and_log(output_dir, step, metrics, samples=()):
+    """Every process calls it: the step's metrics, averaged over the processes (an all-reduce); rank 0 writes them
+    and the samples to their files, wandb and the console."""
+    values = all_sum(torch.tensor([float(v) for v in metrics.values()], dtype=torch.float64)) / rank_and_world()[1]
+    metrics = dict(zip(metrics, values.tolist()))
+    if rank_and_world()[0] != 0:
+        return
+    for name, rows in (("metrics", [metrics]), ("samples", samples)):
+        try:
+            with open(os.path.join(output_dir, f"{name}.jsonl"), "a") as f:
+                f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+        except OSError as e:
+            fail(f"--output-dir {output_dir}: cannot write its {name} ({e.strerror})")
+    wandb = sys.modules.get("wandb")  # --track: imported, its run started by make_output_dir
+    if wandb is not None and wandb.run is not None:
+        columns = list(dict.fromkeys(k for s in samples for k in s))
+        if samples:
+            metrics = {**metrics, "samples": wandb.Table(columns, [[s.get(k) for k in columns] for s in samples])}
+        wandb.log(metrics, step=step)
+    shown = ["charts/reward", "losses/loss", "eval/loss", "eval/accuracy", "eval/pair_accuracy", "charts/step_time"]
+    print(f"step {step:5d}  " + "  ".join(f"{k} {metrics[k]:.4f}" for k in shown if k in metrics), flush=True)
+    if samples:
+        print("  sample  " + "  ".join(f"{k} {repr(v)[:80]}" for k, v in samples[0].items()), flush=True)
+
+
+class Timer:
+    """A step's seconds: timer.lap("generation") ends a phase begun at the step's start or at the last lap."""
+
+    def __init__(self, device, run_start):
+        self.device, self.run_start, self.seconds = device, run_start, {}
+        self.start = self.last = clock(device)
+
+    def lap(self, name=None):
+        now = clock(self.device)
+        if name is not None:
+            self.seconds[f"charts/{name}_time"] = now - self.last
+        self.last = now
+
+    def metrics(self, tokens):
+        step = clock(self.device) - self.start
+        times = {"charts/step_time": step, "charts/tokens_per_sec": tokens / step, **self.seconds}
+        return {**times, "charts/elapsed_time": time.time() - self.run_start}
+
+
+def clock(device):
+    """Seconds, once this thread's CUDA stream has done its queued work."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return time.perf_counter()
+
+
+def tokenize_prompts(tokenizer, prompts, device, args, tools=None):
+    """Left-padded ids and mask (B, P) of each prompt's last --max-prompt-length tokens, chat-templated if it can be
+    (with the tools' descriptions, tool_grpo.py's)."""
+    system = [] if args.system_prompt is None else [{"role": "system", "content": args.system_prompt}]
+    if tokenizer.chat_template:
+        chats = [p if isinstance(p, list) else [*system, {"role": "user", "content": p}] for p in prompts]
+        prompts = [
+            tokenizer.apply_chat_template(c, tools=tools, tokenize=False, add_generation_prompt=True) for c in chats
+        ]
+    elif system or any(isinstance(p, list) for p in prompts):
+        what = "--system-prompt" if system else "conversational records (--dataset, --eval-dataset)"
+        fail(f"{what} need a tokenizer with a chat template, and {args.model_name_or_path} has none")
+    ids = tokenizer(prompts, add_special_tokens=not tokenizer.chat_template)["input_ids"]
+    if args.max_prompt_length:
+        ids = [i[-args.max_prompt_length :] for i in ids]
+    width = max(len(i) for i in ids)
+    input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(i)) + i for i in ids], device=device)
+    return input_ids, torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=device)
+
+
+def completion_mask(completion_ids, stop_ids):
+    """1 up to and including the first stop token: [[5, 7, EOS, PAD], [6, 6, 6, 6]] -> [[1, 1, 1, 0], [1, 1, 1, 1]]"""
+    is_stop = torch.isin(completion_ids, torch.tensor(stop_ids, device=completion_ids.device)).long()
+    return (is_stop.cumsum(dim=1) - is_stop) == 0  # no stop token before this one
+
+
+def decode_completions(tokenizer, completion_ids, mask):
+    return [tokenizer.decode(ids[m], skip_special_tokens=True) for ids, m in zip(completion_ids, mask)]
+
+
+def no_signal_note(step, rewards, group_size, signal):
+    """signal + the groups of this step (of every process) whose rewards differ; at step 5, if none ever did, one
+    line says that nothing can be learned, and why (docs/your_own_task.md). rewards (B,) group-contiguous."""
+    if step <= 5:
+        grouped = rewards.view(-1, group_size)  # (groups, G)
+        signal += all_sum((grouped.amax(dim=1) > grouped.amin(dim=1)).sum()).item()
+        if step == 5 and signal == 0:
+            print(
+                "note: in the first 5 steps every group of completions got equal rewards, so there is no learning"
+                " signal; likely cause: reward_fn scores every completion alike on your records (see"
+                " docs/your_own_task.md), or the task is too hard or too easy for this model within --max-new-tokens"
+            )
+    return signal
+
+
+@torch.no_grad()
+def batched_logprobs(model, input_ids, attention_mask, prompt_len, temperature, batch_size):
+    """token_logprobs (B, T) in batches of batch_size, without gradient; None for no model (no reference)."""
+    if model is None:
+        return None
+    model.eval()
+    batches = [slice(i, i + batch_size) for i in range(0, len(input_ids), batch_size)]
+    return torch.cat([token_logprobs(model, input_ids[b], attention_mask[b], prompt_len, temperature) for b in batches])
+
+
+def adapters_off(model):  # `with adapters_off(policy):` the policy without its LoRA adapters: the reference
+    return getattr(unwrap(model), "disable_adapter", contextlib.nullcontext)()
+
+
+def minibatches(size, minibatch_size, passes, generator, device):
+    """The index blocks of `passes` passes over a batch of `size`, each pass shuffled anew and cut in minibatches."""
+    for _ in range(passes):
+        yield from torch.randperm(size, generator=generator).to(device).split(minibatch_size)
+
+
+def micro_batches(minibatch, size, models, token_mask=None):
+    """(part, share) of each micro-batch (its indices, or its records), its gradients synced (DDP) at the last one only;
+    weighed by share, they add up to the minibatch loss's: share of the sequences, or of the tokens of all processes."""
+    parts = [minibatch[i : i + size] for i in range(0, len(minibatch), size)]
+    for i, idx in enumerate(parts):
+        share = len(idx) / len(minibatch)
+        if token_mask is not None:
+            share = token_mask[idx].sum() / (all_sum(token_mask[minibatch].sum()) / rank_and_world()[1])
+        with gradient_sync(i == len(parts) - 1, *models):
+            yield idx, share
+
+
+def gradient_sync(last, *models):
+    """`with gradient_sync(last, model):` under DDP, only a step's last micro-batch all-reduces the gradients."""
+    stack = contextlib.ExitStack()
+    for model in models:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last:
+            stack.enter_context(model.no_sync())
+    return stack
+
+
+def token_logprobs(
+    model, input_ids, attention_mask, prompt_len, temperature=1.0, with_entropy=False, chunk_values=2**26
+):
+    """Log-probs (B, T) of the completion tokens input_ids[:, prompt_len:], float32 (and entropies (B, T)).
+
+    input_ids = [PAD, PAD, 4, 7, 13 | 5, 5, EOS]   left-padded prompt | completion (T = 3)
+    attention = [0,   0,   1, 1, 1  | 1, 1, 1  ]   positions [0, 0, 0, 1, 2 | 3, 4, 5], as in generate()
+    The state at prompt_len - 1 + t predicts token t; chunk_values logits at a time (docs/gpu.md).
+    """
+    length = input_ids.shape[1] - prompt_len
+    if own_logits(model):  # its own logits, under autocast
+        hidden = forward(model, input_ids, attention_mask, logits_to_keep=length + 1).logits[:, :-1]  # (B, T, vocab)
+        weight, bias, vocab = None, None, hidden.shape[-1]
+    else:  # the output layer's weight and bias, multiplied in float32 below
+        hidden = hidden_states(model, input_ids, attention_mask)[:, -length - 1 : -1]  # (B, T, d)
+        head = unwrap(model).get_output_embeddings()
+        weight, bias, vocab = head.weight, head.bias, head.weight.shape[0]
+    hidden, targets = hidden.flatten(0, 1), input_ids[:, prompt_len:].flatten()  # (B T, d or vocab), (B T,)
+
+    def chunk(hidden, targets, weight, bias):  # log-probs (n,) and entropies (n,) at n positions
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits = hidden.float()
+            if weight is not None:
+                logits = torch.nn.functional.linear(logits, weight.float(), None if bias is None else bias.float())
+        logits = logits / temperature  # (n, vocab)
+        logsumexp = torch.logsumexp(logits, dim=-1)
+        entropy = None
+        if with_entropy:
+            entropy = logsumexp - (logits.softmax(-1) * logits).sum(-1)
+        return logits.gather(-1, targets[:, None]).squeeze(-1) - logsumexp, entropy
+
+    span, chunks = max(1, chunk_values // vocab), []
+    recompute = torch.is_grad_enabled() and len(targets) > span  # in the backward pass (one chunk: no need)
+    for i in range(0, len(targets), span):
+        part = hidden[i : i + span], targets[i : i + span], weight, bias
+        if recompute:
+            chunks.append(
+                torch.utils.checkpoint.checkpoint(chunk, *part, use_reentrant=False, preserve_rng_state=False)
+            )
+        else:
+            chunks.append(chunk(*part))
+    logprobs = torch.cat([c[0] for c in chunks]).view(-1, length)  # (B, T)
+    if with_entropy:
+        return logprobs, torch.cat([c[1] for c in chunks]).view(-1, length)
+    return logprobs
+
+
+def own_logits(model):
+    """Whether the model scales or caps its logits (Gemma 2's softcapping): then its own, not the layer's product."""
+    config = unwrap(model).config.get_text_config()
+    scaled = any(getattr(config, k, None) not in (None, 1) for k in ("logit_scale", "logits_scaling"))
+    return scaled or getattr(config, "final_logit_softcapping", None) is not None
+
+
+def forward(model, input_ids, attention_mask, **kwargs):
+    """The model's output, with generate()'s positions and no KV cache (nobody would read it)."""
+    positions = (attention_mask.cumsum(1) - 1).clamp(0)
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, **kwargs)
+
+
+def hidden_states(model, input_ids, attention_mask):
+    """The decoder's last hidden states (B, L, d), as the output layer (or a score head) takes them."""
+    states, causal_lm = [], unwrap(model).get_output_embeddings() is not None
+    hook = unwrap(model).get_decoder().register_forward_hook(lambda module, inputs, out: states.append(out[0]))
+    try:
+        forward(model, input_ids, attention_mask, **({"logits_to_keep": 1} if causal_lm else {}))  # its last logits
+    finally:
+        hook.remove()
+    return states[0]
+
+
+def rows(tensor, idx):  # tensor[idx], or None (a run without a reference, or without an engine, has no log-probs)
+    return None if tensor is None else tensor[idx]
+
+
+def check_finite(loss, step, cause="the rewards"):
+    if not torch.isfinite(loss):
+        fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check {cause}")
+
+
+def weighted_means(records, prefix=""):
+    """{prefix + name: sum w x / sum w} of (stats, w) records: [({"kl": 1.0}, 1), ({"kl": 0.0}, 3)] -> {"kl": 0.25}"""
+    sums, totals = {}, {}
+    for stats, weight in records:
+        for name, value in stats.items():
+            sums[name] = sums.get(name, 0.0) + float(value) * float(weight)
+            totals[name] = totals.get(name, 0.0) + float(weight)
+    return {prefix + name: sums[name] / totals[name] for name in sums}
+
+
+def rollout_samples(records, texts, rewards, advantages):
+    """The first four rollouts of a step, for samples.jsonl: prompt, completion, answer, reward and advantage."""
+    rows = zip(records[:4], texts, rewards.tolist(), advantages.tolist())
+    return [
+        {"kind": "rollout", "prompt": r["prompt"], "completion": t, "answer": r["answer"], "reward": x, "advantage": a}
+        for r, t, x, a in rows
+    ]
 
 
 def save_checkpoint(args, output_dir, step, tokenizer, models, optimizer, generators, **loop_state):
@@ -1457,104 +1274,45 @@ def save_checkpoint(args, output_dir, step, tokenizer, models, optimizer, genera
     barrier()
 
 
-def checkpoint_state(models, optimizer):
-    """(the models in a ModuleDict, the state a checkpoint keeps of them and of the optimizer): frozen weights left
-    out, a tied one too (LoRA: the adapters alone; a resumed run loads the rest from --model-name-or-path)."""
-    modules = torch.nn.ModuleDict({name: unwrap(model) for name, model in models.items()})
-    frozen = {name for name, p in modules.named_parameters(remove_duplicate=False) if not p.requires_grad}
-    model_state, optimizer_state = get_state_dict(modules, optimizer)
-    return modules, {"models": {k: v for k, v in model_state.items() if k not in frozen}, "optimizer": optimizer_state}
+def save(model, tokenizer, output_dir, merged=True):
+    """The model and the tokenizer, loadable with from_pretrained (rank 0 writes); with LoRA the adapter alone in
+    adapter/, and the model with it merged in unless merged=False."""
+    model, weights = unwrap(model), None
+    if isinstance(model, FSDPModule):
+        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)).items()
+    try:
+        if rank_and_world()[0] != 0:
+            return
+        if hasattr(model, "get_base_model"):  # LoRA
+            model.save_pretrained(os.path.join(output_dir, "adapter"))
+            if not merged:
+                return
+            model, weights = model.get_base_model(), merged_weights(model)
+        state_dict = None
+        if weights is not None:  # a tensor at a time to the CPU, a tied weight under one name
+            names = {n.replace(".base_layer", "") for n, _ in [*model.named_parameters(), *model.named_buffers()]}
+            state_dict = {name: tensor.cpu() for name, tensor in weights if name in names}
+        model.save_pretrained(output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(output_dir)
+    except OSError as e:
+        fail(f"--output-dir {output_dir}: cannot save the model there ({e.strerror})")
 
 
-def resume(checkpoint, models, optimizer, generators):
-    """(the first step, the loop's state): (1, {}) for a new run, else the checkpoint's, its states put back."""
-    if checkpoint is None:
-        return 1, {}
-    modules, state = checkpoint_state(models, optimizer)  # what to load into
-    dcp.load(state, checkpoint_id=os.path.join(checkpoint, "state"))
-    set_state_dict(
-        modules,
-        optimizer,
-        model_state_dict=state["models"],
-        optim_state_dict=state["optimizer"],
-        options=StateDictOptions(strict=False),
-    )  # the frozen weights stay as loaded
-    rng = torch.load(os.path.join(checkpoint, f"rng_{rank_and_world()[0]}.pt"))
-    random.setstate(rng["python"])
-    torch.set_rng_state(rng["torch"])
-    torch.cuda.set_rng_state_all(rng["cuda"])
-    sys.modules["numpy"].random.set_state(("MT19937", rng["numpy"][0].numpy(), *rng["numpy"][1:]))
-    for generator, value in zip(generators, rng["generators"]):
-        if isinstance(generator, random.Random):
-            generator.setstate(value)
-        else:
-            generator.set_state(value)
-    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
-        state = json.load(f)
-    return state["step"] + 1, state["state"]
-
-
-# ---- The device and many processes: torchrun, DDP or FSDP2 (docs/distributed.md)
-def setup(args):
-    """The device; names the run, settles --dtype auto, seeds (seed + rank) and joins torchrun's processes."""
-    transformers.utils.logging.disable_progress_bar()
-    if not args.run_name:
-        args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before CUDA starts
-    cuda = args.cuda and torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    bfloat16 = not cuda or torch.cuda.is_bf16_supported()
-    if args.dtype == "bfloat16" and not bfloat16:
-        fail("--dtype bfloat16: this GPU has no bfloat16; use --dtype float32")
-    if args.dtype == "auto":
-        args.dtype = "bfloat16" if cuda and bfloat16 else "float32"
-    if "LOCAL_RANK" in os.environ:  # torchrun: a process a GPU
-        if cuda:
-            torch.cuda.set_device(device)
-            dist.init_process_group("nccl", device_id=device)
-        else:
-            dist.init_process_group("gloo")
-        if dist.get_rank() != 0:
-            sys.stdout = open(os.devnull, "w")  # rank 0 alone prints
-    elif args.fsdp:
-        fail("--fsdp shards the models across processes: start them with torchrun --nproc-per-node N")
-    seed = args.seed + rank_and_world()[0]
-    random.seed(seed)
-    torch.manual_seed(seed)
-    torch.use_deterministic_algorithms(args.torch_deterministic)
-    return device
-
-
-def rank_and_world():
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
-def process_share(items):
-    """This process's held-out items: every N-th from its rank on, as many for each (a remainder is left out, said)."""
-    rank, world = rank_and_world()
-    if len(items) < world:
-        fail(f"{len(items)} held-out records for {world} processes, which need one each: raise --num-eval")
-    left_out = len(items) % world
-    if left_out:
-        print(
-            f"note: the last {left_out} of {len(items)} held-out records are left out, so that each of the {world} "
-            "processes evaluates as many"
-        )
-    return items[: len(items) - left_out][rank::world]
-
-
-def all_sum(x, op=dist.ReduceOp.SUM):
-    """The sum of tensor x over the processes, or op's reduction (every process calls it)."""
-    if not dist.is_initialized():
-        return x
-    y = x.detach().to(f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu", copy=True)
-    dist.all_reduce(y, op=op)
-    return y.to(x.device)
-
-
-def barrier():
-    if dist.is_initialized():
-        dist.barrier()
+@torch.no_grad()
+def merged_weights(model):
+    """(name, float32 tensor) of each weight, under the plain model's names; with LoRA merged, a layer at a time."""
+    model = unwrap(model)
+    if hasattr(model, "get_base_model"):  # LoRA
+        model = model.get_base_model()
+    adapted = {f"{n}.base_layer.weight": m for n, m in model.named_modules() if hasattr(m, "get_delta_weight")}
+    for name, tensor in model.state_dict().items():
+        if "lora_" in name:
+            continue
+        if name in adapted:  # a new tensor: the model's weight is never merged into and back (not exact)
+            tensor = tensor + adapted[name].get_delta_weight("default")
+        if tensor.is_floating_point():  # a frozen layer held in --dtype (add_lora)
+            tensor = tensor.float()
+        yield name.replace(".base_layer", ""), tensor
 
 
 def end_processes():
@@ -1570,33 +1328,273 @@ def end_processes():
         os._exit(0)
 
 
-def distribute(model, fsdp):
-    """The model over the processes from rank 0's weights: DDP (a frozen one: a copy each), or FSDP2 with fsdp."""
-    if not dist.is_initialized():
-        return model
-    for tensor in model.state_dict().values():
-        dist.broadcast(tensor, src=0)
-    if fsdp:
-        precision = MixedPrecisionPolicy(param_dtype=model.compute_dtype, reduce_dtype=torch.float32)
-        layers = [m for m in model.modules() if model._no_split_modules and type(m).__name__ in model._no_split_modules]
-        for module in [*layers, model]:  # each decoder layer, then the rest
-            fully_shard(module, mp_policy=precision)
-        return model
-    trained = any(p.requires_grad for p in model.parameters())
-    return torch.nn.parallel.DistributedDataParallel(model) if trained else model
+def check_ranges(args, ranges):
+    """Stops at the first flag outside its range: '> 0', '>= 2' or 'in [0, 0.5)', maybe with a reason."""
+    for name, spec in ranges.items():
+        x = getattr(args, name, None)
+        if x is None:  # an optional flag left unset, or one this file lacks
+            continue
+        op, bounds = re.match(r"(>=|>|in) ([\[(].*?[\])]|\S+)", spec).groups()
+        if op != "in":  # '> 0' is 'in (0, inf)', '>= 2' is 'in [2, inf)'
+            bounds = f"{'[' if op == '>=' else '('}{bounds}, inf)"
+        low, high = map(float, bounds[1:-1].split(","))
+        above = x > low or (bounds[0] == "[" and x == low)
+        below = x < high or (bounds[-1] == "]" and x == high)
+        if not (math.isfinite(x) and above and below):  # nan and inf are in no range
+            fail(f"{flag(name)} {x}: must be {'' if math.isfinite(x) else 'a finite number '}{spec}")
 
 
-def unwrap(model):  # the model inside a DDP wrapper (an FSDP2 model is its own)
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+def check_lora(args):
+    """Stops before anything loads if --lora-r cannot run: with --fsdp, or without peft."""
+    if args.lora_r and args.fsdp:
+        fail("--lora-r with --fsdp: LoRA runs under DDP (torchrun without --fsdp); its gradients are small to copy")
+    if args.lora_r and importlib.util.find_spec("peft") is None:
+        fail("--lora-r: LoRA needs the peft library: pip install peft")
 
 
-def gradient_sync(last, *models):
-    """`with gradient_sync(last, model):` under DDP, only a step's last micro-batch all-reduces the gradients."""
-    stack = contextlib.ExitStack()
-    for model in models:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last:
-            stack.enter_context(model.no_sync())
-    return stack
+def exact_div(a, b, what):
+    """a // b; unless b divides a, the run stops, naming what to change."""
+    if b <= 0 or a % b != 0:
+        fail(f"{what}: {a} does not divide by {b}")
+    return a // b
+
+
+def fit_micro_batches(args, minibatch_size, what):
+    """Makes --micro-batch-size no larger than a minibatch, which it must divide (or the run stops, naming what)."""
+    args.micro_batch_size = min(args.micro_batch_size, minibatch_size)
+    if minibatch_size % args.micro_batch_size != 0:
+        fail(f"{what} by --micro-batch-size: {minibatch_size} does not divide by {args.micro_batch_size}")
+
+
+# Why each piece is as it is, with its measurements: docs/gpu.md, docs/distributed.md, docs/outputs.md
+def fail(message):
+    raise SystemExit(f"error: {message}")
+
+
+def read_jsonl(path, *schemas, flag="--dataset"):
+    """The records of a JSONL file, each with the fields of a schema; a bad record stops the run naming its line."""
+    if not os.path.isfile(path):
+        fail(f"{flag} {path}: no such file")
+    with open(path, encoding="utf-8") as f:
+        lines = [(f"{flag} {path}: line {n}", line) for n, line in enumerate(f, start=1) if line.strip()]
+    records = []
+    for at, line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            fail(f"{at} is not valid JSON ({e.msg})")
+        record = records[-1] if isinstance(records[-1], dict) else {}
+        for k in next((s for s in schemas if set(s) <= set(record)), schemas[0]):
+            if k not in record:
+                fail(f"{at} has no field {k!r} (a record needs {' or '.join(' and '.join(s) for s in schemas)})")
+            v = record[k]
+            number = type(v) in (int, float) and math.isfinite(v)
+            messages = isinstance(v, list) and len(v) > 0 and all(isinstance(m, dict) for m in v)
+            chat = messages and all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in v)
+            if k == "answer" and not (isinstance(v, str) or number):
+                fail(f"{at}: field {k!r} holds {json.dumps(v)[:40]}, where it needs text or a finite number")
+            if k != "answer" and not (isinstance(v, str) or chat):
+                fail(
+                    f"{at}: field {k!r} holds {json.dumps(v)[:40]}, where it needs text or a list of role/content "
+                    "messages"
+                )
+    if not records:
+        fail(f"{flag} {path}: the file holds no records")
+    return records
+
+
+def flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def load_hub_split(name, config, split, flag="--dataset"):
+    if importlib.util.find_spec("datasets") is None:
+        fail(f"{flag} {name}: a hub dataset needs the datasets library: pip install datasets")
+    import datasets
+
+    try:
+        return list(datasets.load_dataset(name, config, split=split))
+    except Exception as e:  # the library raises many kinds
+        fail(f"{flag} {name}: could not load split {split!r} ({type(e).__name__}: {e})".splitlines()[0])
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, with_logprobs=False):
+    """Completion ids (B, T), a token at a time into a static KV cache, each drawn at temperature (None: greedy) from
+    the model's float32 logits, padded after each row's first stop token (with_logprobs: and each token's log-prob
+    under softmax(logits / temperature), (B, T), 0 after the stop). Every process runs as many forward passes."""
+    steps, device = max_new_tokens, prompt_ids.device
+    if dist.is_initialized():  # as many tokens as the process that asks for the most (tool_grpo.py's turns)
+        steps = int(all_sum(torch.tensor(max_new_tokens, device=device), dist.ReduceOp.MAX))
+    step, compiled, every = next_logits, compiles(model), stop_check_every(device)
+    size, width = prompt_ids.shape
+    length = width + steps  # the cache's
+    if compiled:  # prompts and caches in a few widths, so that the compiled step's shapes come back
+        step = compiled_step(model)
+        prompt_ids, prompt_mask = left_pad(prompt_ids, tokenizer.pad_token_id, 64), left_pad(prompt_mask, 0, 64)
+        width = prompt_ids.shape[1]
+        length = width + steps + (-steps % 64)
+    mask = torch.cat([prompt_mask, prompt_mask.new_ones(size, length - width)], dim=1)  # (B, length); causal on top
+    position = prompt_mask.sum(dim=1, keepdim=True)  # (B, 1): the first new token's
+    inputs, own = rollout_inputs(model, mask, static_cache(model, size, length, compiled)), own_logits(model)
+    weights = rollout_weights(model, compiled)
+    stops = torch.tensor(stop_ids, device=device)
+    tokens, logprobs, done = [], [], torch.zeros(size, dtype=torch.bool, device=device)
+    with autocast(model), gathered(model):
+        logits = next_logits(model, prompt_ids, (prompt_mask.cumsum(1) - 1).clamp(0), inputs, own, weights)  # prefill
+        for t in range(steps):
+            logits = torch.nan_to_num(logits)  # a diverged model still samples; the loss's check names it later
+            token, logprob = draw(logits, temperature)
+            tokens.append(torch.where(done, tokenizer.pad_token_id, token))
+            logprobs.append(torch.where(done, 0.0, logprob))
+            done = done | torch.isin(token, stops)
+            if t + 1 == steps or ((t + 1) % every == 0 and all_sum((~done).sum()) == 0):
+                break
+            logits = step(model, tokens[-1][:, None], position + t, inputs, own, weights)
+    out = torch.stack(tokens, dim=1)[:, :max_new_tokens]  # (B, T)
+    stopped = torch.isin(out, stops)
+    length = int(torch.where(stopped.any(1), stopped.int().argmax(1) + 1, out.shape[1]).max())  # the longest row's
+    if with_logprobs:
+        return out[:, :length], torch.stack(logprobs, dim=1)[:, :length]
+    return out[:, :length]
+
+
+def next_logits(model, ids, positions, inputs, own, weights):
+    """float32 logits (B, vocab) of the token after ids (B, n) at positions (B, n); inputs: the attention mask (B,
+    cache length), 1 on the prompts' tokens and the new ones, and the cache, which keeps their keys and values
+    (rollout_inputs); own: the model's own logits (own_logits), else its decoder's state times the output layer;
+    weights: the decoder's, by name, to use in place of its own (rollout_weights)."""
+    causal_lm, inputs = unwrap(model), {"input_ids": ids, "position_ids": positions, **inputs}
+    if own:
+        return causal_lm(**inputs, logits_to_keep=1).logits[:, -1].float()
+    if isinstance(causal_lm, FSDPModule):  # through the model's forward, whose hooks FSDP2 needs: the state on its way
+        states = []
+        hook = causal_lm.get_decoder().register_forward_hook(lambda module, args, out: states.append(out[0]))
+        try:
+            causal_lm(**inputs, logits_to_keep=1)
+        finally:
+            hook.remove()
+        hidden = states[0][:, -1]
+    elif weights:
+        hidden = torch.func.functional_call(causal_lm.get_decoder(), weights, (), inputs).last_hidden_state[:, -1]
+    else:
+        hidden = causal_lm.get_decoder()(**inputs).last_hidden_state[:, -1]  # (B, d)
+    head = causal_lm.get_output_embeddings()
+    with torch.autocast(ids.device.type, enabled=False):
+        return torch.nn.functional.linear(hidden.float(), head.weight.float(), head.bias)
+
+
+def compiles(model):
+    """Whether the rollouts run a compiled step: on a GPU, so that a token costs one launch of a CUDA graph, not one
+    per operation (docs/gpu.md); not under FSDP2, whose hooks gather, nor on a CPU, which runs it as it is."""
+    return next(model.parameters()).device.type == "cuda" and not any(
+        isinstance(m, FSDPModule) for m in model.modules()
+    )
+
+
+def stop_check_every(device):
+    """Decoded tokens between two looks at whether every completion has stopped: 16 on a GPU, where a look waits for
+    the device to finish what is queued; 1 on a CPU, where the values are there already and a token past the last
+    stop costs a forward pass."""
+    if device.type == "cuda":
+        return 16
+    return 1
+
+
+def compiled_step(model):
+    """next_logits for one new token, compiled once a model (where compiles() says so)."""
+    if "compiled_step" not in unwrap(model).__dict__:
+        unwrap(model).compiled_step = compile_step(next_logits)
+    return unwrap(model).compiled_step
+
+
+def compile_step(function):  # the one part only a GPU runs (the tests compile with backend="eager")
+    return torch.compile(function, mode="reduce-overhead", fullgraph=True)
+
+
+def left_pad(x, value, multiple):
+    """x (B, P) padded on the left to a multiple of `multiple` columns."""
+    return torch.nn.functional.pad(x, (-x.shape[1] % multiple, 0), value=value)
+
+
+def rollout_inputs(model, mask, cache):
+    """next_logits' inputs, named as the model's forward takes them: `cache` since transformers 5.24."""
+    name = "past_key_values"
+    if "cache" in inspect.signature(unwrap(model).get_decoder().forward).parameters:
+        name = "cache"
+    return {"attention_mask": mask, "use_cache": True, name: cache}
+
+
+def static_cache(model, size, length, keep):
+    """A StaticCache for size rows of length tokens; kept on the model and emptied for the next rollout when keep (a
+    compiled step reads the same tensors every time)."""
+    config = unwrap(model).config
+    if not keep:
+        return transformers.StaticCache(config=config, max_cache_len=length)
+    caches = unwrap(model).__dict__.setdefault("static_caches", {})
+    if (size, length) not in caches:
+        caches[size, length] = transformers.StaticCache(config=config, max_cache_len=length)
+    caches[size, length].reset()
+    return caches[size, length]
+
+
+def rollout_weights(model, compiled):
+    """For a compiled step in bfloat16 (or float16): the decoder's linear layers' weights and biases cast to it once
+    a rollout, by name, and kept on the model, where a CUDA graph finds them at the same address every time; else {}
+    (the model's own weights: an eager step's autocast casts each once a rollout by itself, a compiled step's at
+    every token, which reads 3 bytes a parameter more)."""
+    dtype = getattr(unwrap(model), "compute_dtype", torch.float32)
+    if not compiled or dtype == torch.float32:
+        return {}
+    weights = unwrap(model).__dict__.setdefault("rollout_weights", {})
+    linears = [(name, m) for name, m in unwrap(model).get_decoder().named_modules() if isinstance(m, torch.nn.Linear)]
+    for name, module in linears:
+        for key, master in module.named_parameters(prefix=name, recurse=False):
+            if key not in weights:
+                weights[key] = torch.empty_like(master, dtype=dtype)
+                torch._dynamo.mark_static_address(weights[key])
+            weights[key].copy_(master)
+    return weights
+
+
+def autocast(model):
+    """torch.autocast in the model's --dtype, for a layer of it applied by hand."""
+    dtype = getattr(unwrap(model), "compute_dtype", torch.float32)
+    return torch.autocast(next(model.parameters()).device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+@contextlib.contextmanager
+def gathered(model):
+    """Under FSDP2, every layer's weights gathered once for the whole rollout, not for every token."""
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for module in sharded:
+        module.unshard()
+        module.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in sharded:  # then every layer but the root reshards after its forward again
+            module.reshard()
+            module.set_reshard_after_forward(module is not model, recurse=False)
+
+
+def draw(logits, temperature):
+    """A token a row (B,) from float32 logits (B, vocab), and its log-prob (B,): greedy for temperature None, else
+    sampled at temperature by inverting the cumulative distribution at one uniform number a row (torch.multinomial
+    draws a number for each entry of the vocabulary); the sums in float64, so that no entry's share is rounded."""
+    if temperature is None:
+        return logits.argmax(dim=-1), torch.zeros(len(logits), device=logits.device)
+    logprobs = (logits / temperature).log_softmax(dim=-1)  # (B, vocab)
+    cumulative = logprobs.exp().double().cumsum(dim=-1)  # (B, vocab)
+    u = torch.rand_like(cumulative[:, -1:]) * cumulative[:, -1:]  # (B, 1), in [0, the sum of all)
+    token = torch.searchsorted(cumulative, u, right=True).clamp_(max=logits.shape[-1] - 1)  # the first sum above u
+    return token.squeeze(1), logprobs.gather(1, token).squeeze(1)
+
+
+def masked_mean(x, mask, dim=None):
+    """Mean of x where mask is 1; masked positions never leak, even inf or nan."""
+    x = torch.where(mask.bool(), x, 0.0)
+    return x.sum() / mask.sum().clamp(min=1) if dim is None else x.sum(dim) / mask.sum(dim).clamp(min=1)
 
 
 def parse_args():

@@ -11,7 +11,7 @@ import torch
 from conftest import ROOT, read_metrics, run_script
 
 import process_grpo
-from process_grpo import process_advantages, process_grpo_loss, reward_steps, scored_steps, step_rewards_fn
+from process_grpo import grpo_loss, process_advantages, reward_steps, scored_steps, step_rewards_fn
 
 SENTINEL = 1e6  # where no step ends, and in the padding: it must reach neither the advantage nor the loss
 
@@ -64,7 +64,7 @@ def test_the_loss_with_an_advantage_a_token_by_hand():
     logprobs.requires_grad_(True)
     advantages = torch.tensor([[2.0, 2.0, -1.0, SENTINEL]])
     mask = torch.tensor([[1, 1, 1, 0]])
-    loss, stats = process_grpo_loss(logprobs, old, None, advantages, mask, beta=0.0)
+    loss, stats = grpo_loss(logprobs, old, None, advantages, mask, beta=0.0)
     assert loss.item() == pytest.approx(-1.2, abs=1e-6)
     assert stats["clip_frac"].item() == pytest.approx(2 / 3)
     loss.backward()

@@ -203,7 +203,7 @@ LOSSES = {
     "reward_model.py": "bradley_terry_loss",
     "sft.py": "sft_loss",
     "async_grpo.py": "decoupled_loss",
-    "process_grpo.py": "process_grpo_loss",
+    "process_grpo.py": "grpo_loss",
     "tool_grpo.py": "grpo_loss",
     "dapo.py": "overlong_penalty",
 }

@@ -312,9 +312,10 @@ def test_it_learns_to_call_the_tool_and_short_runs_log_the_tool_metrics(tmp_path
     run_script("tool_grpo.py", *small, "--no-mask-tool-tokens", "--tool-reward", "0.5", "--output-dir", out)
     for key in ("tool_call_rate", "calls", "failed_calls", "turns", "tool_tokens"):
         assert read_metrics(out)[1][f"charts/{key}"] >= 0
-    # bad input: one line, before any work
+    # bad input: one line, before any work; --vllm is not a flag of this file, and the command line says so
+    proc = run_script("tool_grpo.py", "--vllm", "--output-dir", str(tmp_path / "bad"), expect_ok=False)
+    assert proc.returncode != 0 and "--vllm" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-500:]
     for flags, line in [
-        (["--vllm"], "error: --vllm: tool_grpo.py samples its multi-turn rollouts with its own generate()"),
         (["--model-name-or-path", "tiny-adder"], "error: --model-name-or-path tiny-adder: its tokenizer has no chat"),
         (["--max-turns", "0"], "error: --max-turns"),
     ]:
