@@ -7,7 +7,14 @@ comparison or a test); and the code lines (comments and docstrings left out) by 
 it is diffed against. START holds the same numbers on the code as it stood before the redesign (commit e8763f5,
 each file put through `ruff format`), so that each row shows before and after.
 
-    python benchmarks/reading.py            # the table
+The second table follows main() as a reader does (issue 55): the lines (not blank) between main()'s end and
+the first banner (where the reader stops), whether reward_fn stands above that banner, and main()'s calls of the
+machinery (the functions defined below main()) in the order main() first makes them: how many, how many of them
+jump backwards (to a definition above the one before), and the lines scrolled (the sum of the distances between
+the definitions, starting from main()'s first line). START_WALK holds them at commit 390253d, before the layout
+of issue 55.
+
+    python benchmarks/reading.py            # the two tables
     python benchmarks/reading.py --json     # the same numbers, for tests/test_style.py
 """
 
@@ -35,6 +42,7 @@ FILES = [
     "dapo.py",
 ]
 BANNER = "# ==== Everything below this line is the same in every file"
+READER_STOPS = "# ==== The algorithm ends here."
 # each sibling against the file it is closest to: the files that sample against grpo.py (ppo.py against rloo.py:
 # both reward a whole completion with the KL in it), dpo.py against reward_model.py (both train on preference pairs)
 PAIRS = {
@@ -60,6 +68,21 @@ START = {
     "reward_model.py": {"lines": 1110, "main": 111, "inner_loop": 16, "ifexp_above": 8, "ifexp_below": 41},
     "sft.py": {"lines": 1050, "main": 134, "inner_loop": 11, "ifexp_above": 0, "ifexp_below": 41},
     "async_grpo.py": {"lines": 1363, "main": 206, "inner_loop": 31, "ifexp_above": 15, "ifexp_below": 41},
+}
+# the walk through main()'s calls at commit 390253d, before issue 55's layout (one banner, below main()'s helpers)
+START_WALK = {
+    "grpo.py": {"after_main": 181, "reward_fn": "below", "calls": 38, "jumps": 20, "scrolled": 12877},
+    "rloo.py": {"after_main": 175, "reward_fn": "below", "calls": 37, "jumps": 20, "scrolled": 12854},
+    "gspo.py": {"after_main": 180, "reward_fn": "below", "calls": 36, "jumps": 18, "scrolled": 12236},
+    "cispo.py": {"after_main": 180, "reward_fn": "below", "calls": 36, "jumps": 18, "scrolled": 12237},
+    "ppo.py": {"after_main": 281, "reward_fn": "below", "calls": 44, "jumps": 23, "scrolled": 18783},
+    "dpo.py": {"after_main": 154, "reward_fn": "below", "calls": 28, "jumps": 13, "scrolled": 9715},
+    "reward_model.py": {"after_main": 169, "reward_fn": "below", "calls": 24, "jumps": 10, "scrolled": 10769},
+    "sft.py": {"after_main": 145, "reward_fn": "below", "calls": 24, "jumps": 10, "scrolled": 9711},
+    "async_grpo.py": {"after_main": 202, "reward_fn": "below", "calls": 33, "jumps": 17, "scrolled": 10999},
+    "process_grpo.py": {"after_main": 305, "reward_fn": "below", "calls": 40, "jumps": 19, "scrolled": 15704},
+    "tool_grpo.py": {"after_main": 354, "reward_fn": "below", "calls": 36, "jumps": 17, "scrolled": 14282},
+    "dapo.py": {"after_main": 287, "reward_fn": "below", "calls": 34, "jumps": 18, "scrolled": 13212},
 }
 # the functions a sibling lacks because it samples without vLLM (async_grpo.py, tool_grpo.py): listed apart
 # from the algorithm's lines in its diff with grpo.py
@@ -179,10 +202,38 @@ def measure(source):
     }
 
 
+def walk(source):
+    """main()'s calls of what is defined below it, followed as a reader does (the second table)."""
+    lines = source.splitlines()
+    tree = ast.parse(source)
+    defs = {node.name: node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    main = defs["main"]
+    stops = next(i for i, line in enumerate(lines) if line.startswith((READER_STOPS, BANNER))) + 1
+    calls = [node for node in ast.walk(main) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)]
+    order = []
+    for call in sorted(calls, key=lambda node: (node.lineno, node.col_offset)):
+        name = call.func.id
+        if name in defs and defs[name].lineno > main.end_lineno and name not in order:
+            order.append(name)
+    jumps, scrolled, at = 0, 0, main.lineno
+    for name in order:
+        jumps += defs[name].lineno < at
+        scrolled += abs(defs[name].lineno - at)
+        at = defs[name].lineno
+    reward_fn = "above" if defs["reward_fn"].lineno < stops else "below"
+    return {
+        "after_main": sum(1 for line in lines[main.end_lineno : stops - 1] if line.strip()),
+        "reward_fn": reward_fn,
+        "calls": len(order),
+        "jumps": jumps,
+        "scrolled": scrolled,
+    }
+
+
 def measures():
     """{file: its measures, with 'diff' against its PAIRS file and 'not_algorithm', the diff's lines listed apart}"""
     sources = {name: open(os.path.join(ROOT, name), encoding="utf-8").read() for name in FILES}
-    found = {name: measure(source) for name, source in sources.items()}
+    found = {name: {**measure(source), "walk": walk(source)} for name, source in sources.items()}
     for name, against in PAIRS.items():
         apart = NOT_ALGORITHM.get(name, [])
         algorithm = changed_code_lines(without(sources[against], apart), without(sources[name], apart))
@@ -212,6 +263,19 @@ def table(found):
     return "\n".join(rows)
 
 
+def walk_table(found):
+    rows = [
+        "| file | lines between main()'s end and the banner | reward_fn | machinery main() calls | jumps backwards | "
+        "lines scrolled |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, m in found.items():
+        start, now = START_WALK[name], m["walk"]
+        cells = [f"{start[k]} → {now[k]}" for k in ("after_main", "reward_fn", "calls", "jumps", "scrolled")]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 if __name__ == "__main__":
     found = measures()
-    print(json.dumps(found, indent=1) if "--json" in sys.argv else table(found))
+    print(json.dumps(found, indent=1) if "--json" in sys.argv else table(found) + "\n\n" + walk_table(found))

@@ -190,6 +190,10 @@ def test_shared_helpers_are_identical_in_every_file():
                 assert functions[helper] == parsed[other][0][helper], f"{helper} differs between {name} and {other}"
 
 
+READER_STOPS = (
+    "# ==== The algorithm ends here. Below: machinery, this file's own, then (second banner) the part every file shares"
+    " ====\n"
+)
 BANNER = (
     "# ==== Everything below this line is the same in every file, byte for byte (tests/test_shared.py checks it) ====\n"
 )
@@ -215,14 +219,22 @@ def read(name):
 
 
 def test_every_file_puts_the_algorithm_first_and_the_shared_part_below_one_banner():
-    """docstring, imports, Args, ALGO LOGIC, main(args), the file's own helpers, the banner, then a part that is
-    the same text in all eight files, ending with the __main__ guard; the loss within the first 220 lines (on the
-    code as ruff lays it out: async_grpo.py's decoupled_loss starts at line 207)."""
+    """docstring, imports, Args, ALGO LOGIC, the task and its reward (reward_fn), main(args) and right after it the
+    first banner, where the reader stops; the file's own machinery, the second banner, then a part that is the same
+    text in every file, ending with the __main__ guard; the loss within the first 220 lines (on the code as ruff
+    lays it out: async_grpo.py's decoupled_loss starts at line 207)."""
     below = {}
     for name in ALGORITHM_FILES:
         source = read(name)
         assert source.count(BANNER) == 1, f"{name}: the banner line must appear exactly once"
+        assert source.count(READER_STOPS) == 1, f"{name}: the first banner must appear exactly once"
         above, below[name] = source.split(BANNER)
+        algorithm, own = above.split(READER_STOPS)
+        assert "\ndef reward_fn(completion, record):" in algorithm, f"{name}: reward_fn belongs above the first banner"
+        main_end = algorithm.rindex("\ndef main(args):")
+        assert not re.search(r"\n(def|class) ", algorithm[main_end + 1 :]), (
+            f"{name}: nothing between main() and the banner"
+        )
         tree = ast.parse(source)
         order = [
             node.name if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else type(node).__name__
