@@ -23,6 +23,7 @@ max(0, k - 1 - eta), so that a run is reproducible; pi_behav is the log-prob the
 import collections
 import contextlib
 import copy
+import functools
 import glob
 import importlib.util
 import inspect
@@ -116,6 +117,9 @@ class Args:
     max_staleness: int = 2  # eta: a batch is sampled at most this many policy versions before it is trained (0: sync)
     decoupled: bool = True  # the decoupled objective (clip centred on pi_prox); --no-decoupled centres it on pi_behav
     behav_imp_cap: float = 5.0  # a token whose weight pi_prox / pi_behav exceeds this is left out (AReaL's filter)
+    interrupt_every: int = (
+        0  # AReaL's interruption: every this many tokens a rollout moves to the next version (0: off)
+    )
 
     # to be filled in at runtime (not flags: the command line cannot set them)
     batch_size: tyro.conf.Suppress[int] = 0  # completions per batch of rollouts (prompts_per_step * group_size)
@@ -283,7 +287,8 @@ def prompt_answer(record):
 class Generator:
     """AReaL's rollout worker; the trainer takes its batches oldest first (take) and hands it each new version of
     its weights (publish). Version i is the policy after i training steps; batch k, the one step k trains on, starts
-    once version k - 1 - eta is out (eq. 3), and is sampled with exactly that one (version 0 for the first eta + 1)."""
+    once version k - 1 - eta is out (eq. 3), and is sampled with exactly that one (version 0 for the first eta + 1).
+    With --interrupt-every n it moves to the next version after every n tokens, up to version k - 1 (switch)."""
 
     def __init__(self, policy, tokenizer, records, stop_ids, data_rng, args, device, version, finished=()):
         self.model = load_model(args.model_name_or_path, args, device, frozen=True).to(getattr(torch, args.dtype))
@@ -315,15 +320,8 @@ class Generator:
             with torch.cuda.stream(self.stream):
                 for batch in range(self.next_batch, self.args.num_steps + 1):
                     with self.lock:  # eq. 3: wait for the version this batch is sampled with
-                        while self.version < self.admitted_version(batch):
-                            self.lock.wait_for(lambda: self.waiting is not None)
-                            (self.version, weights), self.waiting = self.waiting, None
-                            self.model.load_state_dict(weights)
-                            clock(self.device)  # copied before the trainer may reuse their memory
-                            self.lock.notify_all()
-                        self.lock.wait_for(lambda: not self.pausing)
-                        self.sampling = True
-                    sampled = self.sample()
+                        self.load_versions(self.admitted_version(batch))
+                    sampled = self.sample(batch)
                     with self.lock:
                         self.ready.append(sampled)
                         self.next_batch, self.sampling = batch + 1, False
@@ -333,9 +331,38 @@ class Generator:
                 self.error = e
                 self.lock.notify_all()
 
-    def sample(self):
-        """A batch: G completions for each of --prompts-per-step prompts, each token's behaviour log-prob (B, T)."""
-        start, args = clock(self.device), self.args
+    def load_versions(self, version):  # under the lock: the published versions in turn, up to `version`
+        while self.version < version:
+            self.lock.wait_for(lambda: self.waiting is not None)
+            (self.version, weights), self.waiting = self.waiting, None
+            self.model.load_state_dict(weights)
+            clock(self.device)  # copied before the trainer may reuse their memory
+            self.lock.notify_all()
+        self.lock.wait_for(lambda: not self.pausing)
+        self.sampling = True
+
+    def switch(self, batch, first, switches, tokens):
+        """generate()'s switch with --interrupt-every n (AReaL's interruption): after n, 2n, ... tokens of batch
+        `batch`, sampled from version `first`, the version first + 1, first + 2, ... up to batch - 1 (the policy
+        that trains on it), waited for if it is not out yet: the switches fall on the same tokens in every run.
+        True when the weights changed; each switch is kept in `switches` as [tokens, version]."""
+        newer = min(first + tokens // self.args.interrupt_every, batch - 1)
+        if tokens % self.args.interrupt_every or newer <= self.version:
+            return False
+        with self.lock:  # waiting, it draws nothing: an evaluation may sample meanwhile (paused)
+            self.sampling = False
+            self.lock.notify_all()
+            self.load_versions(newer)
+        switches.append([tokens, self.version])
+        return True
+
+    def sample(self, batch):
+        """A batch: G completions for each of --prompts-per-step prompts, each token's behaviour log-prob (B, T),
+        the version it starts with, and the switches to newer ones ([tokens before it, version], --interrupt-every)."""
+        start, args, version, switches = clock(self.device), self.args, self.version, []
+        switch = None
+        if args.interrupt_every:
+            switch = functools.partial(self.switch, batch, version, switches)
         prompts = self.data_rng.choices(self.records, k=args.prompts_per_step)  # only this thread draws from it
         group = [r for r in prompts for _ in range(args.group_size)]
         prompt_ids, prompt_mask = tokenize_prompts(self.tokenizer, [r["prompt"] for r in group], self.device, args)
@@ -348,6 +375,7 @@ class Generator:
             args.temperature,
             self.stop_ids,
             with_logprobs=True,
+            switch=switch,
         )  # (B, T) each
         return [
             group,
@@ -355,8 +383,9 @@ class Generator:
             prompt_mask,
             completion_ids,
             behaviour_logprobs,
-            self.version,
+            version,
             clock(self.device) - start,
+            switches,
         ]
 
     def take(self):
@@ -371,10 +400,15 @@ class Generator:
 
     def publish(self, version, policy):
         """A copy of the trainer's weights of `version` for the generator, made once it took the one before."""
-        if version + 1 + self.args.max_staleness > self.args.num_steps:
+        reach = self.args.max_staleness  # the batches this version may sample: up to version + 1 + reach
+        if self.args.interrupt_every:
+            reach = 0  # and a batch in flight may move to it from version + 1 on
+        if version + 1 + reach > self.args.num_steps:
             return  # the batches that this version would sample are past the last step
         with self.lock:  # only this thread sets self.waiting
-            self.wait(lambda: self.waiting is None)
+            self.wait(lambda: self.waiting is None or self.next_batch > self.args.num_steps)
+            if self.waiting is not None:
+                return  # every batch is sampled, and the last did not move to the version before
         weights = self.copy_of(policy)
         clock(self.device)  # copied before the generator reads it
         with self.lock:
@@ -450,8 +484,11 @@ def main(args):
     for step in range(first_step, args.num_steps + 1):
         timer = Timer(device, start)
         # 1. rollouts: the generator's oldest batch, G completions per prompt, group-contiguous, sampled by
-        # version `version`, with each token's log-prob under it (behav_logprobs (B, T))
-        group, prompt_ids, prompt_mask, completion_ids, behav_logprobs, version, generation_time = generator.take()
+        # version `version` (--interrupt-every: then newer ones, from the token each switch says), with each token's
+        # log-prob under the version that sampled it (behav_logprobs (B, T))
+        group, prompt_ids, prompt_mask, completion_ids, behav_logprobs, version, generation_time, switches = (
+            generator.take()
+        )
         timer.lap("wait")
         mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
@@ -519,6 +556,8 @@ def main(args):
                 "charts/generation_time": generation_time,  # the generator's, for this batch
                 **timer.metrics(tokens=mask.sum()),
             }
+            if args.interrupt_every:
+                metrics.update(version_metrics(version, switches, mask, step))
             samples = rollout_samples(group, texts, rewards, advantages)
             if evaluate_now:
                 metrics.update(evaluate(policy, tokenizer, eval_records, args, stop_ids, samples, **held_out))
@@ -558,6 +597,7 @@ def check_args(args):
         "clip_eps_high": ">= 0",
         "max_staleness": ">= 0",
         "behav_imp_cap": ">= 1 (a token above it is left out)",
+        "interrupt_every": ">= 0",
     }
     check_ranges(args, {**COMMON_RANGES, **ranges})
     if not args.decoupled and args.behav_imp_cap != Args.behav_imp_cap:
@@ -565,12 +605,40 @@ def check_args(args):
             f"--behav-imp-cap {args.behav_imp_cap} with --no-decoupled: the cap limits the weights pi_prox / "
             "pi_behav, which --no-decoupled does not use; drop one of the two"
         )
+    if args.interrupt_every and args.save_every:
+        fail(
+            f"--interrupt-every {args.interrupt_every} with --save-every {args.save_every}: a checkpoint would have "
+            "to keep a batch sampled halfway, waiting for its next version; drop one of the two"
+        )
     if "LOCAL_RANK" in os.environ:
         fail(
             "torchrun: async_grpo.py runs on one process (its generator is a thread); start it with python, or "
             "use grpo.py under torchrun"
         )
     check_lora(args)
+
+
+def version_metrics(version, switches, mask, step):
+    """With --interrupt-every, the versions that sampled a batch's tokens: the share of its tokens each sampled (by
+    lag, step - 1 - version), the tokens' lag, the versions in one completion (mean, max) and the switches.
+
+    version 3, switches [[2, 4], [4, 5]], mask (2, 6) with 6 and 3 tokens, step 6: the first completion's tokens are
+    versions 3 3 4 4 5 5, the second's 3 3 4: lag 2 for 4 tokens of 9, 1 for 3, 0 for 2; 3 and 2 versions.
+    """
+    versions = torch.full(mask.shape, version, device=mask.device)  # (B, T): the version that drew each token
+    for tokens, newer in switches:
+        versions[:, tokens:] = newer
+    m = mask.bool()
+    lag = step - 1 - versions
+    counts = torch.stack([(versions == v).logical_and(m).any(dim=1) for v in range(version, step)]).sum(0)  # (B,)
+    metrics = {f"charts/token_share_lag{d}": masked_mean((lag == d).float(), m) for d in range(step - version)}
+    return {
+        **metrics,
+        "charts/token_staleness": masked_mean(lag.float(), m),
+        "charts/versions_per_completion": counts.float().mean(),
+        "charts/versions_per_completion_max": counts.max().float(),
+        "charts/switches": float(len(switches)),
+    }
 
 
 def batch_sizes(args):
@@ -1359,10 +1427,15 @@ def load_hub_split(name, config, split, flag="--dataset"):
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, with_logprobs=False):
+def generate(
+    model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, with_logprobs=False, switch=None
+):
     """Completion ids (B, T), a token at a time into a static KV cache, each drawn at temperature (None: greedy) from
     the model's float32 logits, padded after each row's first stop token (with_logprobs: and each token's log-prob
-    under softmax(logits / temperature), (B, T), 0 after the stop). Every process runs as many forward passes."""
+    under softmax(logits / temperature), (B, T), 0 after the stop). Every process runs as many forward passes.
+    switch(t), if given, is called between token t - 1 and token t; True says that the model's weights changed (AReaL's
+    interruption, async_grpo.py): the cache is then computed again, under the new weights, from the prompts and the
+    tokens drawn so far, and the rollout goes on from it."""
     steps, device = max_new_tokens, prompt_ids.device
     if dist.is_initialized():  # as many tokens as the process that asks for the most (tool_grpo.py's turns)
         steps = int(all_sum(torch.tensor(max_new_tokens, device=device), dist.ReduceOp.MAX))
@@ -1376,12 +1449,13 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
         length = width + steps + (-steps % 64)
     mask = torch.cat([prompt_mask, prompt_mask.new_ones(size, length - width)], dim=1)  # (B, length); causal on top
     position = prompt_mask.sum(dim=1, keepdim=True)  # (B, 1): the first new token's
-    inputs, own = rollout_inputs(model, mask, static_cache(model, size, length, compiled)), own_logits(model)
-    weights = rollout_weights(model, compiled)
+    cache, own = static_cache(model, size, length, compiled), own_logits(model)
+    inputs, weights = rollout_inputs(model, mask, cache), rollout_weights(model, compiled)
+    positions = (prompt_mask.cumsum(1) - 1).clamp(0)  # (B, P): the prompts'
     stops = torch.tensor(stop_ids, device=device)
     tokens, logprobs, done = [], [], torch.zeros(size, dtype=torch.bool, device=device)
     with autocast(model), gathered(model):
-        logits = next_logits(model, prompt_ids, (prompt_mask.cumsum(1) - 1).clamp(0), inputs, own, weights)  # prefill
+        logits = next_logits(model, prompt_ids, positions, inputs, own, weights)  # the prefill
         for t in range(steps):
             logits = torch.nan_to_num(logits)  # a diverged model still samples; the loss's check names it later
             token, logprob = draw(logits, temperature)
@@ -1390,7 +1464,13 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
             done = done | torch.isin(token, stops)
             if t + 1 == steps or ((t + 1) % every == 0 and all_sum((~done).sum()) == 0):
                 break
-            logits = step(model, tokens[-1][:, None], position + t, inputs, own, weights)
+            if switch is not None and switch(t + 1):  # new weights: the cache again, of the prompts and tokens so far
+                cache.reset()
+                weights, so_far = rollout_weights(model, compiled), torch.stack(tokens, dim=1)  # (B, t + 1)
+                at = torch.cat([positions, position + torch.arange(t + 1, device=device)], dim=1)
+                logits = next_logits(model, torch.cat([prompt_ids, so_far], dim=1), at, inputs, own, weights)
+            else:
+                logits = step(model, tokens[-1][:, None], position + t, inputs, own, weights)
     out = torch.stack(tokens, dim=1)[:, :max_new_tokens]  # (B, T)
     stopped = torch.isin(out, stops)
     length = int(torch.where(stopped.any(1), stopped.int().argmax(1) + 1, out.shape[1]).max())  # the longest row's

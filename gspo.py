@@ -1221,10 +1221,15 @@ def load_hub_split(name, config, split, flag="--dataset"):
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, with_logprobs=False):
+def generate(
+    model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, with_logprobs=False, switch=None
+):
     """Completion ids (B, T), a token at a time into a static KV cache, each drawn at temperature (None: greedy) from
     the model's float32 logits, padded after each row's first stop token (with_logprobs: and each token's log-prob
-    under softmax(logits / temperature), (B, T), 0 after the stop). Every process runs as many forward passes."""
+    under softmax(logits / temperature), (B, T), 0 after the stop). Every process runs as many forward passes.
+    switch(t), if given, is called between token t - 1 and token t; True says that the model's weights changed (AReaL's
+    interruption, async_grpo.py): the cache is then computed again, under the new weights, from the prompts and the
+    tokens drawn so far, and the rollout goes on from it."""
     steps, device = max_new_tokens, prompt_ids.device
     if dist.is_initialized():  # as many tokens as the process that asks for the most (tool_grpo.py's turns)
         steps = int(all_sum(torch.tensor(max_new_tokens, device=device), dist.ReduceOp.MAX))
@@ -1238,12 +1243,13 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
         length = width + steps + (-steps % 64)
     mask = torch.cat([prompt_mask, prompt_mask.new_ones(size, length - width)], dim=1)  # (B, length); causal on top
     position = prompt_mask.sum(dim=1, keepdim=True)  # (B, 1): the first new token's
-    inputs, own = rollout_inputs(model, mask, static_cache(model, size, length, compiled)), own_logits(model)
-    weights = rollout_weights(model, compiled)
+    cache, own = static_cache(model, size, length, compiled), own_logits(model)
+    inputs, weights = rollout_inputs(model, mask, cache), rollout_weights(model, compiled)
+    positions = (prompt_mask.cumsum(1) - 1).clamp(0)  # (B, P): the prompts'
     stops = torch.tensor(stop_ids, device=device)
     tokens, logprobs, done = [], [], torch.zeros(size, dtype=torch.bool, device=device)
     with autocast(model), gathered(model):
-        logits = next_logits(model, prompt_ids, (prompt_mask.cumsum(1) - 1).clamp(0), inputs, own, weights)  # prefill
+        logits = next_logits(model, prompt_ids, positions, inputs, own, weights)  # the prefill
         for t in range(steps):
             logits = torch.nan_to_num(logits)  # a diverged model still samples; the loss's check names it later
             token, logprob = draw(logits, temperature)
@@ -1252,7 +1258,13 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperat
             done = done | torch.isin(token, stops)
             if t + 1 == steps or ((t + 1) % every == 0 and all_sum((~done).sum()) == 0):
                 break
-            logits = step(model, tokens[-1][:, None], position + t, inputs, own, weights)
+            if switch is not None and switch(t + 1):  # new weights: the cache again, of the prompts and tokens so far
+                cache.reset()
+                weights, so_far = rollout_weights(model, compiled), torch.stack(tokens, dim=1)  # (B, t + 1)
+                at = torch.cat([positions, position + torch.arange(t + 1, device=device)], dim=1)
+                logits = next_logits(model, torch.cat([prompt_ids, so_far], dim=1), at, inputs, own, weights)
+            else:
+                logits = step(model, tokens[-1][:, None], position + t, inputs, own, weights)
     out = torch.stack(tokens, dim=1)[:, :max_new_tokens]  # (B, T)
     stopped = torch.isin(out, stops)
     length = int(torch.where(stopped.any(1), stopped.int().argmax(1) + 1, out.shape[1]).max())  # the longest row's

@@ -1,5 +1,6 @@
 """Asynchronous GRPO on the bundled task: synchronous training against a generator that runs eta = 1, 2, 4 versions
-ahead, each with and without the decoupled objective, over several seeds; grpo.py's default beside them.
+ahead, each with and without the decoupled objective, and at eta = 1, 2 with AReaL's interruption (a rollout moves
+to the next version every 2 tokens), over several seeds; grpo.py's default beside them.
 
 Each run is `python async_grpo.py --seed S --output-dir ...` (or grpo.py), one at a time, as a user runs it. The
 script then reads every run's metrics.jsonl and writes, from nothing, the block between the two `results` marker
@@ -7,7 +8,8 @@ lines of docs/async_grpo.md (the table) and docs/async_grpo.png (held-out accura
 wall-clock seconds).
 
     pip install -r requirements.txt -r benchmarks/requirements.txt
-    python benchmarks/async_benchmark.py                        # 8 rows x 3 seeds: 24 runs, 23 min on 2 CPU cores
+    python benchmarks/async_benchmark.py                        # 10 rows x 3 seeds: 30 runs
+    python benchmarks/async_benchmark.py --rows eta1 eta1-interrupt2 eta2 eta2-interrupt2 --out-dir /tmp/interrupt
     python benchmarks/async_benchmark.py --seeds 1 --rows sync eta2 --num-steps 20 --runs-dir /tmp/a --out-dir /tmp/a
 
 A run that already finished in --runs-dir with the same command is read, not run again (delete its folder to
@@ -35,6 +37,11 @@ ROWS = {
         f"eta{eta}{suffix}": ("async_grpo.py", ["--max-staleness", str(eta), *flags])
         for eta in (1, 2, 4)
         for suffix, flags in (("", []), ("-coupled", ["--no-decoupled"]))
+    },
+    # "-interrupt2": --interrupt-every 2, a rollout in flight moves to the next version every 2 tokens
+    **{
+        f"eta{eta}-interrupt2": ("async_grpo.py", ["--max-staleness", str(eta), "--interrupt-every", "2"])
+        for eta in (1, 2)
     },
 }
 MARK_START, MARK_END = "<!-- results: written by benchmarks/async_benchmark.py -->", "<!-- end of results -->"
@@ -137,6 +144,24 @@ def row_cells(name, runs):
     ]
 
 
+def version_mix(name, runs):
+    """For a row with --interrupt-every: the share of the tokens each version sampled, by lag, the versions in a
+    completion and the switches a batch saw, each the mean over the logged steps and the seeds; else None."""
+    steps = [m for r, _ in runs for m in r if "charts/switches" in m]
+    if not steps:
+        return None
+    lags = sorted({int(k.rsplit("lag", 1)[1]) for m in steps for k in m if k.startswith("charts/token_share_lag")})
+    shares = [100 * statistics.mean(m.get(f"charts/token_share_lag{d}", 0.0) for m in steps) for d in lags]
+    return (
+        f"{name}: of the tokens, "
+        + ", ".join(f"{share:.1f}% sampled {d} version(s) old" for d, share in zip(lags, shares))
+        + f" (a token's lag {statistics.mean(m['charts/token_staleness'] for m in steps):.2f} versions on average);"
+        f" {statistics.mean(m['charts/versions_per_completion'] for m in steps):.2f} versions in a completion"
+        f" (at most {max(m['charts/versions_per_completion_max'] for m in steps):.0f}),"
+        f" {statistics.mean(m['charts/switches'] for m in steps):.2f} switches a batch."
+    )
+
+
 def plot(results, path):
     import matplotlib
 
@@ -211,6 +236,10 @@ def main(args):
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row_cells(name, runs)) + " |" for name, runs in results.items()]
+    mixes = [mix for mix in (version_mix(name, runs) for name, runs in results.items()) if mix]
+    if mixes:
+        lines += ["", "Versions in the interrupted rows' batches (staleness above: a batch's first version):", ""]
+        lines += [f"- {mix}" for mix in mixes]
     total = sum(w for runs in results.values() for _, w in runs)
     block = "\n".join(
         [

@@ -2,6 +2,7 @@
 bound and learning at eta 2, and the flags it refuses."""
 
 import math
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from conftest import read_metrics, run_script
 from test_resume import assert_same_records, untimed
 
-from async_grpo import behaviour_weights, decoupled_loss
+from async_grpo import behaviour_weights, decoupled_loss, version_metrics
 
 L = math.log
 PAD = 1e4  # a large sentinel at the padded positions: it must reach neither the loss nor the gradient
@@ -95,6 +96,15 @@ def test_eta_0_is_grpo(tmp_path):
     shared = [{k: v for k, v in m.items() if k in s} for m, s in zip(untimed(asynchronous), untimed(synchronous))]
     assert_same_records(shared, untimed(synchronous))
     assert len(shared[1]) >= 10  # rewards, losses, accuracy ...
+    # with interruption too: at eta 0 a batch starts with the newest version there is, and never switches
+    interrupted = str(tmp_path / "interrupted")
+    run_script("async_grpo.py", *flags, "--max-staleness", "0", "--interrupt-every", "1", "--output-dir", interrupted)
+    steps = [m for m in read_metrics(interrupted) if m["step"] > 0]
+    assert all(m["charts/switches"] == 0 and m["charts/token_share_lag0"] == 1 for m in steps)
+    shared = [
+        {k: v for k, v in m.items() if k in s} for m, s in zip(untimed(read_metrics(interrupted)), untimed(synchronous))
+    ]
+    assert_same_records(shared, untimed(synchronous))
 
 
 def test_eta_2_stays_within_its_staleness_and_learns(tmp_path):
@@ -177,6 +187,74 @@ def test_same_seed_same_metrics_with_activation_checkpointing(tmp_path):
     assert_same_records(a, b)
 
 
+def test_version_metrics_by_hand():
+    """Batch of step 6 started by version 3, switched to 4 after 2 tokens and to 5 after 4; completions of 6 and 3
+    tokens: versions 3 3 4 4 5 5 and 3 3 4, lags 2 2 1 1 0 0 and 2 2 1: lag 2 for 4 tokens of 9, 1 for 3, 0 for
+    2; mean lag (4 * 2 + 3) / 9 = 11 / 9; 3 and 2 versions in a completion; 2 switches."""
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+    metrics = version_metrics(3, [[2, 4], [4, 5]], mask, 6)
+    expected = {
+        "charts/token_share_lag0": 2 / 9,
+        "charts/token_share_lag1": 3 / 9,
+        "charts/token_share_lag2": 4 / 9,
+        "charts/token_staleness": 11 / 9,
+        "charts/versions_per_completion": 2.5,
+        "charts/versions_per_completion_max": 3.0,
+        "charts/switches": 2.0,
+    }
+    assert {k: float(v) for k, v in metrics.items()} == pytest.approx(expected, abs=1e-6)
+
+
+def test_interrupted_rollouts_take_each_tokens_log_prob_from_the_version_that_sampled_it():
+    """The generator with --interrupt-every 1 at eta 1 and a stand-in trainer: batch 2 starts with version 0 and,
+    after its first token, waits for version 1 (published later, with other weights), loads it and goes on. Its
+    first tokens' behaviour log-probs are version 0's, the later ones version 1's, each equal to a fresh forward
+    pass of that version over the same prefix; batch 1, which no newer version may reach (its step trains version
+    0), never switches."""
+    import async_grpo
+
+    args = async_grpo.Args(dtype="float32", num_steps=3, max_staleness=1, interrupt_every=1, cuda=False)
+    args.prompts_per_step, args.group_size = 4, 2
+    device = torch.device("cpu")
+    tokenizer = async_grpo.load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    versions = [async_grpo.load_model(args.model_name_or_path, args, device, frozen=True) for _ in range(2)]
+    with torch.no_grad():
+        for weight in versions[1].parameters():
+            weight.add_(0.02 * torch.randn_like(weight))
+    stop_ids = async_grpo.stop_token_ids(tokenizer, versions[0])
+    records = async_grpo.addition_task(10)[0][:50]
+    torch.manual_seed(3)
+    generator = async_grpo.Generator(versions[0], tokenizer, records, stop_ids, random.Random(3), args, device, 0)
+    batches = [generator.take()]
+    generator.publish(1, versions[1])  # the trainer, after step 1
+    batches.append(generator.take())
+    assert batches[0][5] == 0 and batches[0][7] == [] and batches[1][5] == 0 and batches[1][7] == [[1, 1]]
+    _, prompt_ids, prompt_mask, completion_ids, behav, *_ = batches[1]
+    mask = async_grpo.completion_mask(completion_ids, stop_ids)
+    ids, attention = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask.long()], 1)
+    with torch.no_grad():
+        fresh = [async_grpo.token_logprobs(v, ids, attention, prompt_ids.shape[1], 1.0) for v in versions]
+    assert mask[:, 1:].sum() > 0
+    for version, tokens in ((0, slice(0, 1)), (1, slice(1, None))):
+        m = mask[:, tokens].bool()
+        torch.testing.assert_close(behav[:, tokens][m], fresh[version][:, tokens][m], atol=1e-5, rtol=0)
+    assert (fresh[0][:, 1:][mask[:, 1:].bool()] - behav[:, 1:][mask[:, 1:].bool()]).abs().max() > 1e-3
+
+
+def test_same_seed_same_run_with_interruption(tmp_path):
+    """--interrupt-every 2 at eta 2, twice with the same seed: the same metrics (the switches fall on tokens the
+    schedule fixes, whatever the threads' timing), with switches made and tokens of more than one version."""
+    flags = RL + ["--max-staleness", "2", "--interrupt-every", "2", "--num-steps", "6"]
+    for name in ("a", "b"):
+        run_script("async_grpo.py", *flags, "--output-dir", str(tmp_path / name))
+    a, b = (untimed(read_metrics(str(tmp_path / name))) for name in ("a", "b"))
+    assert len(a) == 7
+    assert_same_records(a, b)
+    assert (
+        sum(m["charts/switches"] for m in a[1:]) > 0 and max(m["charts/versions_per_completion_max"] for m in a[1:]) > 1
+    )
+
+
 def test_publish_copies_the_weights_only_once_the_generator_took_the_last_ones():
     """At most one copy waits beside the generator's own: publish waits, then copies (it copied first, and a second
     copy could wait beside the one not yet taken)."""
@@ -188,7 +266,8 @@ def test_publish_copies_the_weights_only_once_the_generator_took_the_last_ones()
     policy = torch.nn.Module()  # a model whose state_dict counts its calls
     policy.state_dict = lambda: copies.append(1) or {"w": torch.ones(2)}
     generator = Generator.__new__(Generator)
-    generator.args = SimpleNamespace(max_staleness=0, num_steps=10)
+    generator.args = SimpleNamespace(max_staleness=0, num_steps=10, interrupt_every=0)
+    generator.next_batch = 3  # batches 3 to 10 are still to sample
     generator.model = SimpleNamespace(state_dict=lambda: {"w": torch.zeros(2)})
     generator.device, generator.lock, generator.error = torch.device("cpu"), threading.Condition(), None
     generator.waiting = (1, {"w": torch.zeros(2)})  # version 1, not yet taken
@@ -219,7 +298,7 @@ def test_the_generator_draws_nothing_while_evaluate_samples(pause, monkeypatch):
     fork_open, drawn_inside, evaluated = threading.Event(), threading.Event(), threading.Event()
     generator = None
 
-    def stand_in_sample(self):  # a batch of one random number, drawn as generate() would draw its tokens
+    def stand_in_sample(self, batch):  # a batch of one random number, drawn as generate() would draw its tokens
         if self.next_batch > 1:  # the later batches once evaluate() has returned
             evaluated.wait(timeout=30)
         deadline = time.monotonic() + 30
@@ -269,6 +348,7 @@ def test_the_generator_draws_nothing_while_evaluate_samples(pause, monkeypatch):
     [
         (["--no-decoupled", "--behav-imp-cap", "3"], {}, "--behav-imp-cap 3.0 with --no-decoupled: the cap limits"),
         ([], {"LOCAL_RANK": "0"}, "torchrun: async_grpo.py runs on one process"),
+        (["--interrupt-every", "2", "--save-every", "5"], {}, "--interrupt-every 2 with --save-every 5: a checkpoint"),
     ],
 )
 def test_bad_input_is_one_line(flags, env, message, tmp_path):

@@ -133,6 +133,45 @@ def check_the_loop(name, model, tokenizer, ids, mask, stops, monkeypatch, tolera
         assert torch.equal(greedy, reference), name
 
 
+def test_a_switch_mid_rollout_samples_each_token_under_the_weights_of_its_time():
+    """AReaL's interruption on the shared loop (async_grpo.py --interrupt-every): a stand-in switch loads version
+    v + 1 between tokens 3 and 4 of a rollout. The log-probs of tokens 0-3 are version v's and those from token 4
+    on version v + 1's, each equal to a fresh forward pass of that version over the same prompt and prefix (the
+    rebuilt cache gives its logits, on left-padded prompts of unequal lengths); a switch that changes nothing gives
+    the loop's rollout without one, token for token."""
+    import copy
+
+    prompt_ids = torch.tensor([[0, 0, 0, 11, 12], [0, 21, 22, 23, 24], [31, 32, 33, 34, 35]])
+    prompt_mask, pad = (prompt_ids != 0).long(), SimpleNamespace(pad_token_id=0)
+    version = [tiny("llama"), tiny("llama")]
+    with torch.no_grad():
+        for weight in version[1].parameters():
+            weight.add_(0.05 * torch.randn_like(weight))
+    sampler, asked = copy.deepcopy(version[0]), []
+
+    def switch(t):
+        asked.append(t)
+        if t == 4:
+            sampler.load_state_dict(version[1].state_dict())
+        return t == 4
+
+    torch.manual_seed(5)
+    tokens, logprobs = generate(sampler, pad, prompt_ids, prompt_mask, 8, 1.0, [-1], with_logprobs=True, switch=switch)
+    assert asked == [1, 2, 3, 4, 5, 6, 7] and tokens.shape == (3, 8)  # between every two of the 8 tokens
+    full_ids, full_mask = torch.cat([prompt_ids, tokens], 1), torch.cat([prompt_mask, torch.ones_like(tokens)], 1)
+    with torch.no_grad():
+        fresh = [token_logprobs(model, full_ids, full_mask, prompt_ids.shape[1], 1.0) for model in version]
+    torch.testing.assert_close(logprobs[:, :4], fresh[0][:, :4], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logprobs[:, 4:], fresh[1][:, 4:], atol=1e-5, rtol=0)
+    assert (fresh[0][:, 4:] - fresh[1][:, 4:]).abs().max() > 1e-2  # the two versions are told apart
+    sampler.load_state_dict(version[0].state_dict())
+    torch.manual_seed(5)
+    unswitched = generate(sampler, pad, prompt_ids, prompt_mask, 8, 1.0, [-1], with_logprobs=True)
+    torch.manual_seed(5)
+    no_change = generate(sampler, pad, prompt_ids, prompt_mask, 8, 1.0, [-1], True, lambda t: False)
+    assert torch.equal(unswitched[0], no_change[0]) and torch.equal(unswitched[1], no_change[1])
+
+
 class CountSyncs(TorchDispatchMode):
     """Counts the operations that make the host wait for the device (a value read back, a shape that depends on
     one), and the forward passes' tokens."""
