@@ -117,9 +117,7 @@ class Args:
     max_staleness: int = 2  # eta: a batch is sampled at most this many policy versions before it is trained (0: sync)
     decoupled: bool = True  # the decoupled objective (clip centred on pi_prox); --no-decoupled centres it on pi_behav
     behav_imp_cap: float = 5.0  # a token whose weight pi_prox / pi_behav exceeds this is left out (AReaL's filter)
-    interrupt_every: int = (
-        0  # AReaL's interruption: every this many tokens a rollout moves to the next version (0: off)
-    )
+    interrupt_every: int = 0  # AReaL's interruption: after every n tokens a rollout moves to a newer version (0: off)
 
     # to be filled in at runtime (not flags: the command line cannot set them)
     batch_size: tyro.conf.Suppress[int] = 0  # completions per batch of rollouts (prompts_per_step * group_size)
@@ -288,7 +286,8 @@ class Generator:
     """AReaL's rollout worker; the trainer takes its batches oldest first (take) and hands it each new version of
     its weights (publish). Version i is the policy after i training steps; batch k, the one step k trains on, starts
     once version k - 1 - eta is out (eq. 3), and is sampled with exactly that one (version 0 for the first eta + 1).
-    With --interrupt-every n it moves to the next version after every n tokens, up to version k - 1 (switch)."""
+    With --interrupt-every n it starts with the newest version it holds (that one or newer) and moves to the next
+    after every n tokens, up to version k - 1 (switch)."""
 
     def __init__(self, policy, tokenizer, records, stop_ids, data_rng, args, device, version, finished=()):
         self.model = load_model(args.model_name_or_path, args, device, frozen=True).to(getattr(torch, args.dtype))
@@ -1564,7 +1563,8 @@ def rollout_weights(model, compiled):
     (the model's own weights: an eager step's autocast casts each once a rollout by itself, a compiled step's at
     every token, which reads 3 bytes a parameter more)."""
     dtype = getattr(unwrap(model), "compute_dtype", torch.float32)
-    if not compiled or dtype == torch.float32:
+    held = next(model.parameters()).dtype  # async_grpo.py's generator holds its weights in --dtype already
+    if not compiled or dtype in (torch.float32, held):
         return {}
     weights = unwrap(model).__dict__.setdefault("rollout_weights", {})
     linears = [(name, m) for name, m in unwrap(model).get_decoder().named_modules() if isinstance(m, torch.nn.Linear)]

@@ -1359,7 +1359,8 @@ def rollout_weights(model, compiled):
     (the model's own weights: an eager step's autocast casts each once a rollout by itself, a compiled step's at
     every token, which reads 3 bytes a parameter more)."""
     dtype = getattr(unwrap(model), "compute_dtype", torch.float32)
-    if not compiled or dtype == torch.float32:
+    held = next(model.parameters()).dtype  # async_grpo.py's generator holds its weights in --dtype already
+    if not compiled or dtype in (torch.float32, held):
         return {}
     weights = unwrap(model).__dict__.setdefault("rollout_weights", {})
     linears = [(name, m) for name, m in unwrap(model).get_decoder().named_modules() if isinstance(m, torch.nn.Linear)]

@@ -93,6 +93,7 @@ RANGES = {
         **CLIPPED,
         "beta": NON_NEGATIVE,
         "max_staleness": NON_NEGATIVE,
+        "interrupt_every": NON_NEGATIVE,
         "behav_imp_cap": (1, True, None, False),
     },
     "rloo.py": {**COMMON, **TRAINED_LM, **GROUP, **VLLM, "beta": NON_NEGATIVE},

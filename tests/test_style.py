@@ -27,12 +27,14 @@ MAIN = {
 # rloo.py, dpo 180 against reward_model.py, process_grpo 144 and tool_grpo 299 (and 94 of grpo.py's vLLM code it
 # lacks) and dapo 133 against grpo.py. Issue 53 added 17 to process_grpo (the last step capped by the answer, the
 # step ends in one pass), 37 to tool_grpo (calls read off the chat template's own call, so Qwen3's and Llama 3.1's
-# work; calls run counted apart from calls written) and 13 to dapo (no update on a step with no token to train on)
+# work; calls run counted apart from calls written) and 13 to dapo (no update on a step with no token to train on).
+# Issue 55's layout took 6 from process_grpo (grpo_loss, not a copy) and 4 from tool_grpo (no --vllm to refuse);
+# issue 56 added 51 to async_grpo (234 to 285: --interrupt-every's switch, its flag checks and version metrics)
 DIFF = {
     "rloo.py": 125,
     "gspo.py": 80,
     "cispo.py": 80,
-    "async_grpo.py": 255,
+    "async_grpo.py": 290,
     "ppo.py": 330,
     "dpo.py": 185,
     "process_grpo.py": 150,
