@@ -432,7 +432,8 @@ def completion_batch(tokenizer, prompts, completions, device, args, max_length=N
 
 
 # ==== Everything below this line is the same in every file, byte for byte (tests/test_shared.py checks it) ====
-# the order in which grpo.py's main() first calls it; what grpo.py never calls at the end
+# Why each piece is as it is, with its measurements: docs/gpu.md, docs/distributed.md, docs/outputs.md; laid out
+# in the order in which grpo.py's main() first calls it, what grpo.py never calls at the end
 
 # the range of each numeric flag that every file has; each file adds its own
 COMMON_RANGES = {

