@@ -211,7 +211,7 @@ def main(args):
     check_args(args)
     device = setup(args)
     rank = rank_and_world()[0]
-    num_prompts, batch_size, minibatch_size = batch_sizes(args)  # this process's, each step
+    num_prompts, _, minibatch_size = batch_sizes(args)  # this process's prompts and minibatch, each step
     checkpoint = checkpoint_to_resume(args)  # --resume-from: the run's last checkpoint, its flags checked
     output_dir = make_output_dir(args, checkpoint)
 
@@ -269,7 +269,7 @@ def main(args):
         policy.train()
         step_stats, rollout_stats, grad_norms = [], [], []
         token_mask = None  # a micro-batch's share: of the minibatch's completions
-        for minibatch in minibatches(batch_size, minibatch_size, args.num_iterations, shuffle_gen, device):
+        for minibatch in minibatches(attention_mask, minibatch_size, args.num_iterations, shuffle_gen):
             optimizer.zero_grad()
             for i, share in micro_batches(minibatch, args.micro_batch_size, [policy], token_mask):
                 logprobs = token_logprobs(policy, input_ids[i], attention_mask[i], prompt_len, args.temperature)
@@ -908,22 +908,30 @@ def no_signal_note(step, rewards, group_size, signal):
 
 @torch.no_grad()
 def batched_logprobs(model, input_ids, attention_mask, prompt_len, temperature, batch_size):
-    """token_logprobs (B, T) in batches of batch_size, without gradient; None for no model (no reference)."""
+    """token_logprobs (B, T) in batches of batch_size rows of like length (less padding computed), without gradient;
+    None for no model (no reference)."""
     if model is None:
         return None
     model.eval()
-    batches = [slice(i, i + batch_size) for i in range(0, len(input_ids), batch_size)]
-    return torch.cat([token_logprobs(model, input_ids[b], attention_mask[b], prompt_len, temperature) for b in batches])
+    order = attention_mask.sum(dim=1).argsort(stable=True)
+    logprobs = [
+        token_logprobs(model, input_ids[b], attention_mask[b], prompt_len, temperature) for b in order.split(batch_size)
+    ]
+    return torch.cat(logprobs)[order.argsort()]  # in the batch's order again
 
 
 def adapters_off(model):  # `with adapters_off(policy):` the policy without its LoRA adapters: the reference
     return getattr(unwrap(model), "disable_adapter", contextlib.nullcontext)()
 
 
-def minibatches(size, minibatch_size, passes, generator, device):
-    """The index blocks of `passes` passes over a batch of `size`, each pass shuffled anew and cut in minibatches."""
+def minibatches(attention_mask, minibatch_size, passes, generator):
+    """The row blocks of `passes` passes over a batch (attention_mask (B, L)), each pass shuffled anew and cut in
+    minibatches, each minibatch's rows in order of length: its micro-batches hold rows of like length, and compute
+    little padding (token_logprobs cuts the columns no row attends to)."""
+    lengths = attention_mask.sum(dim=1)
     for _ in range(passes):
-        yield from torch.randperm(size, generator=generator).to(device).split(minibatch_size)
+        for minibatch in torch.randperm(len(lengths), generator=generator).to(lengths.device).split(minibatch_size):
+            yield minibatch[lengths[minibatch].argsort(stable=True)]
 
 
 def micro_batches(minibatch, size, models, token_mask=None):
@@ -950,18 +958,20 @@ def gradient_sync(last, *models):
 def token_logprobs(
     model, input_ids, attention_mask, prompt_len, temperature=1.0, with_entropy=False, chunk_values=2**26
 ):
-    """Log-probs (B, T) of the completion tokens input_ids[:, prompt_len:], float32 (and entropies (B, T)).
+    """Log-probs (B, T) of the completion tokens input_ids[:, prompt_len:], float32, 0 on the last columns that no
+    row attends to (and entropies (B, T)).
 
     input_ids = [PAD, PAD, 4, 7, 13 | 5, 5, EOS]   left-padded prompt | completion (T = 3)
     attention = [0,   0,   1, 1, 1  | 1, 1, 1  ]   positions [0, 0, 0, 1, 2 | 3, 4, 5], as in generate()
     The state at prompt_len - 1 + t predicts token t; chunk_values logits at a time (docs/gpu.md).
     """
     length = input_ids.shape[1] - prompt_len
+    input_ids, attention_mask, prompt_len, kept = attended(input_ids, attention_mask, prompt_len)
     if own_logits(model):  # its own logits, under autocast
-        hidden = forward(model, input_ids, attention_mask, logits_to_keep=length + 1).logits[:, :-1]  # (B, T, vocab)
+        hidden = forward(model, input_ids, attention_mask, logits_to_keep=kept + 1).logits[:, :-1]  # (B, T', vocab)
         weight, bias, vocab = None, None, hidden.shape[-1]
     else:  # the output layer's weight and bias, multiplied in float32 below
-        hidden = hidden_states(model, input_ids, attention_mask)[:, -length - 1 : -1]  # (B, T, d)
+        hidden = hidden_states(model, input_ids, attention_mask)[:, -kept - 1 : -1]  # (B, T', d)
         head = unwrap(model).get_output_embeddings()
         weight, bias, vocab = head.weight, head.bias, head.weight.shape[0]
     hidden, targets = hidden.flatten(0, 1), input_ids[:, prompt_len:].flatten()  # (B T, d or vocab), (B T,)
@@ -988,10 +998,20 @@ def token_logprobs(
             )
         else:
             chunks.append(chunk(*part))
-    logprobs = torch.cat([c[0] for c in chunks]).view(-1, length)  # (B, T)
+    cut = (0, length - kept)  # (B, T') then 0 on the columns cut off: (B, T)
+    logprobs = torch.nn.functional.pad(torch.cat([c[0] for c in chunks]).view(-1, kept), cut)
     if with_entropy:
-        return logprobs, torch.cat([c[1] for c in chunks]).view(-1, length)
+        return logprobs, torch.nn.functional.pad(torch.cat([c[1] for c in chunks]).view(-1, kept), cut)
     return logprobs
+
+
+def attended(input_ids, attention_mask, prompt_len):
+    """input_ids and attention_mask without the columns at either end that no row attends to (a micro-batch of short
+    rows does not compute the padding its batch's longest rows gave it), prompt_len in them, and the completion
+    positions kept; the positions, and so every kept log-prob, are the same."""
+    used = attention_mask.any(dim=0).nonzero()[:, 0]  # reads the mask back: once a forward pass, not a token
+    first, end = min(int(used[0]), prompt_len - 1), max(int(used[-1]) + 1, prompt_len + 1)
+    return input_ids[:, first:end], attention_mask[:, first:end], prompt_len - first, end - prompt_len
 
 
 def own_logits(model):
@@ -1012,10 +1032,14 @@ def hidden_states(model, input_ids, attention_mask):
     states, causal_lm = [], unwrap(model).get_output_embeddings() is not None
     hook = unwrap(model).get_decoder().register_forward_hook(lambda module, inputs, out: states.append(out[0]))
     try:
-        forward(model, input_ids, attention_mask, **({"logits_to_keep": 1} if causal_lm else {}))  # its last logits
+        forward(model, input_ids, attention_mask, **({"logits_to_keep": no_logits(input_ids)} if causal_lm else {}))
     finally:
         hook.remove()
     return states[0]
+
+
+def no_logits(input_ids):  # logits_to_keep for no position: the output layer's product is made in float32 by hand
+    return torch.zeros(0, dtype=torch.long, device=input_ids.device)
 
 
 def rows(tensor, idx):  # tensor[idx], or None (a run without a reference, or without an engine, has no log-probs)
@@ -1286,7 +1310,7 @@ def next_logits(model, ids, positions, inputs, own, weights):
         states = []
         hook = causal_lm.get_decoder().register_forward_hook(lambda module, args, out: states.append(out[0]))
         try:
-            causal_lm(**inputs, logits_to_keep=1)
+            causal_lm(**inputs, logits_to_keep=no_logits(ids))
         finally:
             hook.remove()
         hidden = states[0][:, -1]

@@ -15,9 +15,11 @@ import reading  # noqa: E402
 
 from grpo import (
     addition_task,
+    batched_logprobs,
     completion_mask,
     last_number,
     masked_mean,
+    minibatches,
     prompt_answer,
     reward_fn,
     token_logprobs,
@@ -355,6 +357,91 @@ def test_chunked_logprobs_and_gradients_equal_the_plain_computation(tied, chunk_
     for name in plain[2]:
         torch.testing.assert_close(chunked[2][name], plain[2][name], atol=1e-5, rtol=1e-4, msg=name)
     assert plain[2]["output layer"].abs().sum() > 0 and plain[2]["model.norm.weight"].abs().sum() > 0
+
+
+def test_a_micro_batch_computes_only_the_columns_some_row_attends_to():
+    """Three rows whose prompts share 2 columns of left padding and whose completions all end 2 columns before the
+    batch's end: the forward pass sees the 8 columns between (not 12), the output layer makes no logits of its own,
+    and the log-probs, entropies and gradients of the attended positions equal the plain computation's over all 12
+    columns; the 2 columns cut off get log-prob 0."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    input_ids = torch.randint(3, 300, (3, 12))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[:, :2] = 0  # every prompt has 2 padding columns, the first one 3
+    attention_mask[0, 2] = 0
+    prompt_len = 6  # 6 completion columns: the rows end after 1, 4 and 3 of them
+    for row, end in enumerate([7, 10, 9]):
+        attention_mask[row, end:] = 0
+    loss_mask = attention_mask[:, prompt_len:].bool()
+    widths, logit_rows = [], []
+    model.model.embed_tokens.register_forward_hook(lambda module, args, out: widths.append(args[0].shape[1]))
+    model.lm_head.register_forward_hook(lambda module, args, out: logit_rows.append(out.shape[1]))
+
+    def gradients(compute):
+        model.zero_grad()
+        logprobs, entropy = compute()
+        (torch.where(loss_mask, logprobs + entropy, 0.0).sum()).backward()
+        return logprobs.detach(), entropy.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    cut = gradients(lambda: token_logprobs(model, input_ids, attention_mask, prompt_len, 0.7, with_entropy=True))
+    assert widths == [8] and logit_rows == [0]
+    plain = gradients(lambda: plain_logprobs(model, input_ids, attention_mask, prompt_len, 0.7))
+    assert widths == [8, 12]
+    torch.testing.assert_close(cut[0][loss_mask], plain[0][loss_mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cut[1][loss_mask], plain[1][loss_mask], atol=1e-5, rtol=1e-5)
+    assert (cut[0][:, 4:] == 0).all() and (cut[1][:, 4:] == 0).all() and (cut[0][1, :4] != 0).all()
+    for name in plain[2]:
+        torch.testing.assert_close(cut[2][name], plain[2][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_minibatches_hold_the_shuffled_rows_in_order_of_length():
+    """Two passes over 8 rows in minibatches of 4: each pass's minibatches hold the rows a shuffle of the generator
+    puts together (every row once), each in order of attended length, ties in the shuffle's order."""
+    attention_mask = torch.zeros(8, 6, dtype=torch.long)
+    for row, length in enumerate([5, 1, 3, 3, 6, 2, 4, 1]):
+        attention_mask[row, :length] = 1
+    got = list(minibatches(attention_mask, 4, 2, torch.Generator().manual_seed(5)))
+    generator = torch.Generator().manual_seed(5)
+    shuffled = [block for _ in range(2) for block in torch.randperm(8, generator=generator).split(4)]
+    assert len(got) == 4
+    for block, rows in zip(got, shuffled):
+        lengths = attention_mask.sum(1)[block]
+        assert sorted(block.tolist()) == sorted(rows.tolist()) and (lengths[1:] >= lengths[:-1]).all()
+        for a, b in zip(block[:-1].tolist(), block[1:].tolist()):  # equal lengths keep the shuffle's order
+            assert attention_mask[a].sum() < attention_mask[b].sum() or rows.tolist().index(a) < rows.tolist().index(b)
+    assert torch.cat(got[:2]).sort().values.tolist() == list(range(8))
+
+
+def test_batched_logprobs_are_in_the_batchs_order_from_batches_of_like_length():
+    """Six rows of completions 1 to 6 tokens long, in batches of 2: the log-probs of each row where the row attends
+    (to 1e-5) are those of the row alone, in the batch's order; the forward passes see batches of like length (the
+    two shortest rows: 5 columns, not 10)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    input_ids = torch.randint(3, 300, (6, 10))
+    attention_mask = torch.ones_like(input_ids)
+    for row, length in enumerate([4, 1, 6, 2, 5, 3]):  # the completion's; every prompt is 4 tokens
+        attention_mask[row, 4 + length :] = 0
+    widths = []
+    model.model.embed_tokens.register_forward_hook(lambda module, args, out: widths.append(args[0].shape[1]))
+    logprobs = batched_logprobs(model, input_ids, attention_mask, 4, 0.7, 2)
+    assert widths == [6, 8, 10]
+    for row in range(6):
+        n = int(attention_mask[row].sum()) - 4
+        alone = token_logprobs(model, input_ids[row : row + 1, : 4 + n], attention_mask[row : row + 1, : 4 + n], 4, 0.7)
+        torch.testing.assert_close(logprobs[row, :n], alone[0].detach(), atol=1e-5, rtol=1e-5)
 
 
 def test_with_gradient_no_logits_beyond_one_chunk_are_kept_for_the_backward_pass():
