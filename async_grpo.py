@@ -1113,8 +1113,7 @@ def no_signal_note(step, rewards, group_size, signal):
 
 @torch.no_grad()
 def batched_logprobs(model, input_ids, attention_mask, prompt_len, temperature, batch_size):
-    """token_logprobs (B, T) in batches of batch_size rows of like length (less padding computed), without gradient;
-    None for no model (no reference)."""
+    """token_logprobs (B, T) without gradient, in batches of batch_size rows of like length; None for no model."""
     if model is None:
         return None
     model.eval()
@@ -1130,9 +1129,7 @@ def adapters_off(model):  # `with adapters_off(policy):` the policy without its 
 
 
 def minibatches(attention_mask, minibatch_size, passes, generator):
-    """The row blocks of `passes` passes over a batch (attention_mask (B, L)), each pass shuffled anew and cut in
-    minibatches, each minibatch's rows in order of length: its micro-batches hold rows of like length, and compute
-    little padding (token_logprobs cuts the columns no row attends to)."""
+    """Row blocks of `passes` shuffled passes over a batch (attention_mask), each in order of length: less padding."""
     lengths = attention_mask.sum(dim=1)
     for _ in range(passes):
         for minibatch in torch.randperm(len(lengths), generator=generator).to(lengths.device).split(minibatch_size):
@@ -1163,8 +1160,7 @@ def gradient_sync(last, *models):
 def token_logprobs(
     model, input_ids, attention_mask, prompt_len, temperature=1.0, with_entropy=False, chunk_values=2**26
 ):
-    """Log-probs (B, T) of the completion tokens input_ids[:, prompt_len:], float32, 0 on the last columns that no
-    row attends to (and entropies (B, T)).
+    """Log-probs (B, T) of the completion tokens input_ids[:, prompt_len:], float32 (and entropies (B, T)).
 
     input_ids = [PAD, PAD, 4, 7, 13 | 5, 5, EOS]   left-padded prompt | completion (T = 3)
     attention = [0,   0,   1, 1, 1  | 1, 1, 1  ]   positions [0, 0, 0, 1, 2 | 3, 4, 5], as in generate()
@@ -1211,9 +1207,8 @@ def token_logprobs(
 
 
 def attended(input_ids, attention_mask, prompt_len):
-    """input_ids and attention_mask without the columns at either end that no row attends to (a micro-batch of short
-    rows does not compute the padding its batch's longest rows gave it), prompt_len in them, and the completion
-    positions kept; the positions, and so every kept log-prob, are the same."""
+    """input_ids and attention_mask without the columns at either end that no row attends to (their log-probs: 0),
+    prompt_len in them, and the completion positions kept; the positions, and so every kept log-prob, are the same."""
     used = attention_mask.any(dim=0).nonzero()[:, 0]  # reads the mask back: once a forward pass, not a token
     first, end = min(int(used[0]), prompt_len - 1), max(int(used[-1]) + 1, prompt_len + 1)
     return input_ids[:, first:end], attention_mask[:, first:end], prompt_len - first, end - prompt_len
