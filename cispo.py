@@ -1005,8 +1005,8 @@ def token_logprobs(
 def attended(input_ids, attention_mask, prompt_len):
     """input_ids and attention_mask without the columns at either end that no row attends to (their log-probs: 0),
     prompt_len in them, and the completion positions kept; the positions, and so every kept log-prob, are the same."""
-    used = attention_mask.any(dim=0).nonzero()[:, 0]  # reads the mask back: once a forward pass, not a token
-    first, end = min(int(used[0]), prompt_len - 1), max(int(used[-1]) + 1, prompt_len + 1)
+    first, last = attention_mask.any(dim=0).nonzero()[[0, -1], 0].tolist()  # reads the mask: once a forward pass
+    first, end = min(first, prompt_len - 1), max(last + 1, prompt_len + 1)
     return input_ids[:, first:end], attention_mask[:, first:end], prompt_len - first, end - prompt_len
 
 

@@ -306,6 +306,21 @@ def plain_logprobs(model, input_ids, attention_mask, prompt_len, temperature):
     return logprobs.gather(-1, input_ids[:, prompt_len:, None]).squeeze(-1), entropy
 
 
+def tiny_llama(layers, tied=False):
+    """A random Llama of width 32 and a 300-token vocabulary, the same weights for the same arguments."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )
+    return AutoModelForCausalLM.from_config(config)
+
+
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("chunk_positions", [3, 10])
 def test_chunked_logprobs_and_gradients_equal_the_plain_computation(tied, chunk_positions):
@@ -313,17 +328,7 @@ def test_chunked_logprobs_and_gradients_equal_the_plain_computation(tied, chunk_
     temperature 0.7, left padding: the same log-probs and entropies, and the same gradient for every
     parameter, the output layer's (tied to the input embedding or not) and the decoder's (through the
     hidden states)."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        tie_word_embeddings=tied,
-    )
-    model = AutoModelForCausalLM.from_config(config)
+    model = tiny_llama(layers=2, tied=tied)
     model.lm_head.bias = None
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     input_ids = torch.randint(3, 300, (2, 9))
@@ -364,16 +369,7 @@ def test_a_micro_batch_computes_only_the_columns_some_row_attends_to():
     batch's end: the forward pass sees the 8 columns between (not 12), the output layer makes no logits of its own,
     and the log-probs, entropies and gradients of the attended positions equal the plain computation's over all 12
     columns; the 2 columns cut off get log-prob 0."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-    )
-    model = AutoModelForCausalLM.from_config(config)
+    model = tiny_llama(layers=2)
     input_ids = torch.randint(3, 300, (3, 12))
     attention_mask = torch.ones_like(input_ids)
     attention_mask[:, :2] = 0  # every prompt has 2 padding columns, the first one 3
@@ -424,12 +420,8 @@ def test_minibatches_hold_the_shuffled_rows_in_order_of_length():
 def test_batched_logprobs_are_in_the_batchs_order_from_batches_of_like_length():
     """Six rows of completions 1 to 6 tokens long, in batches of 2: the log-probs of each row where the row attends
     (to 1e-5) are those of the row alone, in the batch's order; the forward passes see batches of like length (the
-    two shortest rows: 5 columns, not 10)."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
-    )
-    model = AutoModelForCausalLM.from_config(config)
+    two shortest rows: 6 columns, not 10)."""
+    model = tiny_llama(layers=1)
     input_ids = torch.randint(3, 300, (6, 10))
     attention_mask = torch.ones_like(input_ids)
     for row, length in enumerate([4, 1, 6, 2, 5, 3]):  # the completion's; every prompt is 4 tokens
@@ -449,16 +441,7 @@ def test_with_gradient_no_logits_beyond_one_chunk_are_kept_for_the_backward_pass
     (other than the weights) add up to at most one chunk's logits, since each chunk is recomputed in the
     backward pass; the plain computation keeps all 10 positions' logits, and so would the chunks without
     recomputation."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-    )
-    model = AutoModelForCausalLM.from_config(config)
+    model = tiny_llama(layers=1)
     input_ids = torch.randint(3, 300, (2, 9))
     attention_mask = torch.ones_like(input_ids)
 
