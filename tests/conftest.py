@@ -40,6 +40,32 @@ IN_PROCESS = (
 )
 
 
+def pytest_configure(config):
+    """pytest.ini runs the suite on every core (pytest-xdist, -n auto): each worker's torch, and the processes its
+    tests start, get the worker's share of the cores (threads beyond the cores make every worker wait on the
+    others)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers:
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // workers)))
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    """--dist loadgroup (pytest.ini): the tests that take the same module-scoped fixture (a benchmark's runs, a
+    harness process) go to one worker, which makes it once; a parametrized one makes a group a parameter."""
+    for item in items:
+        info, params = item._fixtureinfo, getattr(getattr(item, "callspec", None), "params", {})
+        groups = [
+            f"{item.module.__name__}.{name}" + (f"-{params[name]}" if name in params else "")  # no "]": xdist
+            for name in info.argnames  # reads a group's name after the last "@" that follows the last "]"
+            if info.name2fixturedefs.get(name) and info.name2fixturedefs[name][-1].scope == "module"
+        ]
+        assert len(groups) <= 1, f"{item.nodeid} takes two module-scoped fixtures: give them one group"
+        if groups:
+            item.add_marker(pytest.mark.xdist_group(groups[0]))
+
+
 def run_script(*argv, cwd=ROOT, expect_ok=True, timeout=900, env=None, subprocess_only=False):
     """`python *argv`, offline (and with `env` added): an algorithm file in this process (run_here), which spares
     the interpreter's and torch's start-up; anything else, or a run with an env of its own, in a subprocess. Fails

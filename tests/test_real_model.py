@@ -180,3 +180,31 @@ def test_the_folder_script_says_what_cannot_be_had(tmp_path):
     (tmp_path / "model").mkdir()  # a folder the script did not finish is never taken for a built one
     proc = run_script("benchmarks/smollm2.py", "--out", out, expect_ok=False)
     assert "exists but was not finished by this script" in one_line_error(proc)
+
+
+def test_two_builds_at_once_make_the_folder_once(tmp_path):
+    """The suite's parallel workers may ask for the folder together: a second benchmarks/smollm2.py waits on the
+    first one's lock, then finds the folder built and leaves it as it is (the lock held here stands in for a
+    build under way)."""
+    import fcntl
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "model"
+    with open(f"{out}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        second = subprocess.Popen(
+            [sys.executable, "benchmarks/smollm2.py", "--out", str(out)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(3)
+        assert second.poll() is None, second.communicate()  # waiting, not building, not failing on a half folder
+        out.mkdir()  # what the first build leaves: its source.json written last
+        (out / "source.json").write_text("{}")
+    stdout, stderr = second.communicate(timeout=60)
+    assert second.returncode == 0 and "is already built" in stdout, stderr
+    assert os.listdir(out) == ["source.json"]
