@@ -31,6 +31,7 @@ import random
 import re
 import shutil
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Literal
@@ -1453,47 +1454,56 @@ def generate(
     switch(t), if given, is called between token t - 1 and token t; True says that the model's weights changed (AReaL's
     interruption, async_grpo.py): the cache is then computed again, under the new weights, from the prompts and the
     tokens drawn so far, and the rollout goes on from it."""
-    steps, device = max_new_tokens, prompt_ids.device
+    steps, device, size = max_new_tokens, prompt_ids.device, len(prompt_ids)
     if dist.is_initialized():  # as many tokens as the process that asks for the most (tool_grpo.py's turns)
         steps = int(all_sum(torch.tensor(max_new_tokens, device=device), dist.ReduceOp.MAX))
-    step, compiled, every = next_logits, compiles(model), stop_check_every(device)
-    size, width = prompt_ids.shape
-    length = width + steps  # the cache's
-    if compiled:  # prompts and caches in a few widths, so that the compiled step's shapes come back
+    step, compiled, every = decode_step, compiles(model), stop_check_every(device)
+    if compiled:  # prompts in a few widths, every rollout in the shape of the model's one cache (rollout_cache)
         step = compiled_step(model)
         prompt_ids, prompt_mask = left_pad(prompt_ids, tokenizer.pad_token_id, 64), left_pad(prompt_mask, 0, 64)
-        width = prompt_ids.shape[1]
-        length = width + steps + (-steps % 64)
-    mask = torch.cat([prompt_mask, prompt_mask.new_ones(size, length - width)], dim=1)  # (B, length); causal on top
-    position = prompt_mask.sum(dim=1, keepdim=True)  # (B, 1): the first new token's
-    cache, own = static_cache(model, size, length, compiled), own_logits(model)
+    width = prompt_ids.shape[1]
+    cache, own = rollout_cache(model, size, width + steps, compiled), own_logits(model)
+    rows, length = cache.rows, cache.length  # rows past the batch's: copies of its first prompt, stopped at once
+    prompt_ids, prompt_mask = pad_rows(prompt_ids, rows), pad_rows(prompt_mask, rows)
+    mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, length - width)], dim=1)  # (rows, length); causal on top
+    position = prompt_mask.sum(dim=1, keepdim=True)  # (rows, 1): the first new token's
     inputs, weights = rollout_inputs(model, mask, cache), rollout_weights(model, compiled)
-    positions = (prompt_mask.cumsum(1) - 1).clamp(0)  # (B, P): the prompts'
-    stops = torch.tensor(stop_ids, device=device)
-    tokens, logprobs, done = [], [], torch.zeros(size, dtype=torch.bool, device=device)
-    with autocast(model), gathered(model):
-        logits = next_logits(model, prompt_ids, positions, inputs, own, weights)  # the prefill
+    positions = (prompt_mask.cumsum(1) - 1).clamp(0)  # (rows, P): the prompts'
+    stops, heat = torch.tensor(stop_ids, device=device), heat_of(temperature, device)
+    tokens, logprobs, done = [], [], torch.arange(rows, device=device) >= size
+    with autocast(model), gathered(model), grouped_attention(model):
+        u = uniform(rows, size, temperature, device)
+        token, logprob = decode_step(model, prompt_ids, positions, inputs, own, weights, heat, u)  # the prefill
         for t in range(steps):
-            logits = torch.nan_to_num(logits)  # a diverged model still samples; the loss's check names it later
-            token, logprob = draw(logits, temperature)
             tokens.append(torch.where(done, tokenizer.pad_token_id, token))
             logprobs.append(torch.where(done, 0.0, logprob))
             done = done | torch.isin(token, stops)
             if t + 1 == steps or ((t + 1) % every == 0 and all_sum((~done).sum()) == 0):
                 break
+            u = uniform(rows, size, temperature, device)
             if switch is not None and switch(t + 1):  # new weights: the cache again, of the prompts and tokens so far
                 cache.reset()
-                weights, so_far = rollout_weights(model, compiled), torch.stack(tokens, dim=1)  # (B, t + 1)
+                weights, so_far = rollout_weights(model, compiled), torch.stack(tokens, dim=1)  # (rows, t + 1)
                 at = torch.cat([positions, position + torch.arange(t + 1, device=device)], dim=1)
-                logits = next_logits(model, torch.cat([prompt_ids, so_far], dim=1), at, inputs, own, weights)
+                ids = torch.cat([prompt_ids, so_far], dim=1)
+                token, logprob = decode_step(model, ids, at, inputs, own, weights, heat, u)
             else:
-                logits = step(model, tokens[-1][:, None], position + t, inputs, own, weights)
-    out = torch.stack(tokens, dim=1)[:, :max_new_tokens]  # (B, T)
+                with fast_algorithms(compiled):
+                    token, logprob = step(model, tokens[-1][:, None], position + t, inputs, own, weights, heat, u)
+    out = torch.stack(tokens, dim=1)[:size, :max_new_tokens]  # (B, T)
     stopped = torch.isin(out, stops)
     length = int(torch.where(stopped.any(1), stopped.int().argmax(1) + 1, out.shape[1]).max())  # the longest row's
     if with_logprobs:
-        return out[:, :length], torch.stack(logprobs, dim=1)[:, :length]
+        return out[:, :length], torch.stack(logprobs, dim=1)[:size, :length]
     return out[:, :length]
+
+
+def decode_step(model, ids, positions, inputs, own, weights, heat, u):
+    """The next token of each row (rows,) and its log-prob: drawn from the float32 logits after ids (next_logits) at
+    temperature heat (a tensor; 0: greedy) with the uniform numbers u (rows, 1). Compiled whole on a GPU: the
+    sampler's passes over the vocabulary run in the same graph as the forward pass (gpt-fast's way)."""
+    logits = next_logits(model, ids, positions, inputs, own, weights)
+    return draw(torch.nan_to_num(logits), heat, u)  # a diverged model still samples; the loss's check names it later
 
 
 def next_logits(model, ids, positions, inputs, own, weights):
@@ -1539,19 +1549,56 @@ def stop_check_every(device):
 
 
 def compiled_step(model):
-    """next_logits for one new token, compiled once a model (where compiles() says so)."""
+    """decode_step for one new token, compiled once a model (where compiles() says so)."""
     if "compiled_step" not in unwrap(model).__dict__:
-        unwrap(model).compiled_step = compile_step(next_logits)
+        unwrap(model).compiled_step = compile_step(decode_step)
     return unwrap(model).compiled_step
 
 
-def compile_step(function):  # the one part only a GPU runs (the tests compile with backend="eager")
+def compile_step(function):  # the one part only a GPU runs (the tests compile it for the CPU)
     return torch.compile(function, mode="reduce-overhead", fullgraph=True)
 
 
 def left_pad(x, value, multiple):
     """x (B, P) padded on the left to a multiple of `multiple` columns."""
     return torch.nn.functional.pad(x, (-x.shape[1] % multiple, 0), value=value)
+
+
+class RolloutCache(transformers.StaticCache):
+    """transformers' static KV cache for `rows` sequences of `length` tokens, its keys and values stored in `dtype`
+    (--dtype): autocast's attention reads them in it anyway (RoPE leaves the keys in float32: cast when stored,
+    they equal the keys cast when read), in half the memory; and transformers 5.17-5.23 made the values' tensor in
+    the keys' dtype, where a bfloat16 value failed to go."""
+
+    def __init__(self, config, rows, length, dtype):
+        super().__init__(config=config, max_cache_len=length)
+        self.rows, self.length, self.store_dtype = rows, length, dtype
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        key_states, value_states = key_states.to(self.store_dtype), value_states.to(self.store_dtype)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def rollout_cache(model, rows, length, keep):
+    """A RolloutCache for rows sequences of length tokens; with keep (a compiled step), the model's one cache, made
+    again only for a larger shape (its length a multiple of 64), and every rollout run in its shape: one compile and
+    one CUDA graph for evaluation's batches and training's, and one cache in memory (gpt-fast's way). On a GPU a
+    decoded token costs about the weights' reading, whatever the rows, so a padded row costs little."""
+    config, dtype = unwrap(model).config, getattr(unwrap(model), "compute_dtype", torch.float32)
+    if not keep:
+        return RolloutCache(config, rows, length, dtype)
+    cache = unwrap(model).__dict__.pop("rollout_cache", None)  # freed before a larger one is filled
+    rows, length = max(rows, getattr(cache, "rows", 0)), max(length + (-length % 64), getattr(cache, "length", 0))
+    if cache is None or (cache.rows, cache.length) != (rows, length):
+        cache = RolloutCache(config, rows, length, dtype)  # its tensors are made when the prefill fills them
+    cache.reset()
+    unwrap(model).rollout_cache = cache
+    return cache
+
+
+def pad_rows(x, rows):
+    """x (B, P) with copies of its first row below it, up to `rows` rows."""
+    return torch.cat([x, x[:1].expand(rows - len(x), -1)])
 
 
 def rollout_inputs(model, mask, cache):
@@ -1562,32 +1609,22 @@ def rollout_inputs(model, mask, cache):
     return {"attention_mask": mask, "use_cache": True, name: cache}
 
 
-def static_cache(model, size, length, keep):
-    """A StaticCache for size rows of length tokens; kept on the model and emptied for the next rollout when keep (a
-    compiled step reads the same tensors every time)."""
-    config = unwrap(model).config
-    if not keep:
-        return transformers.StaticCache(config=config, max_cache_len=length)
-    caches = unwrap(model).__dict__.setdefault("static_caches", {})
-    if (size, length) not in caches:
-        caches[size, length] = transformers.StaticCache(config=config, max_cache_len=length)
-    caches[size, length].reset()
-    return caches[size, length]
-
-
 def rollout_weights(model, compiled):
-    """For a compiled step in bfloat16 (or float16): the decoder's linear layers' weights and biases cast to it once
-    a rollout, by name, and kept on the model, where a CUDA graph finds them at the same address every time; else {}
-    (the model's own weights: an eager step's autocast casts each once a rollout by itself, a compiled step's at
-    every token, which reads 3 bytes a parameter more)."""
+    """For a compiled step in bfloat16 (or float16): the decoder's linear layers' weights and biases in it, by name,
+    kept on the model, where a CUDA graph finds them at the same address every time: a copy made once a rollout of
+    a float32 master, the tensor itself where it is in that dtype already (LoRA's frozen base layers, async_grpo.py's
+    generator); else {} (the model's own weights: an eager step's autocast casts each once a rollout by itself, a
+    compiled step's at every token, which reads 3 bytes a parameter more)."""
     dtype = getattr(unwrap(model), "compute_dtype", torch.float32)
-    held = next(model.parameters()).dtype  # async_grpo.py's generator holds its weights in --dtype already
-    if not compiled or dtype in (torch.float32, held):
+    if not compiled or dtype == torch.float32:
         return {}
     weights = unwrap(model).__dict__.setdefault("rollout_weights", {})
     linears = [(name, m) for name, m in unwrap(model).get_decoder().named_modules() if isinstance(m, torch.nn.Linear)]
     for name, module in linears:
         for key, master in module.named_parameters(prefix=name, recurse=False):
+            if master.dtype == dtype:  # held in it already: the tensor itself
+                weights[key] = master
+                continue
             if key not in weights:
                 weights[key] = torch.empty_like(master, dtype=dtype)
                 torch._dynamo.mark_static_address(weights[key])
@@ -1616,17 +1653,86 @@ def gathered(model):
             module.set_reshard_after_forward(module is not model, recurse=False)
 
 
-def draw(logits, temperature):
-    """A token a row (B,) from float32 logits (B, vocab), and its log-prob (B,): greedy for temperature None, else
-    sampled at temperature by inverting the cumulative distribution at one uniform number a row (torch.multinomial
-    draws a number for each entry of the vocabulary); the sums in float64, so that no entry's share is rounded."""
+@contextlib.contextmanager
+def grouped_attention(model):
+    """The rollout's attention through grouped_sdpa where the model's is transformers' SDPA."""
+    config = unwrap(model).config
+    if config._attn_implementation != "sdpa":
+        yield
+        return
+    transformers.AttentionInterface.register("grouped_sdpa", grouped_sdpa)
+    transformers.AttentionMaskInterface.register("grouped_sdpa", transformers.AttentionMaskInterface()["sdpa"])
+    config._attn_implementation = "grouped_sdpa"
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
+
+
+def grouped_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' SDPA attention, but for one new token over fewer key-value heads than query heads: the queries
+    of a key-value head read it together, as a row of queries (query (B, heads, 1, d) -> (B, kv heads, groups, d)),
+    where transformers copies the keys and values to every query head (while compiling, and on CUDA with a mask)."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if query.shape[2] > 1 or groups == 1:
+        sdpa = transformers.AttentionInterface()["sdpa"]
+        return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    rows, heads, _, dim = query.shape
+    grouped = query.view(rows, heads // groups, groups, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(rows, 1, heads, value.shape[-1]), None  # (B, 1, heads, d), as transformers' is
+
+
+@contextlib.contextmanager
+def fast_algorithms(compiled):
+    """For a compiled step in the main thread, deterministic algorithms off: with them on, inductor lowers each KV
+    cache write to ATen's sort-based index_put (a dozen kernels, 48 writes a token at 24 layers). The results stay
+    the same: the writes go to distinct places, draw() sums in an order fixed in advance, and inductor keeps its own
+    deterministic mode (no kernel picked by timing). Elsewhere as it is: the setting is the process's, and
+    async_grpo.py's trainer computes beside its generator."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    if not compiled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    with torch._inductor.config.patch(deterministic=before[0]):
+        torch.use_deterministic_algorithms(False)
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def heat_of(temperature, device):
+    """draw()'s temperature, a tensor (one compiled step serves every temperature): 0 for greedy (None)."""
     if temperature is None:
-        return logits.argmax(dim=-1), torch.zeros(len(logits), device=logits.device)
-    logprobs = (logits / temperature).log_softmax(dim=-1)  # (B, vocab)
-    cumulative = logprobs.exp().double().cumsum(dim=-1)  # (B, vocab)
-    u = torch.rand_like(cumulative[:, -1:]) * cumulative[:, -1:]  # (B, 1), in [0, the sum of all)
-    token = torch.searchsorted(cumulative, u, right=True).clamp_(max=logits.shape[-1] - 1)  # the first sum above u
-    return token.squeeze(1), logprobs.gather(1, token).squeeze(1)
+        return torch.zeros((), device=device)
+    return torch.tensor(float(temperature), device=device)
+
+
+def uniform(rows, size, temperature, device):
+    """draw()'s uniform numbers (rows, 1), float64 as the sums they are set against: one a row of the batch's size
+    (the padded rows repeat the first's), none drawn for greedy (0s), so that an evaluation takes none of training's."""
+    if temperature is None:
+        return torch.zeros(rows, 1, dtype=torch.float64, device=device)
+    return pad_rows(torch.rand(size, 1, dtype=torch.float64, device=device), rows)
+
+
+def draw(logits, heat, u):
+    """A token a row (B,) from float32 logits (B, vocab), and its log-prob (B,) under softmax(logits / heat): the
+    first token whose cumulative probability passes u (B, 1) of the total, so one uniform number a row
+    (torch.multinomial draws one an entry of the vocabulary); heat 0: the largest logit (greedy), log-prob 0. The
+    sums in float64, so that no entry's share is rounded, and in two levels, within blocks of 1,024 entries and
+    then over the blocks: a scan across the whole vocabulary is summed in an order that varies from run to run on a
+    GPU, where the compiled step leaves deterministic algorithms off."""
+    greedy, (rows, vocab), block = heat == 0, logits.shape, min(logits.shape[-1], 1024)
+    logprobs = (logits / torch.where(greedy, 1.0, heat)).log_softmax(dim=-1)  # (B, vocab)
+    blocks = torch.nn.functional.pad(logprobs.exp().double(), (0, -vocab % block)).view(rows, -1, block)
+    within = blocks.cumsum(dim=-1)  # (B, blocks, block)
+    before = torch.nn.functional.pad(within[..., -1].cumsum(dim=-1)[:, :-1], (1, 0))  # (B, blocks): the blocks before
+    cumulative = (within + before[..., None]).view(rows, -1)[:, :vocab]  # (B, vocab)
+    token = torch.searchsorted(cumulative, u * cumulative[:, -1:], right=True).clamp_(max=vocab - 1)  # (B, 1)
+    logprob = logprobs.gather(1, token).squeeze(1)
+    return torch.where(greedy, logits.argmax(dim=-1), token.squeeze(1)), torch.where(greedy, 0.0, logprob)
 
 
 def masked_mean(x, mask, dim=None):

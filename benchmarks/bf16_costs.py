@@ -75,13 +75,14 @@ def main(hidden_size=896, intermediate_size=4864, vocab_size=151936, repeats=2):
 
     def rollout(one_autocast):
         torch.manual_seed(1)
-        autocast = grpo.autocast
-        if not one_autocast:  # the model's own autocast-wrapped forward only, entered and left at every token
+        autocast, next_logits = grpo.autocast, grpo.next_logits
+        if not one_autocast:  # autocast entered and left at every token, as the model's own wrapped forward does
             grpo.autocast = lambda model: contextlib.nullcontext()
+            grpo.next_logits = torch.autocast("cpu", dtype=torch.bfloat16)(next_logits)
         try:
             return grpo.generate(policy, tokenizer, prompt_ids, prompt_mask, new_tokens, 1.0, [2])
         finally:
-            grpo.autocast = autocast
+            grpo.autocast, grpo.next_logits = autocast, next_logits
 
     speed = {}
     for name, one_autocast in (

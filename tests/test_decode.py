@@ -1,5 +1,6 @@
 """The shared decode loop, generate(): the distribution it samples, its host synchronisations, its compiled step."""
 
+import contextlib
 import math
 import os
 import re
@@ -7,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import transformers
 from conftest import ROOT, run_script
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig
@@ -20,27 +22,53 @@ TINY_ADDER = os.path.join(ROOT, "tiny-adder")
 def test_draw_samples_each_token_at_its_probability():
     """Probabilities 0.1, 0.2, 0.7 and an entry of probability 0: at temperature 1 drawn as often as that, at
     temperature 0.5 as 0.01 : 0.04 : 0.49 (p^2, normalised: 0.0185, 0.0741, 0.9074), the zero never; each draw's
-    log-prob is the log of its probability at that temperature; greedy takes the largest."""
+    log-prob is the log of its probability at that temperature; greedy (temperature 0) takes the largest."""
     logits = torch.tensor([math.log(0.1), math.log(0.2), math.log(0.7), -math.inf]).repeat(50_000, 1)
     torch.manual_seed(0)
     for temperature, expected in ((1.0, [0.1, 0.2, 0.7, 0.0]), (0.5, [0.01 / 0.54, 0.04 / 0.54, 0.49 / 0.54, 0.0])):
-        token, logprob = draw(logits, temperature)
+        token, logprob = draw(logits, torch.tensor(temperature), torch.rand(len(logits), 1, dtype=torch.float64))
         share = torch.bincount(token, minlength=4) / len(token)
         assert share[3] == 0
         for seen, p in zip(share.tolist(), expected):
             assert abs(seen - p) < 4 * math.sqrt(p * (1 - p) / len(token)) + 1e-9, (temperature, share, expected)
         torch.testing.assert_close(logprob, torch.tensor(expected).log()[token], atol=1e-6, rtol=0)
-    token, _ = draw(logits[:2], None)
-    assert token.tolist() == [2, 2]
+    token, logprob = draw(logits[:2], torch.tensor(0.0), torch.full((2, 1), 0.99, dtype=torch.float64))
+    assert token.tolist() == [2, 2] and logprob.tolist() == [0.0, 0.0]
 
 
-def test_draw_reads_one_random_number_a_row():
+def test_draw_sums_in_blocks_of_1024_as_the_whole_vocabulary_does():
+    """The two-level sums (within blocks of 1,024 entries, then the blocks before each) are the plain cumulative sums
+    to float64's rounding, on Qwen's vocabulary of 151,936 (148.375 blocks) and on a small one (one block): each u
+    draws the first entry whose plain cumulative share passes it."""
+    torch.manual_seed(0)
+    for vocab in (151_936, 37):
+        logits = 3 * torch.randn(4, vocab)
+        probs = logits.log_softmax(-1).exp().double()
+        plain = probs.cumsum(-1)
+        u = torch.rand(4, 1, dtype=torch.float64)
+        token, _ = draw(logits, torch.tensor(1.0), u)
+        expected = (plain < u * plain[:, -1:]).sum(-1)  # the entries whose sum stays below u: the first one above
+        far = ((plain - u * plain[:, -1:]).abs() > 1e-12).all()  # no sum so close to u that rounding may decide
+        assert far and token.tolist() == expected.tolist(), vocab
+
+
+def test_generate_draws_one_uniform_number_a_row_and_none_for_greedy():
     """torch.multinomial drew a number for each vocabulary entry (72% of a token's time on a CPU at 151,936
-    entries); draw() one a row: the generator moves by as much for a vocabulary of 8 as for one of 50,000."""
+    entries): a sampled token takes one uniform number a row, as many for a vocabulary of 8 as for one of 50,000,
+    the rows that pad the batch to the cache's none of their own; greedy takes none, so that an evaluation leaves
+    training's random numbers as they are; draw() itself takes none."""
+    for temperature, taken in ((1.0, 3), (None, 0)):
+        torch.manual_seed(0)
+        u = grpo.uniform(5, 3, temperature, torch.device("cpu"))
+        after = torch.rand(1).item()
+        torch.manual_seed(0)
+        torch.rand(taken, 1, dtype=torch.float64)
+        assert after == torch.rand(1).item() and u.shape == (5, 1) and u.dtype == torch.float64
+        assert torch.equal(u[3:], u[:1].expand(2, 1))
     states = []
     for vocab in (8, 50_000):
         torch.manual_seed(0)
-        draw(torch.zeros(4, vocab), 1.0)
+        draw(torch.zeros(4, vocab), torch.tensor(1.0), torch.rand(4, 1, dtype=torch.float64))
         states.append(torch.rand(1).item())
     assert states[0] == states[1]
 
@@ -49,13 +77,14 @@ def tiny(kind):
     torch.manual_seed(0)
     if kind == "gpt2":  # absolute position embeddings
         config = GPT2Config(vocab_size=300, n_embd=32, n_layer=2, n_head=4, n_positions=64, eos_token_id=2)
-    else:  # rotary position embeddings
+    else:  # rotary position embeddings; "gqa": 2 key-value heads for the 4 query heads, as Qwen's models have
         config = LlamaConfig(
             vocab_size=300,
             hidden_size=32,
             intermediate_size=64,
             num_hidden_layers=2,
             num_attention_heads=4,
+            num_key_value_heads=2 if kind == "gqa" else 4,
             max_position_embeddings=64,
             eos_token_id=2,
             pad_token_id=0,
@@ -102,7 +131,7 @@ def test_the_loop_samples_from_the_plain_forward_pass_of_smollm2(real_model_dir,
 
 def check_the_loop(name, model, tokenizer, ids, mask, stops, monkeypatch, tolerance=1e-5):
     seen = []
-    monkeypatch.setattr(grpo, "draw", lambda logits, temperature: seen.append(logits) or draw(logits, temperature))
+    monkeypatch.setattr(grpo, "draw", lambda logits, heat, u: seen.append(logits) or draw(logits, heat, u))
     torch.manual_seed(3)
     tokens, logprobs = generate(model, tokenizer, ids, mask, 12, 0.7, stops, with_logprobs=True)
     cmask = completion_mask(tokens, stops)
@@ -224,51 +253,77 @@ def test_the_loop_stops_at_the_longest_completion():
     assert longest <= 3 and tokens.shape[1] == longest and len(forwards) == longest
 
 
-def test_the_compiled_step_has_no_graph_break_and_compiles_once_a_shape(monkeypatch):
-    """As on a GPU (there with CUDA graphs): the one-token step compiled with fullgraph=True, which fails at any
-    graph break, gives the eager step's logits; prompts of 4 and of 7 tokens share a bucket width and a cache, and
-    10 and 12 new tokens a cache length, so the second and third rollouts compile nothing new; a new batch size
-    compiles once more. In bfloat16 the compiled step reads the decoder's linear weights from a bfloat16 copy made
-    once a rollout (the same tensors every time, refreshed from the masters) and samples the eager step's tokens
-    (the log-probs to bfloat16's rounding: the padded prompts and the longer cache sum in another order), and
-    the tokens of the compiled step without the copy, its log-probs to 1e-6."""
+def eager_compile(monkeypatch, backend="eager"):
+    """compiles() says yes, as on a GPU, and compile_step compiles with `backend` (fullgraph=True: a graph break
+    fails); dynamo's counters cleared."""
     import torch._dynamo
 
-    tokenizer = SimpleNamespace(pad_token_id=0)
     monkeypatch.setattr(grpo, "compiles", lambda model: True)
-    monkeypatch.setattr(grpo, "compile_step", lambda f: torch.compile(f, backend="eager", fullgraph=True))
+    monkeypatch.setattr(grpo, "compile_step", lambda f: torch.compile(f, backend=backend, fullgraph=True))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    return torch._dynamo.utils.counters["stats"]
+
+
+def rollout_prompts(width, rows):
+    torch.manual_seed(width)
+    ids = torch.randint(3, 300, (rows, width))
+    ids[0, :2] = 0
+    return ids, (ids != 0).long()
+
+
+def test_the_compiled_step_has_no_graph_break_and_compiles_once_for_every_rollout(monkeypatch):
+    """As on a GPU (there with CUDA graphs): the one-token step, sampler included, compiled with fullgraph=True,
+    which fails at any graph break, gives the eager step's tokens and log-probs. Prompts of 4, 7 and 5 tokens, 10
+    and 12 new tokens, batches of 3 and 2, sampled and greedy, all run in the shape of the model's one cache (3
+    rows, 128 positions): one compile in all, one cache held, of 3 x 128 positions' keys and values in --dtype. In
+    bfloat16 the compiled step reads the decoder's linear weights from a bfloat16 copy made once a rollout (the same
+    tensors every time, refreshed from the masters) and samples the eager step's tokens (the log-probs to
+    bfloat16's rounding: the padded prompts and the longer cache sum in another order), and the tokens of the
+    compiled step without the copy, its log-probs to 1e-6. A larger batch makes the one cache again, and compiles
+    once more."""
+    tokenizer = SimpleNamespace(pad_token_id=0)
     for dtype in (torch.float32, torch.bfloat16):
+        stats = eager_compile(monkeypatch)
         model = tiny("llama")
         model.compute_dtype = dtype
-        torch._dynamo.reset()
-        torch._dynamo.utils.counters.clear()
         eager, compiled, copies = [], [], []
-        for width, rows, new_tokens in ((4, 3, 10), (7, 3, 12), (7, 3, 10), (5, 2, 10)):
-            torch.manual_seed(width)
-            ids = torch.randint(3, 300, (rows, width))
-            ids[0, :2] = 0
-            mask = (ids != 0).long()
+        for width, rows, new_tokens, temperature in (
+            (4, 3, 10, 1.0),
+            (7, 3, 12, None),
+            (7, 3, 10, 0.7),
+            (5, 2, 10, 1.0),
+        ):
+            ids, mask = rollout_prompts(width, rows)
             with torch.no_grad():
                 model.model.layers[0].mlp.up_proj.weight.mul_(1.01)  # the rollout's copy must follow the masters
             torch.manual_seed(1)
-            compiled.append(generate(model, tokenizer, ids, mask, new_tokens, 1.0, [-1], with_logprobs=True))
+            compiled.append(generate(model, tokenizer, ids, mask, new_tokens, temperature, [-1], with_logprobs=True))
             copies.append(dict(model.__dict__.get("rollout_weights", {})))
             with monkeypatch.context() as eager_only:
                 eager_only.setattr(grpo, "compiles", lambda model: False)
                 torch.manual_seed(1)
-                eager.append(generate(model, tokenizer, ids, mask, new_tokens, 1.0, [-1], with_logprobs=True))
-            stats = torch._dynamo.utils.counters["stats"]
-            assert stats["unique_graphs"] == (1 if rows == 3 else 2), dict(stats)
+                eager.append(generate(model, tokenizer, ids, mask, new_tokens, temperature, [-1], with_logprobs=True))
+            assert stats["unique_graphs"] == 1, dict(stats)
         for (a, la), (b, lb) in zip(eager, compiled):
             assert torch.equal(a, b)
             torch.testing.assert_close(la, lb, atol=1e-5 if dtype == torch.float32 else 1e-3, rtol=0)
+        caches = [v for v in model.__dict__.values() if isinstance(v, transformers.StaticCache)]
+        assert len(caches) == 1 and (caches[0].rows, caches[0].length) == (3, 128)
+        stored = [t for layer in caches[0].layers for t in (layer.keys, layer.values)]
+        assert {t.dtype for t in stored} == {dtype} and {tuple(t.shape) for t in stored} == {(3, 4, 128, 8)}
+        assert sum(t.nbytes for t in stored) == 2 * 2 * 3 * 4 * 128 * 8 * dtype.itemsize  # layers, K and V
+        ids, mask = rollout_prompts(5, 4)
+        generate(model, tokenizer, ids, mask, 10, 1.0, [-1])
+        assert stats["unique_graphs"] == 2 and (model.rollout_cache.rows, model.rollout_cache.length) == (4, 128)
         if dtype == torch.float32:
             assert copies == [{}] * 4
             continue
         with monkeypatch.context() as no_copy:  # the copy's values are autocast's casts: the same step
             no_copy.setattr(grpo, "rollout_weights", lambda model, compiled: {})
+            ids, mask = rollout_prompts(5, 2)
             torch.manual_seed(1)
-            without = generate(model, tokenizer, ids, mask, new_tokens, 1.0, [-1], with_logprobs=True)
+            without = generate(model, tokenizer, ids, mask, 10, 1.0, [-1], with_logprobs=True)
         assert torch.equal(without[0], compiled[-1][0])
         torch.testing.assert_close(without[1], compiled[-1][1], atol=1e-6, rtol=0)
         linears = [n for n, m in model.model.named_modules() if isinstance(m, torch.nn.Linear)]
@@ -276,6 +331,147 @@ def test_the_compiled_step_has_no_graph_break_and_compiles_once_a_shape(monkeypa
         for name, copy in copies[-1].items():  # the same tensors every rollout, equal to the masters cast
             assert copy.dtype == torch.bfloat16 and copy.data_ptr() == copies[0][name].data_ptr()
             assert torch.equal(copy, model.model.get_parameter(name).to(torch.bfloat16)), name
+        params = sum(model.model.get_parameter(n).numel() for n in copies[-1])
+        assert sum(t.nbytes for t in copies[-1].values()) == 2 * params  # one bfloat16 copy of each, no more
+    torch._dynamo.reset()
+
+
+def test_the_weights_held_in_the_compute_dtype_are_read_as_they_are(monkeypatch):
+    """LoRA's frozen base layers (add_lora holds them in --dtype) and async_grpo.py's generator (its weights in
+    --dtype): rollout_weights makes no copy of a weight already in the compute dtype, and a copy of each float32
+    one (LoRA's adapters)."""
+    model = tiny("llama")
+    model.compute_dtype = torch.bfloat16
+    base = model.model.layers[0].self_attn.q_proj
+    base.to(torch.bfloat16)
+    weights = grpo.rollout_weights(model, True)
+    assert weights["layers.0.self_attn.q_proj.weight"] is base.weight
+    held = {k for k, v in weights.items() if any(v is p for p in model.parameters())}
+    assert held == {"layers.0.self_attn.q_proj.weight"} and all(v.dtype == torch.bfloat16 for v in weights.values())
+    assert grpo.rollout_weights(model, False) == {}
+
+
+def test_grouped_attention_reads_each_key_value_head_once_and_equals_transformers_sdpa(monkeypatch):
+    """One new token over 2 key-value heads for 4 query heads, with left padding: grouped_sdpa's output equals
+    transformers' SDPA attention (which copies the keys and values to every query head, or packs the queries on
+    5.24 when not compiling) to 1e-6, and its one SDPA call reads the 2 key-value heads as they are. A rollout with
+    it gives the tokens and, to 1e-6, the log-probs of one without it, in float32 and bfloat16, and the model's
+    attention is transformers' SDPA again after."""
+    model = tiny("gqa")
+    layer = model.model.layers[0].self_attn
+    torch.manual_seed(0)
+    query, key, value = torch.randn(3, 4, 1, 8), torch.randn(3, 2, 9, 8), torch.randn(3, 2, 9, 8)
+    mask = torch.ones(3, 1, 1, 9, dtype=torch.bool)
+    mask[0, ..., :4] = False  # a left-padded row
+    sdpa = transformers.AttentionInterface()["sdpa"]
+    expected, _ = sdpa(layer, query, key, value, mask, scaling=layer.scaling)
+    calls, plain_sdpa = [], torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "scaled_dot_product_attention",
+        lambda q, k, v, **kw: calls.append(k.shape[1]) or plain_sdpa(q, k, v, **kw),
+    )
+    out, _ = grpo.grouped_sdpa(layer, query, key, value, mask, scaling=layer.scaling)
+    monkeypatch.undo()
+    assert calls == [2] and out.shape == expected.shape == (3, 1, 4, 8)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
+    prompt_ids = torch.tensor([[0, 0, 0, 11, 12], [0, 21, 22, 23, 24], [31, 32, 33, 34, 35]])
+    prompt_mask, pad = (prompt_ids != 0).long(), SimpleNamespace(pad_token_id=0)
+    for dtype in (torch.float32, torch.bfloat16):
+        model.compute_dtype = dtype
+        torch.manual_seed(2)
+        grouped = generate(model, pad, prompt_ids, prompt_mask, 10, 1.0, [-1], with_logprobs=True)
+        assert model.config._attn_implementation == "sdpa"
+        with monkeypatch.context() as plain:
+            plain.setattr(grpo, "grouped_attention", lambda model: contextlib.nullcontext())
+            torch.manual_seed(2)
+            ungrouped = generate(model, pad, prompt_ids, prompt_mask, 10, 1.0, [-1], with_logprobs=True)
+        assert torch.equal(grouped[0], ungrouped[0]), dtype
+        torch.testing.assert_close(grouped[1], ungrouped[1], atol=1e-6, rtol=0)
+
+
+def test_the_cache_keeps_keys_and_values_in_the_compute_dtype(monkeypatch):
+    """In bfloat16 the cache stores keys (float32 after RoPE) and values in bfloat16, on every transformers version
+    (5.17-5.23 made the values' tensor in the keys' dtype, and a bfloat16 value failed to go in); the rollout's tokens
+    and log-probs are those of a cache that stores both in float32 (autocast's attention reads them in bfloat16
+    either way), eager and compiled."""
+    prompt_ids = torch.tensor([[0, 0, 0, 11, 12], [0, 21, 22, 23, 24], [31, 32, 33, 34, 35]])
+    prompt_mask, pad = (prompt_ids != 0).long(), SimpleNamespace(pad_token_id=0)
+    model = tiny("gqa")
+    model.compute_dtype = torch.bfloat16
+    cache_class, made = grpo.RolloutCache, []
+
+    def make(config, rows, length, dtype):
+        made.append(cache_class(config, rows, length, store))
+        return made[-1]
+
+    for compiled in (False, True):
+        if compiled:
+            eager_compile(monkeypatch)
+        runs = []
+        for store in (torch.bfloat16, torch.float32):
+            model.__dict__.pop("rollout_cache", None)
+            with monkeypatch.context() as m:
+                m.setattr(grpo, "RolloutCache", make)
+                torch.manual_seed(4)
+                runs.append(generate(model, pad, prompt_ids, prompt_mask, 10, 1.0, [-1], with_logprobs=True))
+            assert {t.dtype for layer in made[-1].layers for t in (layer.keys, layer.values)} == {store}
+        assert torch.equal(runs[0][0], runs[1][0]), compiled
+        torch.testing.assert_close(runs[0][1], runs[1][1], atol=1e-6, rtol=0)
+    torch._dynamo.reset()
+
+
+def test_the_compiled_step_runs_without_deterministic_algorithms_and_the_same_seed_gives_the_same_run(monkeypatch):
+    """The compiled step (in the main thread) runs with deterministic algorithms off, which are on again after every
+    token; the same seed gives the same tokens twice. In another thread (async_grpo.py's generator, beside its
+    trainer) they stay on."""
+    import threading
+
+    seen, run = [], grpo.decode_step
+    eager_compile(monkeypatch)
+    monkeypatch.setattr(
+        grpo, "compile_step", lambda f: lambda *a: seen.append(torch.are_deterministic_algorithms_enabled()) or run(*a)
+    )
+    model, pad = tiny("gqa"), SimpleNamespace(pad_token_id=0)
+    ids, mask = rollout_prompts(5, 3)
+    torch.use_deterministic_algorithms(True)
+    try:
+        outs = []
+        for _ in range(2):
+            torch.manual_seed(7)
+            outs.append(generate(model, pad, ids, mask, 8, 1.0, [-1], with_logprobs=True))
+            assert torch.are_deterministic_algorithms_enabled()
+        assert seen == [False] * 14 and torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        seen.clear()
+        thread = threading.Thread(target=generate, args=(model, pad, ids, mask, 8, 1.0, [-1]))
+        thread.start()
+        thread.join()
+        assert seen == [True] * 7
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch._dynamo.reset()
+
+
+def test_inductor_compiles_the_step_and_it_samples_the_eager_steps_tokens(monkeypatch):
+    """The compiled step as inductor lowers it (on this CPU: C++ kernels, no CUDA graphs), a 1-layer model with 2
+    key-value heads for 4 query heads and left-padded prompts: one graph, and the eager step's tokens, sampled and
+    greedy, log-probs to 1e-5."""
+    stats = eager_compile(monkeypatch, backend="inductor")
+    torch.manual_seed(0)
+    shape = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    config = LlamaConfig(vocab_size=300, num_hidden_layers=1, max_position_embeddings=256, pad_token_id=0, **shape)
+    model, pad = AutoModelForCausalLM.from_config(config).eval(), SimpleNamespace(pad_token_id=0)
+    ids, mask = rollout_prompts(5, 3)
+    for temperature in (1.0, None):
+        runs = []
+        for compiled in (True, False):
+            with monkeypatch.context() as m:
+                m.setattr(grpo, "compiles", lambda model: compiled)
+                torch.manual_seed(3)
+                runs.append(generate(model, pad, ids, mask, 12, temperature, [-1], with_logprobs=True))
+        assert torch.equal(runs[0][0], runs[1][0]), temperature
+        torch.testing.assert_close(runs[0][1], runs[1][1], atol=1e-5, rtol=0)
+    assert stats["unique_graphs"] == 1, dict(stats)
     torch._dynamo.reset()
 
 
