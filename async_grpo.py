@@ -12,7 +12,9 @@ weighs each token by the constant pi_prox / pi_behav, pi_behav the version that 
 with GRPO's A_i and k3 KL (grpo.py). `--no-decoupled` centres the clip on pi_behav (w = 1): the paper's baseline.
 
 Departures from AReaL (docs/async_grpo.md): one process; batch k is sampled with exactly version
-max(0, k - 1 - eta), so that a run is reproducible; pi_behav is the log-prob the generator recorded.
+max(0, k - 1 - eta) (with --interrupt-every: it starts with the newest version the generator holds, never older,
+and moves to newer ones at fixed tokens), so that a run is reproducible; pi_behav is the log-prob the generator
+recorded, token by token.
 
     python async_grpo.py                             # bundled tiny model, addition task, CPU, eta 2
     python async_grpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \
@@ -340,13 +342,14 @@ class Generator:
         self.lock.wait_for(lambda: not self.pausing)
         self.sampling = True
 
-    def switch(self, batch, first, switches, tokens):
+    def switch(self, batch, first, switches, tokens, going):
         """generate()'s switch with --interrupt-every n (AReaL's interruption): after n, 2n, ... tokens of batch
         `batch`, sampled from version `first`, the version first + 1, first + 2, ... up to batch - 1 (the policy
         that trains on it), waited for if it is not out yet: the switches fall on the same tokens in every run.
-        True when the weights changed; each switch is kept in `switches` as [tokens, version]."""
+        No switch once every row has stopped (going(): on a GPU the loop looks at the stop every 16 tokens only). True
+        when the weights changed; each switch is kept in `switches` as [tokens, version]."""
         newer = min(first + tokens // self.args.interrupt_every, batch - 1)
-        if tokens % self.args.interrupt_every or newer <= self.version:
+        if tokens % self.args.interrupt_every or newer <= self.version or not going():
             return False
         with self.lock:  # waiting, it draws nothing: an evaluation may sample meanwhile (paused)
             self.sampling = False
@@ -603,6 +606,11 @@ def check_args(args):
         fail(
             f"--behav-imp-cap {args.behav_imp_cap} with --no-decoupled: the cap limits the weights pi_prox / "
             "pi_behav, which --no-decoupled does not use; drop one of the two"
+        )
+    if args.interrupt_every >= args.max_new_tokens:
+        fail(
+            f"--interrupt-every {args.interrupt_every} with --max-new-tokens {args.max_new_tokens}: a rollout would "
+            "never reach a switch; give a number of tokens below --max-new-tokens (or 0: no interruption)"
         )
     if args.interrupt_every and args.save_every:
         fail(
@@ -1452,9 +1460,10 @@ def generate(
     """Completion ids (B, T), a token at a time into a static KV cache, each drawn at temperature (None: greedy) from
     the model's float32 logits, padded after each row's first stop token (with_logprobs: and each token's log-prob
     under softmax(logits / temperature), (B, T), 0 after the stop). Every process runs as many forward passes.
-    switch(t), if given, is called between token t - 1 and token t; True says that the model's weights changed (AReaL's
-    interruption, async_grpo.py): the cache is then computed again, under the new weights, from the prompts and the
-    tokens drawn so far, and the rollout goes on from it."""
+    switch(t, going), if given, is called between token t - 1 and token t, going() saying whether a row has not stopped
+    (a look that waits for the device); True says that the model's weights changed (AReaL's interruption,
+    async_grpo.py): the cache is then computed again, under the new weights, from the prompts and the tokens drawn so
+    far (refill), and the rollout goes on from it."""
     steps, device, size = max_new_tokens, prompt_ids.device, len(prompt_ids)
     if dist.is_initialized():  # as many tokens as the process that asks for the most (tool_grpo.py's turns)
         steps = int(all_sum(torch.tensor(max_new_tokens, device=device), dist.ReduceOp.MAX))
@@ -1482,12 +1491,10 @@ def generate(
             if t + 1 == steps or ((t + 1) % every == 0 and all_sum((~done).sum()) == 0):
                 break
             u = uniform(rows, size, temperature, device)
-            if switch is not None and switch(t + 1):  # new weights: the cache again, of the prompts and tokens so far
-                cache.reset()
+            if switch is not None and switch(t + 1, lambda: bool(all_sum((~done).sum()) > 0)):  # new weights
                 weights, so_far = rollout_weights(model, compiled), torch.stack(tokens, dim=1)  # (rows, t + 1)
-                at = torch.cat([positions, position + torch.arange(t + 1, device=device)], dim=1)
-                ids = torch.cat([prompt_ids, so_far], dim=1)
-                token, logprob = decode_step(model, ids, at, inputs, own, weights, heat, u)
+                ids, at = (prompt_ids, so_far), (positions, position)
+                token, logprob = refill(model, cache, ids, at, inputs, own, weights, heat, u)
             else:
                 with fast_algorithms(compiled):
                     token, logprob = step(model, tokens[-1][:, None], position + t, inputs, own, weights, heat, u)
@@ -1505,6 +1512,24 @@ def decode_step(model, ids, positions, inputs, own, weights, heat, u):
     sampler's passes over the vocabulary run in the same graph as the forward pass (gpt-fast's way)."""
     logits = next_logits(model, ids, positions, inputs, own, weights)
     return draw(torch.nan_to_num(logits), heat, u)  # a diverged model still samples; the loss's check names it later
+
+
+def refill(model, cache, ids, at, inputs, own, weights, heat, u):
+    """After a switch to new weights: the cache emptied and filled again under them, with ids = (the prompts (B, P),
+    the tokens so far (B, t)) at = (the prompts' positions, the first new token's (B, 1)): the prompts, then the
+    tokens in chunks as wide as the prompts, so that no pass needs more memory than the prefill did (one pass over
+    all of them may not fit where decoding does). The next token, drawn from the last chunk's logits, and its
+    log-prob."""
+    (prompt_ids, so_far), (positions, first) = ids, at
+    cache.reset()
+    next_logits(model, prompt_ids, positions, inputs, own, weights)
+    width = prompt_ids.shape[1]
+    for start in range(0, so_far.shape[1], width):
+        chunk = so_far[:, start : start + width]
+        chunk_at = first + torch.arange(start, start + chunk.shape[1], device=chunk.device)
+        if start + width >= so_far.shape[1]:
+            return decode_step(model, chunk, chunk_at, inputs, own, weights, heat, u)
+        next_logits(model, chunk, chunk_at, inputs, own, weights)
 
 
 def next_logits(model, ids, positions, inputs, own, weights):
@@ -1686,21 +1711,22 @@ def grouped_sdpa(module, query, key, value, attention_mask, scaling=None, dropou
 
 @contextlib.contextmanager
 def fast_algorithms(compiled):
-    """For a compiled step in the main thread, deterministic algorithms off: with them on, inductor lowers each KV
+    """For a compiled step, deterministic algorithms off in the main thread: with them on, inductor lowers each KV
     cache write to ATen's sort-based index_put (a dozen kernels, 48 writes a token at 24 layers). The results stay
     the same: the writes go to distinct places, draw() sums in an order fixed in advance, and inductor keeps its own
-    deterministic mode (no kernel picked by timing). Elsewhere as it is: the setting is the process's, and
-    async_grpo.py's trainer computes beside its generator."""
-    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    if not compiled or threading.current_thread() is not threading.main_thread():
+    deterministic mode (no kernel picked by timing; its settings are each thread's own). In another thread the
+    setting, which is the process's, stays: async_grpo.py's trainer computes beside its generator."""
+    if not compiled:
         yield
         return
-    with torch._inductor.config.patch(deterministic=before[0]):
-        torch.use_deterministic_algorithms(False)
-        try:
+    before, main = torch.are_deterministic_algorithms_enabled(), threading.current_thread() is threading.main_thread()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(before and not main, warn_only=warn_only)  # inductor's mode with it: again below
+    try:
+        with torch._inductor.config.patch(deterministic=before):
             yield
-        finally:
-            torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
 def heat_of(temperature, device):

@@ -1446,9 +1446,10 @@ def generate(
     """Completion ids (B, T), a token at a time into a static KV cache, each drawn at temperature (None: greedy) from
     the model's float32 logits, padded after each row's first stop token (with_logprobs: and each token's log-prob
     under softmax(logits / temperature), (B, T), 0 after the stop). Every process runs as many forward passes.
-    switch(t), if given, is called between token t - 1 and token t; True says that the model's weights changed (AReaL's
-    interruption, async_grpo.py): the cache is then computed again, under the new weights, from the prompts and the
-    tokens drawn so far, and the rollout goes on from it."""
+    switch(t, going), if given, is called between token t - 1 and token t, going() saying whether a row has not stopped
+    (a look that waits for the device); True says that the model's weights changed (AReaL's interruption,
+    async_grpo.py): the cache is then computed again, under the new weights, from the prompts and the tokens drawn so
+    far (refill), and the rollout goes on from it."""
     steps, device, size = max_new_tokens, prompt_ids.device, len(prompt_ids)
     if dist.is_initialized():  # as many tokens as the process that asks for the most (tool_grpo.py's turns)
         steps = int(all_sum(torch.tensor(max_new_tokens, device=device), dist.ReduceOp.MAX))
@@ -1476,12 +1477,10 @@ def generate(
             if t + 1 == steps or ((t + 1) % every == 0 and all_sum((~done).sum()) == 0):
                 break
             u = uniform(rows, size, temperature, device)
-            if switch is not None and switch(t + 1):  # new weights: the cache again, of the prompts and tokens so far
-                cache.reset()
+            if switch is not None and switch(t + 1, lambda: bool(all_sum((~done).sum()) > 0)):  # new weights
                 weights, so_far = rollout_weights(model, compiled), torch.stack(tokens, dim=1)  # (rows, t + 1)
-                at = torch.cat([positions, position + torch.arange(t + 1, device=device)], dim=1)
-                ids = torch.cat([prompt_ids, so_far], dim=1)
-                token, logprob = decode_step(model, ids, at, inputs, own, weights, heat, u)
+                ids, at = (prompt_ids, so_far), (positions, position)
+                token, logprob = refill(model, cache, ids, at, inputs, own, weights, heat, u)
             else:
                 with fast_algorithms(compiled):
                     token, logprob = step(model, tokens[-1][:, None], position + t, inputs, own, weights, heat, u)
@@ -1499,6 +1498,24 @@ def decode_step(model, ids, positions, inputs, own, weights, heat, u):
     sampler's passes over the vocabulary run in the same graph as the forward pass (gpt-fast's way)."""
     logits = next_logits(model, ids, positions, inputs, own, weights)
     return draw(torch.nan_to_num(logits), heat, u)  # a diverged model still samples; the loss's check names it later
+
+
+def refill(model, cache, ids, at, inputs, own, weights, heat, u):
+    """After a switch to new weights: the cache emptied and filled again under them, with ids = (the prompts (B, P),
+    the tokens so far (B, t)) at = (the prompts' positions, the first new token's (B, 1)): the prompts, then the
+    tokens in chunks as wide as the prompts, so that no pass needs more memory than the prefill did (one pass over
+    all of them may not fit where decoding does). The next token, drawn from the last chunk's logits, and its
+    log-prob."""
+    (prompt_ids, so_far), (positions, first) = ids, at
+    cache.reset()
+    next_logits(model, prompt_ids, positions, inputs, own, weights)
+    width = prompt_ids.shape[1]
+    for start in range(0, so_far.shape[1], width):
+        chunk = so_far[:, start : start + width]
+        chunk_at = first + torch.arange(start, start + chunk.shape[1], device=chunk.device)
+        if start + width >= so_far.shape[1]:
+            return decode_step(model, chunk, chunk_at, inputs, own, weights, heat, u)
+        next_logits(model, chunk, chunk_at, inputs, own, weights)
 
 
 def next_logits(model, ids, positions, inputs, own, weights):
@@ -1680,21 +1697,22 @@ def grouped_sdpa(module, query, key, value, attention_mask, scaling=None, dropou
 
 @contextlib.contextmanager
 def fast_algorithms(compiled):
-    """For a compiled step in the main thread, deterministic algorithms off: with them on, inductor lowers each KV
+    """For a compiled step, deterministic algorithms off in the main thread: with them on, inductor lowers each KV
     cache write to ATen's sort-based index_put (a dozen kernels, 48 writes a token at 24 layers). The results stay
     the same: the writes go to distinct places, draw() sums in an order fixed in advance, and inductor keeps its own
-    deterministic mode (no kernel picked by timing). Elsewhere as it is: the setting is the process's, and
-    async_grpo.py's trainer computes beside its generator."""
-    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    if not compiled or threading.current_thread() is not threading.main_thread():
+    deterministic mode (no kernel picked by timing; its settings are each thread's own). In another thread the
+    setting, which is the process's, stays: async_grpo.py's trainer computes beside its generator."""
+    if not compiled:
         yield
         return
-    with torch._inductor.config.patch(deterministic=before[0]):
-        torch.use_deterministic_algorithms(False)
-        try:
+    before, main = torch.are_deterministic_algorithms_enabled(), threading.current_thread() is threading.main_thread()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(before and not main, warn_only=warn_only)  # inductor's mode with it: again below
+    try:
+        with torch._inductor.config.patch(deterministic=before):
             yield
-        finally:
-            torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
 def heat_of(temperature, device):

@@ -180,10 +180,31 @@ def run_trl(args, model_dir, workdir):
     return statistics.mean(seconds[1:] or seconds)
 
 
-def decode(args):
-    """generate()'s ms a decoded token and host waits a token; with --vs, another file's generate() in turn."""
+def random_model(shape, vocab_size, device, dtype):
+    """A random Qwen2 of `shape` (its tokens: the bundled tokenizer's prompts, ids up to vocab_size), on device,
+    float32 weights computing in dtype as the files' load_model makes them (tied embedding, Qwen's RoPE)."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=2,
+        **shape,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).eval()
+    model.compute_dtype = getattr(torch, dtype)
+    return model
+
+
+def decode_setup(args):
+    """(grpo, torch, device, model, tokenizer, prompt ids, prompt mask) for --decode and --check."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     sys.path.insert(0, ROOT)
@@ -191,12 +212,15 @@ def decode(args):
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" or args.check else "float32")
+    tokenizer, task = AutoTokenizer.from_pretrained(os.path.join(ROOT, "tiny-adder")), "addition"
     if args.model:
         tokenizer = grpo.load_tokenizer(args.model, False)
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-        task = "addition-question"
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
+        model.compute_dtype, task = getattr(torch, args.dtype), "addition-question"
+    elif device.type == "cuda" or args.check:  # the README's GPU command's model: Qwen2.5-0.5B's shape
+        model = random_model(SMALL if args.small else QWEN_05B, 151936, device, args.dtype)
     else:  # many layers computing almost nothing: the time is the host's
-        tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "tiny-adder"))
         config = LlamaConfig(
             vocab_size=len(tokenizer),
             hidden_size=64,
@@ -205,11 +229,19 @@ def decode(args):
             num_attention_heads=4,
         )
         torch.manual_seed(0)
-        model, task = AutoModelForCausalLM.from_config(config), "addition"
-    model = model.to(device).eval()
+        model = AutoModelForCausalLM.from_config(config).to(device).eval()
+        model.compute_dtype = getattr(torch, args.dtype)
     _, held_out = grpo.addition_task(args.batch, task)
     flags = grpo.Args(model_name_or_path=args.model or "tiny-adder")
     ids, mask = grpo.tokenize_prompts(tokenizer, [r["prompt"] for r in held_out], device, flags)
+    return grpo, torch, device, model, tokenizer, ids, mask
+
+
+def decode(args):
+    """generate()'s ms a decoded token and host waits a token; with --vs, another file's generate() in turn."""
+    grpo, torch, device, model, tokenizer, ids, mask = decode_setup(args)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     loops = {"this": grpo.generate}
     if args.vs:
         spec = importlib.util.spec_from_file_location("other", args.vs)
@@ -236,13 +268,17 @@ def decode(args):
     for name, loop in loops.items():
         with Waits():
             loop(model, tokenizer, ids, mask, args.max_new_tokens, 1.0, never)
-    what = args.model or "a random 24-layer model of width 64"
-    print(f"{what}, batch {len(ids)}, {args.max_new_tokens} new tokens, {device}, {torch.get_num_threads()} threads:")
+    what = args.model or f"a random {model.config.num_hidden_layers}-layer model of width {model.config.hidden_size}"
+    print(
+        f"{what}, batch {len(ids)}, {args.max_new_tokens} new tokens, {device}, {args.dtype}, "
+        f"{torch.get_num_threads()} threads:"
+    )
     for name in loops:
         times = [s * 1e3 for s in seconds[name][1:]]
         print(
             f"  {name}: {statistics.median(times):.2f} ms a token (median of {len(times)}: "
-            f"{min(times):.2f}-{max(times):.2f}), {counts[name] / args.max_new_tokens:.3f} host waits a token"
+            f"{min(times):.2f}-{max(times):.2f}), {len(ids) / statistics.median(times) * 1e3:,.0f} tokens/s, "
+            f"{counts[name] / args.max_new_tokens:.3f} host waits a token"
         )
     if args.vs:  # round by round, so that the machine's drift cancels
         ratios = [a / b for a, b in zip(seconds["this"][1:], seconds["--vs"][1:])]
@@ -252,26 +288,146 @@ def decode(args):
         )
 
 
+def timed(torch, device, function, repeats=20):
+    """function()'s median milliseconds over repeats calls, after two that warm up (and compile)."""
+    times = []
+    for i in range(repeats + 2):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        function()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[2:])
+
+
+def check(args):
+    """The decode loop's GPU half as a user meets it, in order (issue 63's check, at most 5 minutes on one GPU); on a
+    CPU (--small) the same steps where a CPU can take them, to check this script."""
+    grpo, torch, device, model, tokenizer, ids, mask = decode_setup(args)
+    import platform
+
+    import transformers
+    from torch._dynamo.utils import counters
+
+    cuda = device.type == "cuda"
+    print(f"1. torch {torch.__version__}, transformers {transformers.__version__}, python {platform.python_version()}")
+    print(f"   device: {torch.cuda.get_device_name() if cuda else platform.processor() or 'cpu'}")
+    config, rows = model.config, len(ids)
+    never = [config.vocab_size + 7]  # no id stops a row: every rollout decodes all its tokens
+    compiles, grpo.compiles = grpo.compiles, lambda model: False
+    torch.manual_seed(0)
+    out = grpo.generate(model, tokenizer, ids[:4], mask[:4], 4, 1.0, never)  # it failed on transformers 5.17-5.23
+    grpo.compiles = compiles
+    print(f"2. a 4-token {args.dtype} eager generate(), 4 prompts: {tuple(out.shape)} tokens, no error")
+
+    logits = torch.randn(rows, config.vocab_size, device=device)
+    u, heat = torch.rand(rows, 1, dtype=torch.float64, device=device), torch.tensor(1.0, device=device)
+    compiled_draw = torch.compile(grpo.draw, fullgraph=True) if cuda else grpo.draw
+    ms_draw = timed(torch, device, lambda: compiled_draw(logits, heat, u))
+    ms_argmax = timed(torch, device, lambda: logits.argmax(dim=-1))
+    how = "compiled" if cuda else "eager"
+    print(f"3. draw() at ({rows}, {config.vocab_size}): {ms_draw:.3f} ms ({how}), argmax {ms_argmax:.3f} ms")
+
+    layer, length = model.model.layers[0].self_attn, 768
+    heads, kv, dtype = config.num_attention_heads, config.num_key_value_heads, model.compute_dtype
+    dim = config.hidden_size // heads
+    q = torch.randn(rows, heads, 1, dim, device=device, dtype=dtype)
+    k, v = (torch.randn(rows, kv, length, dim, device=device, dtype=dtype) for _ in range(2))
+    attend = torch.ones(rows, 1, 1, length, dtype=torch.bool, device=device)
+    attend[:, ..., length // 2 :] = False  # the cache's unwritten half
+    sdpa = transformers.AttentionInterface()["sdpa"]
+    ways = {"grouped": grpo.grouped_sdpa, "transformers' sdpa": sdpa}
+    outs, ms = {}, {}
+    for name, function in ways.items():
+        step = torch.compile(function, fullgraph=True) if cuda else function  # compiled: transformers copies K and V
+        outs[name] = step(layer, q, k, v, attend, scaling=layer.scaling)[0]
+        ms[name] = timed(torch, device, lambda: step(layer, q, k, v, attend, scaling=layer.scaling))
+    grouped, plain = ms["grouped"], ms["transformers' sdpa"]
+    gap = (outs["grouped"].float() - outs["transformers' sdpa"].float()).abs().max().item()
+    print(
+        f"4. one attention layer, {rows} rows x {length} cached, {heads} heads over {kv}: grouped {grouped:.3f} ms, "
+        f"transformers' sdpa {plain:.3f} ms, outputs {gap:.1e} apart"
+    )
+
+    layers = 2 * config.num_hidden_layers  # keys and values
+    caches = [torch.zeros(rows, kv, length, dim, device=device, dtype=dtype) for _ in range(layers)]
+    new, where = torch.randn(rows, kv, 1, dim, device=device, dtype=dtype), torch.tensor([length // 2], device=device)
+
+    def writes():
+        for cache in caches:
+            cache.index_copy_(2, where, new)
+
+    for deterministic in (True, False):
+        torch.use_deterministic_algorithms(deterministic)
+        torch.compiler.reset()
+        write = torch.compile(writes) if cuda else writes
+        state = "on" if deterministic else "off"
+        print(f"5. {len(caches)} cache writes, deterministic algorithms {state}: {timed(torch, device, write):.3f} ms")
+    torch.use_deterministic_algorithms(False)
+
+    torch.compiler.reset()
+    if not cuda:  # the compiled path as a GPU takes it, through dynamo's eager backend (no kernels of its own)
+        grpo.compiles = lambda model: True
+        grpo.compile_step = lambda function: torch.compile(function, backend="eager", fullgraph=True)
+    for batch in (rows, rows // 2):  # the second: a smaller batch after a larger one, as evaluation and training
+
+        def rollout():
+            grpo.generate(model, tokenizer, ids[:batch], mask[:batch], args.max_new_tokens, 1.0, never)
+
+        counters.clear()
+        before = torch.cuda.memory_allocated() if cuda else 0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        rollout()
+        first = time.perf_counter() - start
+        ms_token = timed(torch, device, rollout, 3) / args.max_new_tokens
+        skips = sum(n for name, n in counters["inductor"].items() if "skip" in name)
+        print(
+            f"6. batch {batch}, {args.max_new_tokens} new tokens: first call {first:.1f} s, then {ms_token:.2f} ms a "
+            f"token ({batch / ms_token * 1e3:,.0f} tokens/s); graphs {counters['stats']['unique_graphs']}, "
+            f"cudagraph skips {skips}"
+        )
+        if cuda:
+            peak, growth = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated() - before
+            print(f"   peak memory {peak / 2**30:.2f} GiB, growth {growth / 2**30:.2f} GiB")
+        held = [c for c in model.__dict__.values() if isinstance(c, transformers.StaticCache)]
+        held_bytes = sum(t.nbytes for c in held for layer in c.layers for t in (layer.keys, layer.values))
+        copies = sum(t.nbytes for t in model.__dict__.get("rollout_weights", {}).values())
+        print(f"   caches held: {len(held)}, {held_bytes / 2**30:.3f} GiB; weight copies {copies / 2**30:.3f} GiB")
+        if batch == rows:
+            with torch.profiler.profile() as profile:
+                rollout()
+            sort = "cuda_time_total" if cuda else "cpu_time_total"
+            print(profile.key_averages().table(sort_by=sort, row_limit=15))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="a 2-layer model of width 64 and a short step (CPU)")
     parser.add_argument("--decode", action="store_true", help="time the decode loop alone")
+    parser.add_argument("--check", action="store_true", help="the decode loop's GPU half, step by step (issue 63)")
+    parser.add_argument("--dtype", help="--decode, --check: the compute dtype (default: bfloat16 on a GPU)")
     parser.add_argument(
         "--model",
         help="a model folder: the step of docs/smollm2.md's GRPO command on its addition "
         "question; --decode: its decode loop (default: a random 24-layer model of width 64)",
     )
     parser.add_argument("--vs", help="--decode: another grpo.py whose generate() runs in turn with this one's")
-    parser.add_argument("--batch", type=int, default=32, help="--decode: prompts")
+    parser.add_argument("--batch", type=int, help="--decode: prompts (default 32; 128 on a GPU and with --check)")
     parser.add_argument("--repeats", type=int, default=5, help="--decode: timed rollouts of each loop")
     parser.add_argument("--threads", type=int, default=0, help="--decode: torch's threads (default: torch's)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--trl", action="store_true", help="time TRL's GRPOTrainer at equal work too")
     args = parser.parse_args(argv)
-    if args.decode:
-        args.max_new_tokens = args.max_new_tokens or 64
-        return decode(args)
+    if args.decode or args.check:
+        gpu = importlib.util.find_spec("torch") and __import__("torch").cuda.is_available()
+        args.batch = args.batch or (128 if gpu or args.check else 32)
+        args.max_new_tokens = args.max_new_tokens or (512 if gpu else 64)
+        return check(args) if args.check else decode(args)
     if args.model:  # docs/smollm2.md's GRPO command
         args.prompts, args.group_size, args.micro_batch_size, args.learning_rate = 8, 4, 8, 1e-5
         new_tokens, args.gradient_checkpointing, args.data, args.prompt_tokens = 16, False, None, 40

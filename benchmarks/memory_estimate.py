@@ -25,10 +25,14 @@ checked on the CPU under bfloat16 autocast, with a tiny Qwen2 loaded as load_mod
   chunk's float32 weight gradient and its out-of-place sum into the others'); under --fsdp, where the gathered
   weight is bfloat16, the larger of 5 C and C + 10 x vocab x d (weight.float()'s copy, its float32 gradient and
   the bfloat16 one), plus the policy's root gathered in bfloat16, 2 R (measured from malloc's bytes in use);
-- generation: the KV cache of the whole rollout batch, 2 x layers x kv_heads x head_dim x L x 4 bytes a sequence
-  (float32: the rotary embedding's float32 cos and sin promote the keys, and the cache's torch.cat under autocast
-  the values), the float32 logits and probabilities of one position, 2 x vocab x 4 bytes a sequence, and under
+- generation: the KV cache, 2 x layers x kv_heads x head_dim x L' x 2 bytes a row (keys and values in the compute
+  dtype, bfloat16: generate()'s RolloutCache). On one process the compiled step keeps one cache on the model, for
+  the largest rollout seen: its rows the larger of the rollout batch and an evaluation batch (128 prompts), L' the
+  prompt and the completion each rounded up to 64; under --fsdp (no compiled step) the rollout batch's own cache,
+  L' = L. Plus the float32 logits and probabilities of one position, 2 x vocab x 4 bytes a sequence, and under
   --fsdp the whole model gathered in bfloat16, 2 N (a rollout gathers each layer once and keeps it until its end).
+- the compiled step's bfloat16 copy of the decoder's linear layers (rollout_weights), kept on the model: 2 D,
+  static; with --lora-r only the adapters are copied (the base layers are held in bfloat16 already), 2 A.
 With --lora-r R (docs/training.md): the policy's weights are frozen, 4 N, but for its decoder's linear layers (D
 parameters), which are held in the compute dtype, 2 D; its adapters (A: R x (in + out) for each linear layer of the
 decoder) are trained, 16 A; no reference model is held (it is the policy with its adapters off);
@@ -114,6 +118,8 @@ def estimate(c):
     static = (c.trained * 16 * n + c.frozen * 4 * n) / shard + (c.frozen * 2 * root if fsdp else 0)
     if c.lora:  # the policy frozen (its decoder's linear layers in bfloat16), its adapters trained
         static += 4 * n - 2 * decoder_linear_parameters(c.model) + 16 * adapter_parameters(c.model, c.lora) - 16 * n
+    if c.rollout and not fsdp:  # the compiled step's bfloat16 copy of the weights it reads (only LoRA's adapters)
+        static += 2 * (adapter_parameters(c.model, c.lora) if c.lora else decoder_linear_parameters(c.model))
     heads, chunk = c.model["num_attention_heads"], 2**26 // vocab * vocab * 4  # C: a chunk's float32 logits
     tokens, per_layer = c.micro_batch * length, 34 * d + 8 * i + 4 * heads + 8 + 2 * length  # bytes a token and layer
     if c.checkpointing:
@@ -125,8 +131,10 @@ def estimate(c):
     else:
         output_layer = max(5 * chunk, 8 * vocab * d)
     training = c.trained * 2 * n / shard + activations + (output_layer if c.logprobs else 0)
-    head_dim = d // heads
-    generation = c.rollout * 2 * layers * c.model["num_key_value_heads"] * head_dim * length * 4
+    head_dim, rows, cache_length = d // heads, c.rollout, length
+    if not fsdp:  # the compiled step's one cache: an evaluation batch's rows at least, lengths in multiples of 64
+        rows, cache_length = max(c.rollout, 128), -(-c.prompt // 64) * 64 + -(-c.completion // 64) * 64
+    generation = (rows * 2 * layers * c.model["num_key_value_heads"] * head_dim * cache_length * 2) if c.rollout else 0
     generation += c.rollout * 2 * vocab * 4 + (2 * n if fsdp else 0)
     return static / GB, training / GB, generation / GB, (static + max(training, generation)) / GB
 

@@ -282,6 +282,28 @@ def test_publish_copies_the_weights_only_once_the_generator_took_the_last_ones()
     assert not thread.is_alive() and copies == [1] and generator.waiting[0] == 2
 
 
+def test_no_switch_once_every_row_has_stopped():
+    """On a GPU the loop looks at the stop every 16 tokens, so a switch may fall due after every row has stopped: the
+    generator then neither waits for the trainer nor counts a switch; while a row goes on, it switches."""
+    import threading
+
+    from async_grpo import Generator
+
+    generator = Generator.__new__(Generator)
+    generator.args = SimpleNamespace(interrupt_every=2)
+    generator.version, generator.lock, generator.pausing = 0, threading.Condition(), False
+    loaded = []
+    generator.load_versions = lambda version: loaded.append(version) or setattr(generator, "version", version)
+    switches = []
+    assert not generator.switch(3, 0, switches, 2, lambda: False)  # due (version 1), but nothing left to sample
+    assert loaded == [] and switches == []
+    assert generator.switch(3, 0, switches, 2, lambda: True)
+    assert loaded == [1] and switches == [[2, 1]]
+    calls = []
+    assert not generator.switch(3, 0, switches, 3, lambda: calls.append(1) or True)  # not due: no look at the stop
+    assert calls == []
+
+
 @pytest.mark.parametrize("pause", ["generator.paused", "none"])
 def test_the_generator_draws_nothing_while_evaluate_samples(pause, monkeypatch):
     """evaluate()'s sampled completions run inside torch.random.fork_rng, which puts torch's generator back when it
@@ -349,6 +371,7 @@ def test_the_generator_draws_nothing_while_evaluate_samples(pause, monkeypatch):
         (["--no-decoupled", "--behav-imp-cap", "3"], {}, "--behav-imp-cap 3.0 with --no-decoupled: the cap limits"),
         ([], {"LOCAL_RANK": "0"}, "torchrun: async_grpo.py runs on one process"),
         (["--interrupt-every", "2", "--save-every", "5"], {}, "--interrupt-every 2 with --save-every 5: a checkpoint"),
+        (["--interrupt-every", "8"], {}, "--interrupt-every 8 with --max-new-tokens 8: a rollout would never reach"),
     ],
 )
 def test_bad_input_is_one_line(flags, env, message, tmp_path):

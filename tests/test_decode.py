@@ -164,10 +164,11 @@ def check_the_loop(name, model, tokenizer, ids, mask, stops, monkeypatch, tolera
 
 def test_a_switch_mid_rollout_samples_each_token_under_the_weights_of_its_time():
     """AReaL's interruption on the shared loop (async_grpo.py --interrupt-every): a stand-in switch loads version
-    v + 1 between tokens 3 and 4 of a rollout. The log-probs of tokens 0-3 are version v's and those from token 4
+    v + 1 between tokens 6 and 7 of a rollout. The log-probs of tokens 0-6 are version v's and those from token 7
     on version v + 1's, each equal to a fresh forward pass of that version over the same prompt and prefix (the
-    rebuilt cache gives its logits, on left-padded prompts of unequal lengths); a switch that changes nothing gives
-    the loop's rollout without one, token for token."""
+    rebuilt cache gives its logits, on left-padded prompts of unequal lengths, its 7 tokens refilled in chunks as
+    wide as the prompts: 5 and 2); a switch that changes nothing gives the loop's rollout without one, token for
+    token."""
     import copy
 
     prompt_ids = torch.tensor([[0, 0, 0, 11, 12], [0, 21, 22, 23, 24], [31, 32, 33, 34, 35]])
@@ -176,30 +177,49 @@ def test_a_switch_mid_rollout_samples_each_token_under_the_weights_of_its_time()
     with torch.no_grad():
         for weight in version[1].parameters():
             weight.add_(0.05 * torch.randn_like(weight))
-    sampler, asked = copy.deepcopy(version[0]), []
+    sampler, asked, chunks = copy.deepcopy(version[0]), [], []
 
-    def switch(t):
+    def switch(t, going):
         asked.append(t)
-        if t == 4:
+        if t == 7:
             sampler.load_state_dict(version[1].state_dict())
-        return t == 4
+        return t == 7
 
+    hook = sampler.get_decoder().register_forward_hook(
+        lambda module, args, kwargs, out: chunks.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
     torch.manual_seed(5)
-    tokens, logprobs = generate(sampler, pad, prompt_ids, prompt_mask, 8, 1.0, [-1], with_logprobs=True, switch=switch)
-    assert asked == [1, 2, 3, 4, 5, 6, 7] and tokens.shape == (3, 8)  # between every two of the 8 tokens
+    tokens, logprobs = generate(sampler, pad, prompt_ids, prompt_mask, 12, 1.0, [-1], with_logprobs=True, switch=switch)
+    hook.remove()
+    assert asked == list(range(1, 12)) and tokens.shape == (3, 12)  # between every two of the 12 tokens
+    assert chunks == [5] + [1] * 6 + [5, 5, 2] + [1] * 4  # the prefill, 6 steps, the refill, 4 steps
     full_ids, full_mask = torch.cat([prompt_ids, tokens], 1), torch.cat([prompt_mask, torch.ones_like(tokens)], 1)
     with torch.no_grad():
         fresh = [token_logprobs(model, full_ids, full_mask, prompt_ids.shape[1], 1.0) for model in version]
-    torch.testing.assert_close(logprobs[:, :4], fresh[0][:, :4], atol=1e-5, rtol=0)
-    torch.testing.assert_close(logprobs[:, 4:], fresh[1][:, 4:], atol=1e-5, rtol=0)
-    assert (fresh[0][:, 4:] - fresh[1][:, 4:]).abs().max() > 1e-2  # the two versions are told apart
+    torch.testing.assert_close(logprobs[:, :7], fresh[0][:, :7], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logprobs[:, 7:], fresh[1][:, 7:], atol=1e-5, rtol=0)
+    assert (fresh[0][:, 7:] - fresh[1][:, 7:]).abs().max() > 1e-2  # the two versions are told apart
     sampler.load_state_dict(version[0].state_dict())
     torch.manual_seed(5)
-    unswitched = generate(sampler, pad, prompt_ids, prompt_mask, 8, 1.0, [-1], with_logprobs=True)
+    unswitched = generate(sampler, pad, prompt_ids, prompt_mask, 12, 1.0, [-1], with_logprobs=True)
     torch.manual_seed(5)
-    no_change = generate(sampler, pad, prompt_ids, prompt_mask, 8, 1.0, [-1], True, lambda t: False)
+    no_change = generate(sampler, pad, prompt_ids, prompt_mask, 12, 1.0, [-1], True, lambda t, going: False)
     assert torch.equal(unswitched[0], no_change[0])
     torch.testing.assert_close(unswitched[1], no_change[1], atol=1e-6, rtol=0)
+
+
+def test_the_switch_sees_whether_a_row_goes_on(monkeypatch):
+    """With a GPU's look at the stop every 16 tokens, rows that all stop by their third token: going() says True up
+    to then and False after, so async_grpo.py's generator makes no switch once every row has stopped."""
+    model = tiny("llama")
+    prompt_ids = torch.tensor([[0, 0, 0, 11, 12], [0, 21, 22, 23, 24], [31, 32, 33, 34, 35]])
+    prompt_mask, pad = (prompt_ids != 0).long(), SimpleNamespace(pad_token_id=0)
+    stops = sorted(set(generate(model, pad, prompt_ids, prompt_mask, 3, None, [-1])[:, 2].tolist()))
+    monkeypatch.setattr(grpo, "stop_check_every", lambda device: 16)
+    seen = []
+    tokens = generate(model, pad, prompt_ids, prompt_mask, 8, None, stops, switch=lambda t, going: seen.append(going()))
+    longest = completion_mask(tokens, stops).sum(1).max().item()
+    assert longest <= 3 and seen == [True] * (longest - 1) + [False] * (8 - longest)
 
 
 class CountSyncs(TorchDispatchMode):
@@ -422,16 +442,21 @@ def test_the_cache_keeps_keys_and_values_in_the_compute_dtype(monkeypatch):
 
 
 def test_the_compiled_step_runs_without_deterministic_algorithms_and_the_same_seed_gives_the_same_run(monkeypatch):
-    """The compiled step (in the main thread) runs with deterministic algorithms off, which are on again after every
-    token; the same seed gives the same tokens twice. In another thread (async_grpo.py's generator, beside its
-    trainer) they stay on."""
+    """The compiled step (in the main thread) runs with deterministic algorithms off and inductor's deterministic mode
+    on, and both are on again after every token; the same seed gives the same tokens twice. In another thread
+    (async_grpo.py's generator, beside its trainer) the algorithms stay deterministic."""
     import threading
+
+    import torch._inductor.config
 
     seen, run = [], grpo.decode_step
     eager_compile(monkeypatch)
-    monkeypatch.setattr(
-        grpo, "compile_step", lambda f: lambda *a: seen.append(torch.are_deterministic_algorithms_enabled()) or run(*a)
-    )
+
+    def flags(*args):  # deterministic algorithms, and inductor's own deterministic mode (no kernel picked by timing)
+        seen.append((torch.are_deterministic_algorithms_enabled(), torch._inductor.config.deterministic))
+        return run(*args)
+
+    monkeypatch.setattr(grpo, "compile_step", lambda f: flags)
     model, pad = tiny("gqa"), SimpleNamespace(pad_token_id=0)
     ids, mask = rollout_prompts(5, 3)
     torch.use_deterministic_algorithms(True)
@@ -440,13 +465,15 @@ def test_the_compiled_step_runs_without_deterministic_algorithms_and_the_same_se
         for _ in range(2):
             torch.manual_seed(7)
             outs.append(generate(model, pad, ids, mask, 8, 1.0, [-1], with_logprobs=True))
-            assert torch.are_deterministic_algorithms_enabled()
-        assert seen == [False] * 14 and torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+            assert torch.are_deterministic_algorithms_enabled() and torch._inductor.config.deterministic
+        assert (
+            seen == [(False, True)] * 14 and torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        )
         seen.clear()
         thread = threading.Thread(target=generate, args=(model, pad, ids, mask, 8, 1.0, [-1]))
         thread.start()
         thread.join()
-        assert seen == [True] * 7
+        assert seen == [(True, True)] * 7
     finally:
         torch.use_deterministic_algorithms(False)
         torch._dynamo.reset()

@@ -293,3 +293,23 @@ def test_the_lora_cast_benchmark_counts_the_casts_both_ways():
     found = lora_casts.main(sequences=2, new_tokens=4, repeats=1)
     assert found["float32 (before)"][0] == 14 and found["bfloat16 (add_lora)"][0] == 0
     assert all(speed > 0 for _, _, speed in found.values())
+
+
+def test_the_gpu_check_runs_every_step_on_the_cpu():
+    """benchmarks/gpu_benchmark.py --check, the decode loop's GPU half step by step (issue 63), at a small shape on
+    the CPU (nothing compiled, no GPU memory): its six steps in order, the eager bfloat16 rollout's tokens, the grouped
+    attention level with transformers' to bfloat16's rounding, one cache held after a smaller batch followed a larger
+    one, and the profile's table."""
+    from conftest import run_script
+
+    out = run_script(
+        "benchmarks/gpu_benchmark.py", "--check", "--small", "--batch", "4", "--max-new-tokens", "4"
+    ).stdout
+    steps = [line.split(".")[0] for line in out.splitlines() if line[:2] in {f"{i}." for i in range(1, 7)}]
+    assert steps == ["1", "2", "3", "4", "5", "5", "6", "6"], out
+    assert "a 4-token bfloat16 eager generate(), 4 prompts: (4, 4) tokens" in out, out
+    gap = float(out.split("outputs ")[1].split(" apart")[0])
+    assert gap < 1e-2, out  # bfloat16 inputs, summed in another order
+    held = [line for line in out.splitlines() if "caches held" in line]
+    assert len(held) == 2 and all("caches held: 1," in line for line in held), out
+    assert "Name" in out and "Self CPU" in out, out  # the profile's top operations
