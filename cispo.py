@@ -1268,7 +1268,7 @@ def generate(
     position = prompt_mask.sum(dim=1, keepdim=True)  # (rows, 1): the first new token's
     inputs, weights = rollout_inputs(model, mask, cache), rollout_weights(model, compiled)
     positions = (prompt_mask.cumsum(1) - 1).clamp(0)  # (rows, P): the prompts'
-    stops, heat = torch.tensor(stop_ids, device=device), heat_of(temperature, device)
+    stops, heat = torch.tensor(stop_ids, device=device), heat_of(temperature, device, compiled)
     tokens, logprobs, done = [], [], torch.arange(rows, device=device) >= size
     with autocast(model), gathered(model), grouped_attention(model):
         u = uniform(rows, size, temperature, device)
@@ -1390,7 +1390,8 @@ class RolloutCache(transformers.StaticCache):
         self.rows, self.length, self.store_dtype = rows, length, dtype
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        key_states, value_states = key_states.to(self.store_dtype), value_states.to(self.store_dtype)
+        if key_states.dtype != self.store_dtype or value_states.dtype != self.store_dtype:
+            key_states, value_states = key_states.to(self.store_dtype), value_states.to(self.store_dtype)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
@@ -1413,6 +1414,8 @@ def rollout_cache(model, rows, length, keep):
 
 def pad_rows(x, rows):
     """x (B, P) with copies of its first row below it, up to `rows` rows."""
+    if rows == len(x):
+        return x
     return torch.cat([x, x[:1].expand(rows - len(x), -1)])
 
 
@@ -1470,9 +1473,13 @@ def gathered(model):
 
 @contextlib.contextmanager
 def grouped_attention(model):
-    """The rollout's attention through grouped_sdpa where the model's is transformers' SDPA."""
-    config = unwrap(model).config
-    if config._attn_implementation != "sdpa":
+    """The rollout's attention through grouped_sdpa where the model's is transformers' SDPA over fewer key-value
+    heads than query heads."""
+    config, heads = unwrap(model).config, unwrap(model).config.get_text_config().num_attention_heads
+    if (
+        config._attn_implementation != "sdpa"
+        or getattr(config.get_text_config(), "num_key_value_heads", heads) == heads
+    ):
         yield
         return
     transformers.AttentionInterface.register("grouped_sdpa", grouped_sdpa)
@@ -1518,11 +1525,14 @@ def fast_algorithms(compiled):
         torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
-def heat_of(temperature, device):
-    """draw()'s temperature, a tensor (one compiled step serves every temperature): 0 for greedy (None)."""
-    if temperature is None:
+def heat_of(temperature, device, compiled):
+    """draw()'s temperature: None for greedy in an eager step (the largest logit alone); else a tensor, 0 for greedy,
+    so that one compiled step serves greedy and every temperature."""
+    if temperature is not None:
+        return torch.tensor(float(temperature), device=device)
+    if compiled:
         return torch.zeros((), device=device)
-    return torch.tensor(float(temperature), device=device)
+    return None
 
 
 def uniform(rows, size, temperature, device):
@@ -1536,19 +1546,28 @@ def uniform(rows, size, temperature, device):
 def draw(logits, heat, u):
     """A token a row (B,) from float32 logits (B, vocab), and its log-prob (B,) under softmax(logits / heat): the
     first token whose cumulative probability passes u (B, 1) of the total, so one uniform number a row
-    (torch.multinomial draws one an entry of the vocabulary); heat 0: the largest logit (greedy), log-prob 0. The
-    sums in float64, so that no entry's share is rounded, and in two levels, within blocks of 1,024 entries and
-    then over the blocks: a scan across the whole vocabulary is summed in an order that varies from run to run on a
-    GPU, where the compiled step leaves deterministic algorithms off."""
-    greedy, (rows, vocab), block = heat == 0, logits.shape, min(logits.shape[-1], 1024)
+    (torch.multinomial draws one an entry of the vocabulary), the sums in float64, so that no entry's share is
+    rounded; greedy (heat None, or a tensor 0 in a compiled step): the largest logit, log-prob 0."""
+    if heat is None:
+        return logits.argmax(dim=-1), torch.zeros(len(logits), device=logits.device)
+    greedy = heat == 0
     logprobs = (logits / torch.where(greedy, 1.0, heat)).log_softmax(dim=-1)  # (B, vocab)
-    blocks = torch.nn.functional.pad(logprobs.exp().double(), (0, -vocab % block)).view(rows, -1, block)
-    within = blocks.cumsum(dim=-1)  # (B, blocks, block)
-    before = torch.nn.functional.pad(within[..., -1].cumsum(dim=-1)[:, :-1], (1, 0))  # (B, blocks): the blocks before
-    cumulative = (within + before[..., None]).view(rows, -1)[:, :vocab]  # (B, vocab)
-    token = torch.searchsorted(cumulative, u * cumulative[:, -1:], right=True).clamp_(max=vocab - 1)  # (B, 1)
-    logprob = logprobs.gather(1, token).squeeze(1)
+    cumulative = cumulative_sums(logprobs.exp().double())  # (B, vocab)
+    token = torch.searchsorted(cumulative, u * cumulative[:, -1:], right=True).clamp_(max=logits.shape[-1] - 1)
+    logprob = logprobs.gather(1, token).squeeze(1)  # token: (B, 1)
     return torch.where(greedy, logits.argmax(dim=-1), token.squeeze(1)), torch.where(greedy, 0.0, logprob)
+
+
+def cumulative_sums(x, block=1024):
+    """x's cumulative sums along its last dimension (B, n); beyond `block` entries in two levels, within blocks and
+    then over the blocks before each: one scan across a whole vocabulary is summed, on a GPU where the compiled
+    step leaves deterministic algorithms off, in an order that varies from run to run."""
+    rows, n = x.shape
+    if n <= block:
+        return x.cumsum(dim=-1)
+    within = torch.nn.functional.pad(x, (0, -n % block)).view(rows, -1, block).cumsum(dim=-1)  # (B, blocks, block)
+    before = torch.nn.functional.pad(within[..., -1].cumsum(dim=-1)[:, :-1], (1, 0))  # (B, blocks)
+    return (within + before[..., None]).view(rows, -1)[:, :n]
 
 
 def masked_mean(x, mask, dim=None):

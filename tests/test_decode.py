@@ -22,7 +22,7 @@ TINY_ADDER = os.path.join(ROOT, "tiny-adder")
 def test_draw_samples_each_token_at_its_probability():
     """Probabilities 0.1, 0.2, 0.7 and an entry of probability 0: at temperature 1 drawn as often as that, at
     temperature 0.5 as 0.01 : 0.04 : 0.49 (p^2, normalised: 0.0185, 0.0741, 0.9074), the zero never; each draw's
-    log-prob is the log of its probability at that temperature; greedy (temperature 0) takes the largest."""
+    log-prob is the log of its probability at that temperature; greedy (temperature 0, or None) takes the largest."""
     logits = torch.tensor([math.log(0.1), math.log(0.2), math.log(0.7), -math.inf]).repeat(50_000, 1)
     torch.manual_seed(0)
     for temperature, expected in ((1.0, [0.1, 0.2, 0.7, 0.0]), (0.5, [0.01 / 0.54, 0.04 / 0.54, 0.49 / 0.54, 0.0])):
@@ -32,8 +32,9 @@ def test_draw_samples_each_token_at_its_probability():
         for seen, p in zip(share.tolist(), expected):
             assert abs(seen - p) < 4 * math.sqrt(p * (1 - p) / len(token)) + 1e-9, (temperature, share, expected)
         torch.testing.assert_close(logprob, torch.tensor(expected).log()[token], atol=1e-6, rtol=0)
-    token, logprob = draw(logits[:2], torch.tensor(0.0), torch.full((2, 1), 0.99, dtype=torch.float64))
-    assert token.tolist() == [2, 2] and logprob.tolist() == [0.0, 0.0]
+    for heat in (torch.tensor(0.0), None):  # a compiled step's greedy, and an eager step's
+        token, logprob = draw(logits[:2], heat, torch.full((2, 1), 0.99, dtype=torch.float64))
+        assert token.tolist() == [2, 2] and logprob.tolist() == [0.0, 0.0]
 
 
 def test_draw_sums_in_blocks_of_1024_as_the_whole_vocabulary_does():
