@@ -120,11 +120,12 @@ def test_every_quick_command_is_a_valid_command_of_its_file(name):
         *(["--vllm"] if name.endswith("-vllm") else []),
         *benchmark.ONE_PAIR_FLAGS.get(name, []),
         *(["--reward-model-path", "rm"] if name in benchmark.REWARD_MODEL_OF else []),
-        *benchmark.QUICK_FLAGS[name],
         *benchmark.QUICK_COMMON,
+        *benchmark.QUICK_FLAGS[name],
     ]
     args = tyro.cli(module.Args, args=argv)
     assert args.seed == 1 and args.num_steps == (1 if name in REAL_FLAGS else 4)
+    assert args.num_eval == (2 if name in REAL_FLAGS else 8)  # a row's own flags win over the common ones
 
 
 def test_every_run_saved_a_model_that_loads(quick):
@@ -256,7 +257,8 @@ def test_a_finished_run_is_read_again_only_for_the_same_command(quick, tmp_path)
     )
     assert "sft seed 1: finished before" in proc.stdout
     assert "grpo seed 1: grpo.py --seed 1" in proc.stdout  # run again: its record was another command's
-    assert json.loads((runs / "grpo__1.json").read_text())["command"][-1] == "8"  # --quick's --num-eval
+    command = json.loads((runs / "grpo__1.json").read_text())["command"]
+    assert command[command.index("--num-eval") + 1] == "8"  # --quick's --num-eval
     text = (tmp_path / "results.md").read_text()
     assert "| sft |" in text and "## Memory" not in text and "log-prob memory" not in proc.stdout
 
