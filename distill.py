@@ -1,0 +1,1788 @@
+"""On-policy distillation, in one file.
+
+The student samples completions of the prompts from its current policy, as grpo.py's rollout does; a frozen
+teacher that shares its tokenizer scores every sampled token in one pass without gradient, log pi_T(o_t | o_<t),
+and each token's advantage is the reverse KL's sampled estimate at its prefix, negated: no reward, no discount
+(Agarwal et al. 2024, GKD, https://arxiv.org/abs/2306.13649; Lu and Thinking Machines 2025, On-Policy
+Distillation; tinker-cookbook's incorporate_kl_penalty). The update is PPO's clipped surrogate over those tokens:
+
+    loss = -1/B sum_i 1/|o_i| sum_t min(r_it A_it, clip(r_it, 1-eps, 1+eps) A_it)
+    r_it = pi(o_it) / pi_old(o_it),   A_it = log pi_T(o_it) - log pi_old(o_it)
+
+Which gradient: at r = 1 a token's is -A_t grad log pi(o_t), whose mean over o_t ~ pi is the gradient of the reverse
+KL(pi || pi_T) at that prefix (the prefix held fixed; no discount: a token is not credited with the prefixes it
+leads to). On the student's own samples this is unbiased. verl's default, the k3 estimate exp(d) - d - 1,
+d = log pi_T(o_t) - log pi(o_t), back-propagated directly (grpo.py's KL term with the teacher as the reference), has
+in expectation the gradient of the *forward* KL(pi_T || pi), the mass-covering one; this file does not use it
+(tests/test_distill.py checks both by summing over a small vocabulary).
+
+`--loss jsd` computes instead, at each sampled prefix, the generalized Jensen-Shannon divergence over the whole
+vocabulary, as TRL's generalized_jsd_loss does (GKD eq. 1), with S = pi, T = pi_T, M = beta T + (1 - beta) S:
+
+    loss = aggregate over tokens of JSD_beta = beta KL(T || M) + (1 - beta) KL(S || M)
+    beta = 0: KL(T || S), the forward KL;  beta = 1: KL(S || T), the reverse KL, exact at each prefix
+
+(TRL's convention: at 0 and 1 the KLs themselves, which JSD_beta / beta and JSD_beta / (1 - beta) tend to; JSD_beta
+itself tends to 0 at both ends.) No sampling of the next token, no ratio, no clipping; the cost is both models'
+logits over the vocabulary at every token, made a chunk at a time so that no (B, T, vocab) tensor is held.
+
+Where this file departs from the references: no KL to a reference model (the teacher is the anchor); the teacher's
+log-probs at --temperature, as the student's (TRL's way); `--loss-agg` as grpo.py's. A teacher whose own stop token
+is not the student's (another chat format) scores the student's stop token low (or high), and the student learns
+to stop late or never (or at once): its length drifts. The stop token is scored like any other token; a note at
+the start names stop tokens that differ, and charts/completion_length and charts/stopped show the drift.
+See docs/distill.md.
+
+    python distill.py                                # bundled student, tiny-teacher/ as teacher, addition task, CPU
+    python distill.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --teacher-path Qwen/Qwen2.5-1.5B-Instruct \
+        --dataset openai/gsm8k --dataset-config main --max-new-tokens 512 --prompts-per-step 16 \
+        --micro-batch-size 8 --learning-rate 1e-6 --num-eval 200 --eval-every 50 --gradient-checkpointing  # a GPU
+"""
+
+import contextlib
+import glob
+import importlib.util
+import inspect
+import json
+import math
+import os
+import random
+import re
+import shutil
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.utils.checkpoint
+import transformers
+import tyro
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # names the run: runs/<exp_name>__<seed>__<time>
+    seed: int = 1  # seed of the experiment (data order, sampling, initialisation)
+    torch_deterministic: bool = True  # deterministic algorithms only (`--no-torch-deterministic`: any)
+    cuda: bool = True  # use CUDA when it is available
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # of the forward passes (auto: bfloat16 on a GPU)
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
+    fsdp: bool = False  # under torchrun: shard the models across the processes (FSDP2), not copy them (DDP)
+    track: bool = False  # log to Weights & Biases (`WANDB_MODE=offline` keeps it on disk)
+    wandb_project_name: str = "onefile-rl"  # the wandb project
+    wandb_entity: str | None = None  # the wandb entity (team or user)
+    output_dir: str | None = None  # the run's folder, which must not exist yet (default: runs/<run name>)
+    trust_remote_code: bool = False  # let transformers run code shipped with a hub model you trust
+    log_every: int = 5  # write metrics and a console line every this many steps
+    save_every: int = 0  # write a checkpoint every this many steps (0: none)
+    keep_checkpoints: int = 2  # keep the newest this many checkpoints
+    resume_from: str | None = None  # continue the run in this folder from its last checkpoint
+
+    # Model and data
+    model_name_or_path: str = "tiny-adder"  # the starting policy: a local folder or a hub id
+    dataset: str | None = None  # a .jsonl of prompt/answer (or question/answer) records, or a hub dataset
+    task: Literal["addition", "addition-question"] = "addition"  # without --dataset: `47+8=`, or as a question
+    dataset_config: str | None = None  # the hub dataset's configuration (GSM8K: `main`)
+    train_split: str = "train"  # the hub dataset's training split
+    eval_split: str = "test"  # the hub dataset's held-out split
+    eval_dataset: str | None = None  # a .jsonl or hub dataset (its --eval-split) of held-out records
+    num_eval: int = 500  # held-out records: --eval-dataset's first, else the hub split's first, else a .jsonl's last
+    eval_every: int = 25  # greedy accuracy on the held-out prompts every this many steps, and at 0
+    eval_samples: int = 0  # and K completions sampled per held-out prompt: eval/mean@k, eval/pass@k (0: none)
+    eval_temperature: float = 1.0  # the temperature of those samples
+    max_new_tokens: int = 8  # the longest completion, in tokens
+    max_prompt_length: int | None = None  # a longer prompt (chat template included) keeps its last tokens
+    system_prompt: str | None = None  # a system message before each text prompt (needs a chat template)
+
+    # Optimisation
+    num_steps: int = 300  # training steps (each: one batch of rollouts, then its updates)
+    learning_rate: float = 1e-4  # AdamW's learning rate
+    weight_decay: float = 0.0  # AdamW's weight decay
+    max_grad_norm: float = 1.0  # clip the gradient's global norm to this
+    micro_batch_size: int = 64  # sequences per forward/backward pass, per process
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warm-up, decay to 0 at --num-steps
+    warmup_steps: int = 0  # steps of linear warm-up of the learning rate
+    lora_r: int = 0  # train LoRA adapters of this rank (peft), not every weight (0: off; docs/training.md)
+    lora_alpha: float = 16.0  # the adapters' output is scaled by lora_alpha / lora_r
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # layers with adapters
+
+    # Algorithm specific arguments
+    prompts_per_step: int = 32  # prompts per batch of rollouts
+    group_size: int = 8  # completions sampled per prompt
+    temperature: float = 1.0  # sampling temperature; log-probs are computed at the same temperature
+    num_iterations: int = 1  # passes over each batch of rollouts (the paper's mu)
+    num_minibatches: int = 1  # optimizer steps per pass over a batch of rollouts
+    teacher_path: str = "tiny-teacher"  # the frozen teacher: a local folder or a hub id, with the student's tokenizer
+    loss: Literal["reverse-kl", "jsd"] = "reverse-kl"
+    """the policy gradient with A_t = log pi_T(o_t) - log pi_old(o_t), or the generalized JSD over the vocabulary"""
+    jsd_beta: float = 0.5  # --loss jsd: M = beta T + (1 - beta) S; 0 the forward KL(T || S), 1 the reverse (TRL's beta)
+    clip_eps_low: float = 0.2  # the ratio is clipped below at 1 - clip_eps_low
+    clip_eps_high: float = 0.2  # the ratio is clipped above at 1 + clip_eps_high (DAPO raises it to 0.28)
+    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
+    """how token losses are averaged: the paper's, DAPO's, or Dr. GRPO's (docs/grpo.md)"""
+    vllm: bool = False  # sample the rollouts with a vLLM engine in this process (docs/vllm.md)
+    vllm_kv_cache_gib: float = 1.0  # the engine's KV cache, in GiB (beside its copy of the weights)
+    vllm_is_cap: float = 2.0  # truncate the pi_old / engine importance weights at this (TIS)
+
+    # to be filled in at runtime (not flags: the command line cannot set them)
+    batch_size: tyro.conf.Suppress[int] = 0  # completions per batch of rollouts (prompts_per_step * group_size)
+    minibatch_size: tyro.conf.Suppress[int] = 0  # completions per optimizer step (batch_size // num_minibatches)
+    run_name: tyro.conf.Suppress[str] = ""  # exp_name__seed__time
+
+
+# ---- ALGO LOGIC: on-policy distillation's advantage and losses
+def teacher_advantages(teacher_logprobs, old_logprobs, mask):
+    """A_t = log pi_T(o_t) - log pi_old(o_t): the reverse KL's sampled estimate at token t's prefix, negated; no
+    reward and no discount (a token gets its own term only), as tinker-cookbook's incorporate_kl_penalty.
+
+    teacher_logprobs, old_logprobs, mask: (B, T). A constant (no gradient), 0 on padding.
+    teacher = log [0.25, 0.5], old = log [0.5, 0.25] -> A = [-0.693, 0.693]: the teacher's likelier token goes up
+    """
+    m = mask.bool()
+    return torch.where(m, teacher_logprobs - old_logprobs, 0.0).detach()  # (B, T)
+
+
+def pg_loss(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    clip_eps_low=0.2,
+    clip_eps_high=0.2,
+    loss_agg="seq-mean-token-mean",
+    max_completion_length=None,
+    is_weights=None,
+):
+    """PPO's clipped surrogate over the sampled tokens (grpo.py's grpo_loss without its KL term), to be minimised.
+
+    logprobs (B, T) carries the gradient; old_logprobs and advantages (B, T) (teacher_advantages) are constants;
+    mask (B, T) marks completion tokens. Per token, averaged as loss_agg says (aggregate):
+        l_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t),   r_t = exp(logprobs_t - old_logprobs_t)
+    is_weights (B, T), with --vllm: the term of token t is multiplied by w_t (truncated_is_weights).
+    """
+    m = mask.bool()
+    log_ratio = torch.where(m, logprobs - old_logprobs, 0.0)  # padding never reaches exp()
+    ratio = torch.exp(log_ratio)  # (B, T)
+    adv = torch.where(m, advantages, 0.0)  # (B, T), 0 on padding
+    clipped_ratio = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high)
+    per_token = -torch.min(ratio * adv, clipped_ratio * adv)  # (B, T)
+    if is_weights is not None:  # the engine sampled the tokens, not pi_old
+        per_token = per_token * is_weights
+    loss = aggregate(per_token, m, loss_agg, max_completion_length)
+    # a token is clipped when the clipped branch wins the min and so gives no gradient
+    clipped = ((ratio < 1 - clip_eps_low) & (adv < 0)) | ((ratio > 1 + clip_eps_high) & (adv > 0))
+    return loss, {"clip_frac": masked_mean(clipped.float(), m).detach(), "ratio": masked_mean(ratio, m).detach()}
+
+
+def aggregate(per_token, mask, loss_agg="seq-mean-token-mean", max_completion_length=None):
+    """The loss from per-token losses (B, T) over the completion tokens, mask (B, T), as loss_agg says:
+    "seq-mean-token-mean"     1/B sum_i 1/|o_i| sum_t l_it   (GRPO's)
+    "token-mean"              1/sum_i |o_i| sum_i sum_t l_it (DAPO's; TRL's distillation "batchmean")
+    "seq-mean-token-sum-norm" 1/B sum_i sum_t l_it / max_completion_length (Dr. GRPO's)
+    """
+    m = mask.bool()
+    if loss_agg == "seq-mean-token-mean":
+        return masked_mean(per_token, m, dim=1).mean()
+    if loss_agg == "token-mean":
+        return masked_mean(per_token, m)
+    if loss_agg == "seq-mean-token-sum-norm":
+        return (torch.where(m, per_token, 0.0).sum(dim=1) / max_completion_length).mean()
+    raise ValueError(f"unknown loss_agg {loss_agg!r}")
+
+
+def generalized_jsd(logits, teacher_logits, beta=0.5):
+    """The generalized Jensen-Shannon divergence between S = softmax(logits) and T = softmax(teacher_logits) at each
+    of n prefixes, in nats (GKD eq. 1; TRL's generalized_jsd_loss, its terms summed over the vocabulary):
+        JSD_beta = beta KL(T || M) + (1 - beta) KL(S || M),   M = beta T + (1 - beta) S
+        beta = 0: KL(T || S) (forward);  beta = 1: KL(S || T) (reverse)
+    logits (n, vocab) carries the gradient, teacher_logits (n, vocab) is a constant; both divided by the
+    temperature already. Returns (n,).
+    S = [0.5, 0.5], T = [0.9, 0.1] -> beta 0: 0.3681, 0.5: 0.1017, 1: 0.5108 (tests/test_distill.py works them out)
+    """
+    s, t = logits.log_softmax(dim=-1), teacher_logits.log_softmax(dim=-1)  # (n, vocab) each
+    if beta == 0:
+        return (t.exp() * (t - s)).sum(dim=-1)
+    if beta == 1:
+        return (s.exp() * (s - t)).sum(dim=-1)
+    m = torch.logaddexp(t + math.log(beta), s + math.log1p(-beta))  # log M
+    return beta * (t.exp() * (t - m)).sum(dim=-1) + (1 - beta) * (s.exp() * (s - m)).sum(dim=-1)
+
+
+def truncated_is_weights(old_logprobs, engine_logprobs, mask, cap):
+    """Truncated importance sampling (TIS): the engine sampled the tokens, the loss assumes pi_old did, so each
+    token's policy-gradient term is weighed by w_t = min(pi_old(o_t) / pi_engine(o_t), cap), a constant.
+
+    old_logprobs, engine_logprobs, mask: (B, T); 0 at padding.
+    old = log [0.5, 0.3, 0.1], engine = log [0.5, 0.6, 0.01], cap = 2 -> w = [1, 0.5, 2 (10, truncated)]
+    Also the step's statistics: logprob_diff, the mean |old - engine| over the tokens, and the weights' mean.
+    Without an engine (engine_logprobs None), no weights and no statistics.
+    """
+    if engine_logprobs is None:  # generate() sampled from pi_old itself
+        return None, {}
+    m = mask.bool()
+    log_ratio = torch.where(m, old_logprobs - engine_logprobs, 0.0).detach()  # padding never reaches exp()
+    weights = torch.where(m, torch.exp(log_ratio).clamp(max=cap), 0.0)
+    return weights, {
+        "logprob_diff": masked_mean(log_ratio.abs(), m),
+        "is_weight": masked_mean(weights, m),
+        "is_truncated": masked_mean((log_ratio > math.log(cap)).float(), m),
+    }
+
+
+# ---- The task and its reward: what a user edits for a task of their own (docs/your_own_task.md)
+def addition_task(num_eval, task="addition"):
+    """(train, held-out) records of a + b for 0 <= a, b <= 99, held out alike in every run."""
+    prompts = {"addition": "{a}+{b}=", "addition-question": "What is {a} + {b}? Reply with the number only."}
+    pairs = [(a, b) for a in range(100) for b in range(100)]
+    random.Random(0).shuffle(pairs)
+    records = [{"prompt": prompts[task].format(a=a, b=b), "answer": str(a + b)} for a, b in pairs]
+    return records[num_eval:], records[:num_eval]
+
+
+def last_number(text):
+    """The last number in text, as a float ('1,234.5' -> 1234.5), or None."""
+    found = re.findall(r"-?\d+(?:,\d{3})*(?:\.\d+)?", text)
+    return float(found[-1].replace(",", "")) if found else None
+
+
+def reward_fn(completion, record):
+    """1.0 if the completion ends with the answer: its last number, or its last words (docs/your_own_task.md)."""
+    answer = str(record["answer"])
+    if last_number(answer) is not None:
+        return float(last_number(completion) == last_number(answer))
+    text, expected = (" ".join(s.lower().split()).strip(" .,;:!?\"'`*()[]{}") for s in (completion, answer))
+    return float(bool(expected) and (text == expected or text.endswith(" " + expected)))
+
+
+def prompt_answer(record):
+    """The record with a 'prompt' and an 'answer' (text or None), from prompt/answer or question/answer (GSM8K:
+    the answer after '####'); other fields stay, for reward_fn."""
+    answer = None if record.get("answer") is None else str(record["answer"])
+    if "question" not in record:
+        return {**record, "answer": answer}
+    answer = None if answer is None else answer.split("####")[-1].strip()
+    return {**record, "prompt": record["question"], "answer": answer}
+
+
+def main(args):
+    check_args(args)
+    device = setup(args)
+    rank = rank_and_world()[0]
+    num_prompts, _, minibatch_size = batch_sizes(args)  # this process's prompts and minibatch, each step
+    checkpoint = checkpoint_to_resume(args)  # --resume-from: the run's last checkpoint, its flags checked
+    output_dir = make_output_dir(args, checkpoint)
+
+    # the student (the policy), and the frozen teacher, which must share its tokenizer
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    policy = add_lora(load_model(args.model_name_or_path, args, device), args)  # --lora-r: the adapters alone train
+    stop_ids = stop_token_ids(tokenizer, policy)
+    policy = distribute(policy, args.fsdp)  # under torchrun: DDP, or FSDP2 with --fsdp
+    teacher = load_teacher(args, device, tokenizer, policy, stop_ids)  # in --dtype; with --fsdp sharded too
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    engine = load_engine(args, device)  # with --vllm
+    train_records, eval_records = load_task(args)
+    data_rng, shuffle_gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
+    # a new run starts at 1; --resume-from puts back its checkpoint's weights and states, and goes on after it
+    first_step, _ = resume(checkpoint, {"policy": policy}, optimizer, [data_rng, shuffle_gen])
+    scheduler = lr_scheduler(optimizer, args, first_step)
+    print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
+    loss_args = dict(
+        clip_eps_low=args.clip_eps_low,
+        clip_eps_high=args.clip_eps_high,
+        loss_agg=args.loss_agg,
+        max_completion_length=args.max_new_tokens,
+    )  # pg_loss's constants
+    jsd_args = dict(temperature=args.temperature, beta=args.jsd_beta)  # token_jsd's, with --loss jsd
+    start = time.time()
+    if first_step == 1:
+        samples = []  # a few held-out prompts with their completions, for samples.jsonl
+        metrics = evaluate(policy, tokenizer, eval_records, args, stop_ids, samples, args.eval_samples)
+        teacher_metrics = evaluate(teacher, tokenizer, eval_records, args, stop_ids)  # once: where the student heads
+        metrics["eval/teacher_accuracy"] = teacher_metrics["eval/accuracy"]
+        reduce_and_log(output_dir, 0, metrics, samples)
+    for step in range(first_step, args.num_steps + 1):
+        timer = Timer(device, start)
+        # 1. rollouts: G completions per prompt from the student's pi_old (prompt 0 G times, then prompt 1...)
+        prompts = data_rng.choices(train_records, k=args.prompts_per_step)  # every process draws the same prompts
+        prompts = prompts[rank * num_prompts : (rank + 1) * num_prompts]  # and takes its share
+        group = [r for r in prompts for _ in range(args.group_size)]
+        policy.eval()
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device, args)  # (B, P)
+        completion_ids, engine_logprobs = sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids)
+        timer.lap("generation")
+        mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
+        attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
+        prompt_len = prompt_ids.shape[1]
+
+        # 2. reward each completion: logged, never trained on (the teacher's scores are the signal)
+        texts = decode_completions(tokenizer, completion_ids, mask)
+        rewards = torch.tensor([reward_fn(t, r) for t, r in zip(texts, group)], device=device)  # (B,)
+
+        # 3. the teacher scores every sampled token, once per batch, without gradient: log pi_T(o_t | o_<t) (B, T),
+        # or with --loss jsd its last hidden states (B, T, d), whose logits the update makes a chunk at a time. With
+        # one update per batch, pi_old is the policy being updated: its log-probs are the new ones, detached.
+        timer.lap()  # the rewards: no phase
+        old_logprobs = None
+        if args.loss == "reverse-kl" and (args.num_iterations > 1 or args.num_minibatches > 1):
+            old_logprobs = batched_logprobs(
+                policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
+            )
+        timer.lap("logprob")
+        if args.loss == "jsd":
+            teacher_states = decoder_states(teacher, input_ids, attention_mask, prompt_len, args.micro_batch_size)
+        else:
+            teacher_logprobs = batched_logprobs(
+                teacher, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
+            )
+        timer.lap("teacher")
+
+        # 4. num_iterations passes over the batch, each num_minibatches optimizer steps; a micro-batch's loss weighs
+        # its share of the minibatch's completions, or with DAPO's token mean, of its tokens
+        policy.train()
+        step_stats, rollout_stats, grad_norms = [], [], []
+        sampled_kl = torch.zeros_like(mask, dtype=torch.float32)  # (B, T): log pi_old(o_t) - log pi_T(o_t)
+        token_mask = mask if args.loss_agg == "token-mean" else None
+        for minibatch in minibatches(attention_mask, minibatch_size, args.num_iterations, shuffle_gen):
+            optimizer.zero_grad()
+            for i, share in micro_batches(minibatch, args.micro_batch_size, [policy], token_mask):
+                if args.loss == "jsd":  # at each sampled prefix, over the whole vocabulary: no ratio, no clipping
+                    jsd, sampled_kl[i], reverse_kl = token_jsd(
+                        policy, teacher, teacher_states[i], input_ids[i], attention_mask[i], prompt_len, **jsd_args
+                    )
+                    loss = aggregate(jsd, mask[i], args.loss_agg, args.max_new_tokens)
+                    stats, is_stats = {"reverse_kl_exact": masked_mean(reverse_kl, mask[i])}, {}
+                else:  # the policy gradient, each token's advantage its sampled reverse KL negated
+                    logprobs = token_logprobs(policy, input_ids[i], attention_mask[i], prompt_len, args.temperature)
+                    old = logprobs.detach() if old_logprobs is None else old_logprobs[i]
+                    is_weights, is_stats = truncated_is_weights(
+                        old, rows(engine_logprobs, i), mask[i], args.vllm_is_cap
+                    )
+                    advantages = teacher_advantages(teacher_logprobs[i], old, mask[i])  # (b, T)
+                    loss, stats = pg_loss(logprobs, old, advantages, mask[i], **loss_args, is_weights=is_weights)
+                    sampled_kl[i] = -advantages
+                check_finite(loss, step, "--teacher-path's log-probs")
+                (loss * share).backward()
+                # the loss as the optimizer weighed it; the token means (clip_frac, ratio, reverse_kl_exact) by tokens
+                step_stats += [({"loss": loss.detach()}, share), (stats, mask[i].sum())]
+                rollout_stats.append((is_stats, mask[i].sum()))
+            grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
+            optimizer.step()
+        timer.lap("update")
+
+        # 5. log, and evaluate on the held-out prompts
+        evaluate_now = step % args.eval_every == 0 or step == args.num_steps
+        if step % args.log_every == 0 or evaluate_now:
+            stopped = torch.isin(completion_ids, torch.tensor(stop_ids, device=device)).any(dim=1)  # (B,)
+            metrics = {
+                **weighted_means(step_stats, "losses/"),
+                **weighted_means(rollout_stats, "rollout/"),
+                "losses/reverse_kl": masked_mean(sampled_kl, mask),  # its sampled estimate, over the tokens
+                "charts/reward": rewards.mean(),
+                "charts/completion_length": mask.sum(dim=1).float().mean(),
+                "charts/stopped": stopped.float().mean(),  # completions that ended with a stop token
+                "charts/learning_rate": optimizer.param_groups[0]["lr"],
+                "losses/grad_norm": torch.stack(grad_norms).mean(),  # the mean over the optimizer steps
+                **timer.metrics(tokens=mask.sum()),
+            }
+            samples = rollout_samples(group, texts, rewards, -masked_mean(sampled_kl, mask, dim=1))  # the mean A_t
+            if evaluate_now:
+                metrics.update(evaluate(policy, tokenizer, eval_records, args, stop_ids, samples, args.eval_samples))
+            reduce_and_log(output_dir, step, metrics, samples)
+        scheduler.step()
+        models, generators = {"policy": policy}, [data_rng, shuffle_gen]
+        save_checkpoint(args, output_dir, step, tokenizer, models, optimizer, generators)  # every --save-every steps
+
+    save(policy, tokenizer, output_dir)
+    print(f"saved to {output_dir} in {time.time() - start:.0f} s")
+    end_processes()
+
+
+# ==== The algorithm ends here. Below: machinery, this file's own, then (second banner) the part every file shares ====
+def check_args(args):
+    """Stops at a flag outside its range, or at options that cannot run together, before anything loads."""
+    ranges = {
+        "prompts_per_step": "> 0",
+        "temperature": "> 0",
+        "group_size": "> 0",
+        "num_iterations": "> 0",
+        "num_minibatches": "> 0",
+        "jsd_beta": "in [0, 1]",
+        "clip_eps_low": "in [0, 1]",
+        "clip_eps_high": ">= 0",
+    }
+    check_ranges(args, {**COMMON_RANGES, **VLLM_RANGES, **ranges})
+    check_lora(args)
+    check_vllm(args)
+
+
+# ---- vLLM (--vllm): an engine in this process samples the rollouts (docs/vllm.md)
+VLLM_RANGES = {"vllm_kv_cache_gib": "> 0", "vllm_is_cap": "> 0"}
+
+
+def check_vllm(args):
+    """Stops before anything loads if --vllm cannot run: vLLM is not installed."""
+    if args.vllm and importlib.util.find_spec("vllm") is None:
+        fail(
+            "--vllm: vLLM is not installed; install requirements-vllm.txt (CUDA) or requirements-vllm-cpu.txt (CPU), "
+            "each in an environment of its own (docs/vllm.md)"
+        )
+
+
+def batch_sizes(args):
+    """(prompts, completions, completions of a minibatch) of this process at each step; a division that is not exact
+    stops the run, naming the flags. Sets args.batch_size and args.minibatch_size (of all processes)."""
+    world = rank_and_world()[1]
+    num_prompts = exact_div(args.prompts_per_step, world, "--prompts-per-step among the processes")
+    batch_size = num_prompts * args.group_size
+    what = "--prompts-per-step x --group-size"
+    minibatch_size = exact_div(batch_size, args.num_minibatches, f"{what} (per process) by --num-minibatches")
+    fit_micro_batches(args, minibatch_size, f"a minibatch ({what} / --num-minibatches, per process)")
+    args.batch_size, args.minibatch_size = batch_size * world, minibatch_size * world
+    return num_prompts, batch_size, minibatch_size
+
+
+def load_teacher(args, device, tokenizer, policy, stop_ids):
+    """The frozen teacher of --teacher-path, its weights float32 and computing in --dtype as the policy does, copied
+    to every process (DDP) or with --fsdp sharded; stops before training where it cannot score the student's tokens:
+    another tokenizer (its size, or a probe text split otherwise), or an output layer smaller than the student's.
+    A note names stop tokens that differ from the student's (the docstring: the student's length drifts)."""
+    path = args.teacher_path
+    teacher_tokenizer = from_pretrained(AutoTokenizer, path, args.trust_remote_code, "--teacher-path")
+    if len(teacher_tokenizer) != len(tokenizer):
+        fail(
+            f"--teacher-path {path}: its tokenizer has {len(teacher_tokenizer)} tokens, the student's "
+            f"{len(tokenizer)}; the teacher must share --model-name-or-path's tokenizer"
+        )
+    probe = "Distil: 12+345=357, then stop.\n\tÜber 東京 🙂 <|im_end|></s>"
+    if teacher_tokenizer(probe)["input_ids"] != tokenizer(probe)["input_ids"]:
+        fail(
+            f"--teacher-path {path}: its tokenizer splits a probe text otherwise than the student's; the teacher "
+            "must share --model-name-or-path's tokenizer"
+        )
+    model = from_pretrained(AutoModelForCausalLM, path, args.trust_remote_code, "--teacher-path", dtype=torch.float32)
+    teacher = load_model(path, args, device, frozen=True, model=model).eval()
+    rows, student_rows = (unwrap(m).get_output_embeddings().weight.shape[0] for m in (teacher, policy))
+    if rows < student_rows:
+        fail(
+            f"--teacher-path {path}: its output layer scores {rows} tokens, the student's {student_rows}; give a "
+            "teacher that scores every token the student can sample"
+        )
+    if args.loss == "jsd" and (own_logits(teacher) or own_logits(policy)):
+        fail(
+            "--loss jsd: a model whose logits are scaled or capped (Gemma 2's softcapping) gets its output layer's "
+            "plain product in the whole-vocabulary pass; use --loss reverse-kl"
+        )
+    teacher_stops = stop_token_ids(teacher_tokenizer, teacher)
+    if teacher_stops != stop_ids:
+        print(
+            f"note: the teacher's stop tokens {teacher_stops} are not the student's {stop_ids}; the teacher scores "
+            "the student's like any other token, and the student's length may drift (charts/completion_length, "
+            "charts/stopped)"
+        )
+    return distribute(teacher, args.fsdp)
+
+
+def load_engine(args, device):
+    """With --vllm, a vLLM engine in this process (one a process under torchrun), in --dtype (docs/vllm.md)."""
+    if not args.vllm:
+        return None
+    import vllm
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its weights in reach
+    options = {}
+    if dist.is_initialized():
+        options["distributed_executor_backend"] = "external_launcher"
+    if device.type == "cuda":  # vLLM's start checks that this share of the GPU is free
+        free, total = torch.cuda.mem_get_info(device)
+        options.update(gpu_memory_utilization=0.9 * free / total, enable_sleep_mode=True)
+    if args.max_prompt_length is not None:
+        options["max_model_len"] = args.max_prompt_length + args.max_new_tokens
+    try:  # it samples from this process's torch generator, seeded by setup() and kept in checkpoints
+        return vllm.LLM(
+            args.model_name_or_path,
+            dtype=args.dtype,
+            seed=args.seed + rank_and_world()[0],
+            skip_tokenizer_init=True,
+            logprobs_mode="processed_logprobs",
+            model_impl="vllm",
+            kv_cache_memory_bytes=int(args.vllm_kv_cache_gib * 2**30),
+            enforce_eager=device.type != "cuda",
+            trust_remote_code=args.trust_remote_code,
+            **options,
+        )
+    except Exception as e:  # an architecture vLLM lacks, too little KV cache for one sequence, ...
+        hint = ""
+        if "cache" in str(e):
+            hint = " (--vllm-kv-cache-gib, --max-prompt-length, --max-new-tokens)"
+        fail(
+            f"--vllm: vLLM cannot serve --model-name-or-path {args.model_name_or_path}: {type(e).__name__}: "
+            f"{' '.join(str(e).split())[:300]}{hint}"
+        )
+
+
+def load_task(args, answers=True):
+    """(train, held-out) records with a 'prompt' and an 'answer' (with answers=False it may be None)."""
+
+    def read(name, split, flag, needed=("answer",) if answers else ()):  # a .jsonl's records, or a hub split's
+        if name.endswith(".jsonl"):
+            return read_jsonl(name, ("prompt", *needed), ("question", *needed), flag=flag)
+        return load_hub_split(name, args.dataset_config, split, flag)
+
+    if args.dataset is None:
+        train, held_out = addition_task(args.num_eval, args.task)
+    else:
+        train, held_out = read(args.dataset, args.train_split, "--dataset"), None
+    if args.eval_dataset:  # its first --num-eval, and all of --dataset is trained on
+        held_out = read(args.eval_dataset, args.eval_split, "--eval-dataset")[: args.num_eval]
+    elif held_out is None and args.dataset.endswith(".jsonl"):  # its last --num-eval, not trained on
+        if len(train) <= args.num_eval:
+            fail(f"--dataset {args.dataset}: {len(train)} records, but --num-eval {args.num_eval} are held out")
+        train, held_out = train[: -args.num_eval], train[-args.num_eval :]
+    elif held_out is None:
+        held_out = read(args.dataset, args.eval_split, "--dataset")[: args.num_eval]
+    return [prompt_answer(r) for r in train], [prompt_answer(r) for r in held_out]
+
+
+def sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids):
+    """Completion ids (B, T) sampled at --temperature; with --vllm by the engine, once it has the policy's weights,
+    and then also its log-prob of each sampled token (B, T), 0 after the completion."""
+    if engine is None:
+        return generate(
+            policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature, stop_ids
+        ), None
+    import vllm
+
+    sync_engine(engine, policy)
+    params = vllm.SamplingParams(
+        n=1,
+        temperature=args.temperature,
+        top_p=1.0,
+        top_k=0,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        logprobs=0,
+        max_tokens=args.max_new_tokens,
+        stop_token_ids=stop_ids,
+        ignore_eos=True,
+        detokenize=False,
+    )
+    prompts = [{"prompt_token_ids": ids[m.bool()].tolist()} for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+    outputs = [out.outputs[0] for out in engine.generate(prompts, params, use_tqdm=False)]
+    if prompt_ids.is_cuda:
+        engine.sleep(level=2)  # its weights and KV cache freed (the next rollout brings new weights anyway)
+    pad = torch.nn.utils.rnn.pad_sequence
+    completion_ids = pad([torch.tensor(o.token_ids) for o in outputs], True, tokenizer.pad_token_id)  # (B, T)
+    logprobs = pad([torch.tensor([lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]) for o in outputs], True)
+    return completion_ids.to(prompt_ids.device), logprobs.to(prompt_ids.device)
+
+
+def sync_engine(engine, policy):
+    """The policy's weights into the engine, a tensor at a time (under FSDP each gathered as the engine takes it)."""
+    asleep = engine.llm_engine.is_sleeping()
+    if asleep:
+        torch.cuda.empty_cache()
+        engine.wake_up(tags=["weights"])
+    weights = (
+        (name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor)  # FSDP: a DTensor
+        for name, tensor in merged_weights(policy)
+    )  # LoRA: merged as the engine takes them
+    engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    engine.reset_prefix_cache()  # its keys and values came from the old weights
+    if asleep:
+        torch.cuda.empty_cache()  # what the sync freed, back to the GPU before the KV cache takes its share
+        engine.wake_up(tags=["kv_cache"])
+
+
+# ---- --loss jsd: both models' logits over the vocabulary at every sampled prefix, a chunk at a time
+@torch.no_grad()
+def decoder_states(model, input_ids, attention_mask, prompt_len, batch_size):
+    """The decoder's last hidden states (B, T, d) at the positions that predict the completion tokens, as the output
+    layer takes them (in --dtype), without gradient, in batches of batch_size rows of like length; 0 on the columns
+    that no row of a batch attends to."""
+    model.eval()
+    order, length, states = attention_mask.sum(dim=1).argsort(stable=True), input_ids.shape[1] - prompt_len, []
+    for b in order.split(batch_size):
+        ids, mask, _, kept = attended(input_ids[b], attention_mask[b], prompt_len)
+        hidden = hidden_states(model, ids, mask)[:, -kept - 1 : -1]  # (b, T', d): the state at P - 1 + t predicts t
+        states.append(torch.nn.functional.pad(hidden, (0, 0, 0, length - kept)))  # (b, T, d)
+    return torch.cat(states)[order.argsort()]  # in the batch's order again
+
+
+def token_jsd(
+    policy, teacher, teacher_states, input_ids, attention_mask, prompt_len, temperature, beta, chunk_values=2**24
+):
+    """At each completion token's prefix, (B, T) each: generalized_jsd between the policy's and the teacher's next-token
+    distributions at temperature, with gradient; and without gradient the reverse KL's sampled estimate
+    log pi(o_t) - log pi_T(o_t) and the reverse KL itself, sum over the vocabulary of pi log(pi / pi_T).
+
+    teacher_states (B, T, d_T): decoder_states' of the teacher. input_ids, attention_mask and prompt_len as
+    token_logprobs takes them. chunk_values logits of each model at a time, computed again in the backward pass
+    (token_logprobs' way): no (B, T, vocab) tensor is held. A teacher's output layer larger than the student's (padding
+    rows: Qwen2.5-7B's against 0.5B's) is cut to the student's rows."""
+    length = input_ids.shape[1] - prompt_len
+    input_ids, attention_mask, prompt_len, kept = attended(input_ids, attention_mask, prompt_len)
+    hidden = hidden_states(policy, input_ids, attention_mask)[:, -kept - 1 : -1].flatten(0, 1)  # (B T', d)
+    teacher_hidden = teacher_states[:, :kept].flatten(0, 1)  # (B T', d_T)
+    targets = input_ids[:, prompt_len:].flatten()  # (B T',)
+    head, teacher_head = unwrap(policy).get_output_embeddings(), unwrap(teacher).get_output_embeddings()
+    teacher_weight, teacher_bias = (
+        w.full_tensor() if hasattr(w, "full_tensor") else w for w in (teacher_head.weight, teacher_head.bias)
+    )  # FSDP2 may hold them as sharded DTensors: gathered once for the micro-batch
+    vocab = head.weight.shape[0]
+
+    def chunk(hidden, teacher_hidden, targets):  # (n,) each, at n positions
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits = torch.nn.functional.linear(hidden.float(), head.weight.float(), head.bias)
+            teacher_logits = torch.nn.functional.linear(teacher_hidden.float(), teacher_weight.float(), teacher_bias)
+        logits, teacher_logits = logits / temperature, teacher_logits[:, :vocab] / temperature  # (n, vocab)
+        jsd = generalized_jsd(logits, teacher_logits, beta)
+        with torch.no_grad():
+            s, t = logits.log_softmax(dim=-1), teacher_logits.log_softmax(dim=-1)
+            sampled = (s - t).gather(-1, targets[:, None]).squeeze(-1)
+            return jsd, sampled, generalized_jsd(logits, teacher_logits, 1.0)
+
+    span, chunks = max(1, chunk_values // vocab), []
+    recompute = torch.is_grad_enabled() and len(targets) > span  # in the backward pass (one chunk: no need)
+    for i in range(0, len(targets), span):
+        part = hidden[i : i + span], teacher_hidden[i : i + span], targets[i : i + span]
+        if recompute:
+            chunks.append(
+                torch.utils.checkpoint.checkpoint(chunk, *part, use_reentrant=False, preserve_rng_state=False)
+            )
+        else:
+            chunks.append(chunk(*part))
+    cut = (0, length - kept)  # (B, T') then 0 on the columns cut off: (B, T)
+    return [torch.nn.functional.pad(torch.cat(c).view(-1, kept), cut) for c in zip(*chunks)]
+
+
+# ==== Everything below this line is the same in every file, byte for byte (tests/test_shared.py checks it) ====
+# Why each piece is as it is, with its measurements: docs/gpu.md, docs/distributed.md, docs/outputs.md; laid out
+# in the order in which grpo.py's main() first calls it, what grpo.py never calls at the end
+
+# the range of each numeric flag that every file has; each file adds its own
+COMMON_RANGES = {
+    "seed": "in [0, 4294967295]",
+    "log_every": "> 0",
+    "num_eval": "> 0",
+    "eval_every": "> 0",
+    "max_new_tokens": "> 0",
+    "num_steps": "> 0",
+    "learning_rate": "> 0",
+    "weight_decay": ">= 0",
+    "max_grad_norm": "> 0",
+    "micro_batch_size": "> 0",
+    "max_prompt_length": "> 0",
+    "save_every": ">= 0",
+    "keep_checkpoints": "> 0",
+    "warmup_steps": ">= 0",
+    "lora_r": ">= 0",
+    "lora_alpha": "> 0",
+    "eval_samples": ">= 0",
+    "eval_temperature": "> 0",
+}
+
+
+def setup(args):
+    """The device; names the run, settles --dtype auto, seeds (seed + rank) and joins torchrun's processes."""
+    transformers.utils.logging.disable_progress_bar()
+    if not args.run_name:
+        args.run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before CUDA starts
+    cuda = args.cuda and torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    bfloat16 = not cuda or torch.cuda.is_bf16_supported()
+    if args.dtype == "bfloat16" and not bfloat16:
+        fail("--dtype bfloat16: this GPU has no bfloat16; use --dtype float32")
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if cuda and bfloat16 else "float32"
+    if "LOCAL_RANK" in os.environ:  # torchrun: a process a GPU
+        if cuda:
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+        if dist.get_rank() != 0:
+            sys.stdout = open(os.devnull, "w")  # rank 0 alone prints
+    elif args.fsdp:
+        fail("--fsdp shards the models across processes: start them with torchrun --nproc-per-node N")
+    seed = args.seed + rank_and_world()[0]
+    random.seed(seed)
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(args.torch_deterministic)
+    return device
+
+
+def rank_and_world():
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def checkpoint_to_resume(args):
+    """With --resume-from, the run's last checkpoint, once the run's flags are checked against these; else None.
+    Checked before any model loads; a resumed run takes the run's name."""
+    if args.resume_from is None:
+        return None
+    path, world = args.resume_from, rank_and_world()[1]
+    steps = sorted(glob.glob(os.path.join(path, "checkpoints", "step_" + "[0-9]" * 6)))  # whole ones
+    if not steps or not os.path.exists(os.path.join(path, "args.json")):
+        fail(f"--resume-from {path}: not a run's folder with a whole checkpoint (--save-every writes them)")
+    with open(os.path.join(steps[-1], "trainer_state.json")) as f, open(os.path.join(path, "args.json")) as g:
+        state, saved = json.load(f), json.load(g)
+    keep = (
+        "num_steps log_every eval_every save_every keep_checkpoints resume_from track wandb_project_name wandb_entity"
+    )
+    keep = {*keep.split(), "exp_name", "run_name"}  # the flags a resumed run may change
+    run = {"file": state["file"], "processes": state["world_size"], **{flag(k): v for k, v in saved.items()}}
+    this = {"file": os.path.basename(__file__), "processes": world}
+    this.update({flag(k): v for k, v in asdict(args).items() if k not in keep})
+    differ = [f"{k} {v} (the run's: {run.get(k)})" for k, v in this.items() if run.get(k) != v]
+    if differ:
+        fail(f"--resume-from {path}: differs from the run: {', '.join(differ)}")
+    if args.num_steps <= state["step"]:
+        fail(f"--num-steps {args.num_steps}: the checkpoint is at step {state['step']}; ask for more steps")
+    print(f"resuming {path} from {steps[-1]} (step {state['step']})")
+    args.run_name = saved["run_name"]
+    return steps[-1]
+
+
+def make_output_dir(args, checkpoint):
+    """The run's folder: a new one with args.json; resumed from checkpoint, the run's own, its metrics and samples cut
+    back to the checkpoint's step (the resumed run logs the later steps again). With --track, the wandb run."""
+    path = args.resume_from
+    if checkpoint is None:
+        path = args.output_dir
+        if path is None:
+            path = os.path.join("runs", args.run_name)
+        if os.path.exists(path):
+            fail(f"--output-dir {path} already exists; choose a new folder")
+    barrier()  # every process has checked before rank 0 writes
+    try:
+        if rank_and_world()[0] == 0 and checkpoint is None:
+            os.makedirs(path)
+            with open(os.path.join(path, "args.json"), "w") as f:
+                json.dump(asdict(args), f, indent=2)
+        if rank_and_world()[0] == 0 and checkpoint is not None:
+            with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+                last = json.load(f)["step"]
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                with open(os.path.join(path, name), "a+") as f:
+                    f.seek(0)
+                    lines = [line for line in f if line.endswith("}\n") and json.loads(line)["step"] <= last]
+                    f.truncate(0)
+                    f.writelines(lines)
+    except OSError as e:
+        fail(f"--output-dir {path}: cannot write there ({e.strerror}); choose a folder you can write to")
+    if args.track and rank_and_world()[0] == 0:
+        import wandb
+
+        wandb.init(
+            project=args.wandb_project_name, entity=args.wandb_entity, name=args.run_name, config=vars(args), dir=path
+        )
+    return path
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def load_tokenizer(path, trust_remote_code):
+    tokenizer = from_pretrained(AutoTokenizer, path, trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def from_pretrained(cls, path, trust_remote_code, flag="--model-name-or-path", **kwargs):
+    if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1 or os.path.exists(path)):
+        fail(f"{flag} {path}: no such folder")
+    try:
+        return cls.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError) as e:
+        fail(f"{flag} {path}: not a model folder, nor loadable from the hub ({type(e).__name__})")
+
+
+def add_lora(model, args):
+    """With --lora-r, the model with LoRA adapters (peft), which alone train (docs/training.md); else the model."""
+    if not args.lora_r:
+        return model
+    import peft
+
+    modules = args.lora_target_modules
+    check_lora_targets(model, modules)
+    targets = "all-linear" if modules == ["all-linear"] else modules
+    config = peft.LoraConfig(
+        r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=targets
+    )
+    try:
+        model = peft.get_peft_model(model, config)
+    except ValueError as e:
+        fail(f"--lora-target-modules {' '.join(modules)}: {str(e).splitlines()[0]}")
+    head = model.get_output_embeddings()
+    for module in model.modules():  # frozen: held in --dtype, as autocast would cast them at every token (gpu.md)
+        if isinstance(module, torch.nn.Linear) and module is not head and not module.weight.requires_grad:
+            module.to(model.compute_dtype)
+    return model
+
+
+def check_lora_targets(model, modules):
+    """Stops if --lora-target-modules names the output layer, or an input embedding tied to it (docs/training.md)."""
+    names = {module: name for name, module in model.named_modules()}
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    refused = {names[head]: "the output layer, whose weight the log-probs multiply without an adapter"}
+    if head.weight is embedding.weight:
+        refused[names[embedding]] = "tied to the output layer, which would keep no adapter"
+    for name, why in refused.items():
+        if any(name == m or name.endswith("." + m) for m in modules):
+            fail(f"--lora-target-modules {' '.join(modules)}: {name} is {why}; leave it out")
+
+
+def load_model(path, args, device, frozen=False, model=None):
+    """The model (from path unless given) with float32 weights, computing under autocast in --dtype (docs/gpu.md)."""
+    if model is None:
+        model = from_pretrained(AutoModelForCausalLM, path, args.trust_remote_code, dtype=torch.float32)
+    model.requires_grad_(not frozen)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0  # the policy that samples is the one trained
+    if args.gradient_checkpointing:  # nothing recomputed is random: no random state to keep
+        enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)  # < 5.24
+        enable({"use_reentrant": False, "preserve_rng_state": False})
+    model.compute_dtype = getattr(torch, args.dtype)  # setup() settled an auto --dtype
+    if args.dtype != "float32":
+        model.forward = torch.autocast(device.type, dtype=model.compute_dtype)(model.forward)
+    return model.to(device)
+
+
+def stop_token_ids(tokenizer, model):
+    """Every id that ends a completion: the tokenizer's EOS and the generation config's."""
+    ids = model.generation_config.eos_token_id  # None, an id, or a list of ids
+    if ids is None:
+        ids = []
+    if isinstance(ids, int):
+        ids = [ids]
+    return sorted({tokenizer.eos_token_id, *ids})
+
+
+def distribute(model, fsdp):
+    """The model over the processes from rank 0's weights: DDP (a frozen one: a copy each), or FSDP2 with fsdp."""
+    if not dist.is_initialized():
+        return model
+    for tensor in model.state_dict().values():
+        dist.broadcast(tensor, src=0)
+    if fsdp:
+        precision = MixedPrecisionPolicy(param_dtype=model.compute_dtype, reduce_dtype=torch.float32)
+        layers = [m for m in model.modules() if model._no_split_modules and type(m).__name__ in model._no_split_modules]
+        for module in [*layers, model]:  # each decoder layer, then the rest
+            fully_shard(module, mp_policy=precision)
+        return model
+    trained = any(p.requires_grad for p in model.parameters())
+    return torch.nn.parallel.DistributedDataParallel(model) if trained else model
+
+
+def reference_model(policy, args, device):
+    """The frozen reference: with LoRA the policy itself (adapters_off switches its adapters off), else a copy."""
+    if args.lora_r:
+        return policy
+    return distribute(load_model(args.model_name_or_path, args, device, frozen=True).eval(), args.fsdp)
+
+
+def resume(checkpoint, models, optimizer, generators):
+    """(the first step, the loop's state): (1, {}) for a new run, else the checkpoint's, its states put back."""
+    if checkpoint is None:
+        return 1, {}
+    modules, state = checkpoint_state(models, optimizer)  # what to load into
+    dcp.load(state, checkpoint_id=os.path.join(checkpoint, "state"))
+    set_state_dict(
+        modules,
+        optimizer,
+        model_state_dict=state["models"],
+        optim_state_dict=state["optimizer"],
+        options=StateDictOptions(strict=False),
+    )  # the frozen weights stay as loaded
+    rng = torch.load(os.path.join(checkpoint, f"rng_{rank_and_world()[0]}.pt"))
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"])
+    torch.cuda.set_rng_state_all(rng["cuda"])
+    sys.modules["numpy"].random.set_state(("MT19937", rng["numpy"][0].numpy(), *rng["numpy"][1:]))
+    for generator, value in zip(generators, rng["generators"]):
+        if isinstance(generator, random.Random):
+            generator.setstate(value)
+        else:
+            generator.set_state(value)
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        state = json.load(f)
+    return state["step"] + 1, state["state"]
+
+
+def checkpoint_state(models, optimizer):
+    """(the models in a ModuleDict, the state a checkpoint keeps of them and of the optimizer): frozen weights left
+    out, a tied one too (LoRA: the adapters alone; a resumed run loads the rest from --model-name-or-path)."""
+    modules = torch.nn.ModuleDict({name: unwrap(model) for name, model in models.items()})
+    frozen = {name for name, p in modules.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    model_state, optimizer_state = get_state_dict(modules, optimizer)
+    return modules, {"models": {k: v for k, v in model_state.items() if k not in frozen}, "optimizer": optimizer_state}
+
+
+def unwrap(model):  # the model inside a DDP wrapper (an FSDP2 model is its own)
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def lr_scheduler(optimizer, args, first_step):
+    """--learning-rate x factor(steps done): --warmup-steps of linear warm-up, then --lr-schedule's decay (to 0)."""
+
+    def factor(done):
+        progress = max(0, done - args.warmup_steps) / max(1, args.num_steps - args.warmup_steps)
+        decay = {"constant": 1, "linear": 1 - progress, "cosine": (1 + math.cos(math.pi * progress)) / 2}
+        return min(1, (done + 1) / max(1, args.warmup_steps)) * decay[args.lr_schedule]
+
+    for group in optimizer.param_groups:  # what LambdaLR scales (a checkpoint does not keep it)
+        group["initial_lr"] = args.learning_rate
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=first_step - 2)
+
+
+def evaluate(model, tokenizer, records, args, stop_ids, samples=None, k=0, pause=contextlib.nullcontext):
+    """{eval/accuracy of greedy completions, and with k sampled per record eval/mean@k and eval/pass@k}, of all
+    processes; pause(): a context in which no other thread draws random numbers (async_grpo.py's generator)."""
+    records = process_share(records)
+    texts = completion_texts(model, tokenizer, records, args, stop_ids)
+    scores = [[reward_fn(t, r) for t, r in zip(texts, records)]]
+    if samples is not None:
+        samples += [
+            {"kind": "eval", "prompt": r["prompt"], "completion": t, "answer": r["answer"], "reward": x}
+            for r, t, x in zip(records[:4], texts, scores[0])
+        ]
+    if k:  # its own random numbers: training draws the same ones with or without --eval-samples
+        group = [r for r in records for _ in range(k)]
+        with pause(), torch.random.fork_rng([torch.cuda.current_device()] if torch.cuda.is_initialized() else []):
+            texts = completion_texts(model, tokenizer, group, args, stop_ids, args.eval_temperature)
+        sampled = torch.tensor([reward_fn(t, r) for t, r in zip(texts, group)]).view(-1, k)  # (records, K)
+        scores += [sampled.mean(dim=1).tolist(), sampled.amax(dim=1).tolist()]
+    totals = all_sum(torch.tensor([[sum(x), len(x)] for x in scores], dtype=torch.float64)).tolist()
+    return {name: x / count for name, (x, count) in zip(["eval/accuracy", "eval/mean@k", "eval/pass@k"], totals)}
+
+
+def process_share(items):
+    """This process's held-out items: every N-th from its rank on, as many for each (a remainder is left out, said)."""
+    rank, world = rank_and_world()
+    if len(items) < world:
+        fail(f"{len(items)} held-out records for {world} processes, which need one each: raise --num-eval")
+    left_out = len(items) % world
+    if left_out:
+        print(
+            f"note: the last {left_out} of {len(items)} held-out records are left out, so that each of the {world} "
+            "processes evaluates as many"
+        )
+    return items[: len(items) - left_out][rank::world]
+
+
+@torch.no_grad()
+def completion_texts(model, tokenizer, records, args, stop_ids, temperature=None):
+    """The texts of the records' completions, greedy (or sampled at temperature)."""
+    model.eval()
+    texts, device = [], next(model.parameters()).device
+    for i in range(0, len(records), 128):
+        ids, mask = tokenize_prompts(tokenizer, [r["prompt"] for r in records[i : i + 128]], device, args)
+        completion_ids = generate(model, tokenizer, ids, mask, args.max_new_tokens, temperature, stop_ids)
+        texts += decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
+    return texts
+
+
+def all_sum(x, op=dist.ReduceOp.SUM):
+    """The sum of tensor x over the processes, or op's reduction (every process calls it)."""
+    if not dist.is_initialized():
+        return x
+    y = x.detach().to(f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu", copy=True)
+    dist.all_reduce(y, op=op)
+    return y.to(x.device)
+
+
+def reduce_and_log(output_dir, step, metrics, samples=()):
+    """Every process calls it: the step's metrics, averaged over the processes (an all-reduce); rank 0 writes them
+    and the samples to their files, wandb and the console."""
+    values = all_sum(torch.tensor([float(v) for v in metrics.values()], dtype=torch.float64)) / rank_and_world()[1]
+    metrics = dict(zip(metrics, values.tolist()))
+    if rank_and_world()[0] != 0:
+        return
+    for name, rows in (("metrics", [metrics]), ("samples", samples)):
+        try:
+            with open(os.path.join(output_dir, f"{name}.jsonl"), "a") as f:
+                f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+        except OSError as e:
+            fail(f"--output-dir {output_dir}: cannot write its {name} ({e.strerror})")
+    wandb = sys.modules.get("wandb")  # --track: imported, its run started by make_output_dir
+    if wandb is not None and wandb.run is not None:
+        columns = list(dict.fromkeys(k for s in samples for k in s))
+        if samples:
+            metrics = {**metrics, "samples": wandb.Table(columns, [[s.get(k) for k in columns] for s in samples])}
+        wandb.log(metrics, step=step)
+    shown = ["charts/reward", "losses/loss", "eval/loss", "eval/accuracy", "eval/pair_accuracy", "charts/step_time"]
+    print(f"step {step:5d}  " + "  ".join(f"{k} {metrics[k]:.4f}" for k in shown if k in metrics), flush=True)
+    if samples:
+        print("  sample  " + "  ".join(f"{k} {repr(v)[:80]}" for k, v in samples[0].items()), flush=True)
+
+
+class Timer:
+    """A step's seconds: timer.lap("generation") ends a phase begun at the step's start or at the last lap."""
+
+    def __init__(self, device, run_start):
+        self.device, self.run_start, self.seconds = device, run_start, {}
+        self.start = self.last = clock(device)
+
+    def lap(self, name=None):
+        now = clock(self.device)
+        if name is not None:
+            self.seconds[f"charts/{name}_time"] = now - self.last
+        self.last = now
+
+    def metrics(self, tokens):
+        step = clock(self.device) - self.start
+        times = {"charts/step_time": step, "charts/tokens_per_sec": tokens / step, **self.seconds}
+        return {**times, "charts/elapsed_time": time.time() - self.run_start}
+
+
+def clock(device):
+    """Seconds, once this thread's CUDA stream has done its queued work."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return time.perf_counter()
+
+
+def tokenize_prompts(tokenizer, prompts, device, args, tools=None):
+    """Left-padded ids and mask (B, P) of each prompt's last --max-prompt-length tokens, chat-templated if it can be
+    (with the tools' descriptions, tool_grpo.py's)."""
+    system = [] if args.system_prompt is None else [{"role": "system", "content": args.system_prompt}]
+    if tokenizer.chat_template:
+        chats = [p if isinstance(p, list) else [*system, {"role": "user", "content": p}] for p in prompts]
+        prompts = [
+            tokenizer.apply_chat_template(c, tools=tools, tokenize=False, add_generation_prompt=True) for c in chats
+        ]
+    elif system or any(isinstance(p, list) for p in prompts):
+        what = "--system-prompt" if system else "conversational records (--dataset, --eval-dataset)"
+        fail(f"{what} need a tokenizer with a chat template, and {args.model_name_or_path} has none")
+    ids = tokenizer(prompts, add_special_tokens=not tokenizer.chat_template)["input_ids"]
+    if args.max_prompt_length:
+        ids = [i[-args.max_prompt_length :] for i in ids]
+    width = max(len(i) for i in ids)
+    input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(i)) + i for i in ids], device=device)
+    return input_ids, torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids], device=device)
+
+
+def completion_mask(completion_ids, stop_ids):
+    """1 up to and including the first stop token: [[5, 7, EOS, PAD], [6, 6, 6, 6]] -> [[1, 1, 1, 0], [1, 1, 1, 1]]"""
+    is_stop = torch.isin(completion_ids, torch.tensor(stop_ids, device=completion_ids.device)).long()
+    return (is_stop.cumsum(dim=1) - is_stop) == 0  # no stop token before this one
+
+
+def decode_completions(tokenizer, completion_ids, mask):
+    return [tokenizer.decode(ids[m], skip_special_tokens=True) for ids, m in zip(completion_ids, mask)]
+
+
+def no_signal_note(step, rewards, group_size, signal):
+    """signal + the groups of this step (of every process) whose rewards differ; at step 5, if none ever did, one
+    line says that nothing can be learned, and why (docs/your_own_task.md). rewards (B,) group-contiguous."""
+    if step <= 5:
+        grouped = rewards.view(-1, group_size)  # (groups, G)
+        signal += all_sum((grouped.amax(dim=1) > grouped.amin(dim=1)).sum()).item()
+        if step == 5 and signal == 0:
+            print(
+                "note: in the first 5 steps every group of completions got equal rewards, so there is no learning"
+                " signal; likely cause: reward_fn scores every completion alike on your records (see"
+                " docs/your_own_task.md), or the task is too hard or too easy for this model within --max-new-tokens"
+            )
+    return signal
+
+
+@torch.no_grad()
+def batched_logprobs(model, input_ids, attention_mask, prompt_len, temperature, batch_size):
+    """token_logprobs (B, T) without gradient, in batches of batch_size rows of like length; None for no model."""
+    if model is None:
+        return None
+    model.eval()
+    order = attention_mask.sum(dim=1).argsort(stable=True)
+    logprobs = [
+        token_logprobs(model, input_ids[b], attention_mask[b], prompt_len, temperature) for b in order.split(batch_size)
+    ]
+    return torch.cat(logprobs)[order.argsort()]  # in the batch's order again
+
+
+def adapters_off(model):  # `with adapters_off(policy):` the policy without its LoRA adapters: the reference
+    return getattr(unwrap(model), "disable_adapter", contextlib.nullcontext)()
+
+
+def minibatches(attention_mask, minibatch_size, passes, generator):
+    """Row blocks of `passes` shuffled passes over a batch (attention_mask), each in order of length: less padding."""
+    lengths = attention_mask.sum(dim=1)
+    for _ in range(passes):
+        for minibatch in torch.randperm(len(lengths), generator=generator).to(lengths.device).split(minibatch_size):
+            yield minibatch[lengths[minibatch].argsort(stable=True)]
+
+
+def micro_batches(minibatch, size, models, token_mask=None):
+    """(part, share) of each micro-batch (its indices, or its records), its gradients synced (DDP) at the last one only;
+    weighed by share, they add up to the minibatch loss's: share of the sequences, or of the tokens of all processes."""
+    parts = [minibatch[i : i + size] for i in range(0, len(minibatch), size)]
+    for i, idx in enumerate(parts):
+        share = len(idx) / len(minibatch)
+        if token_mask is not None:
+            share = token_mask[idx].sum() / (all_sum(token_mask[minibatch].sum()) / rank_and_world()[1])
+        with gradient_sync(i == len(parts) - 1, *models):
+            yield idx, share
+
+
+def gradient_sync(last, *models):
+    """`with gradient_sync(last, model):` under DDP, only a step's last micro-batch all-reduces the gradients."""
+    stack = contextlib.ExitStack()
+    for model in models:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last:
+            stack.enter_context(model.no_sync())
+    return stack
+
+
+def token_logprobs(
+    model, input_ids, attention_mask, prompt_len, temperature=1.0, with_entropy=False, chunk_values=2**26
+):
+    """Log-probs (B, T) of the completion tokens input_ids[:, prompt_len:], float32 (and entropies (B, T)).
+
+    input_ids = [PAD, PAD, 4, 7, 13 | 5, 5, EOS]   left-padded prompt | completion (T = 3)
+    attention = [0,   0,   1, 1, 1  | 1, 1, 1  ]   positions [0, 0, 0, 1, 2 | 3, 4, 5], as in generate()
+    The state at prompt_len - 1 + t predicts token t; chunk_values logits at a time (docs/gpu.md).
+    """
+    length = input_ids.shape[1] - prompt_len
+    input_ids, attention_mask, prompt_len, kept = attended(input_ids, attention_mask, prompt_len)
+    if own_logits(model):  # its own logits, under autocast
+        hidden = forward(model, input_ids, attention_mask, logits_to_keep=kept + 1).logits[:, :-1]  # (B, T', vocab)
+        weight, bias, vocab = None, None, hidden.shape[-1]
+    else:  # the output layer's weight and bias, multiplied in float32 below
+        hidden = hidden_states(model, input_ids, attention_mask)[:, -kept - 1 : -1]  # (B, T', d)
+        head = unwrap(model).get_output_embeddings()
+        weight, bias, vocab = head.weight, head.bias, head.weight.shape[0]
+    hidden, targets = hidden.flatten(0, 1), input_ids[:, prompt_len:].flatten()  # (B T, d or vocab), (B T,)
+
+    def chunk(hidden, targets, weight, bias):  # log-probs (n,) and entropies (n,) at n positions
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits = hidden.float()
+            if weight is not None:
+                logits = torch.nn.functional.linear(logits, weight.float(), None if bias is None else bias.float())
+        logits = logits / temperature  # (n, vocab)
+        logsumexp = torch.logsumexp(logits, dim=-1)
+        entropy = None
+        if with_entropy:
+            entropy = logsumexp - (logits.softmax(-1) * logits).sum(-1)
+        return logits.gather(-1, targets[:, None]).squeeze(-1) - logsumexp, entropy
+
+    span, chunks = max(1, chunk_values // vocab), []
+    recompute = torch.is_grad_enabled() and len(targets) > span  # in the backward pass (one chunk: no need)
+    for i in range(0, len(targets), span):
+        part = hidden[i : i + span], targets[i : i + span], weight, bias
+        if recompute:
+            chunks.append(
+                torch.utils.checkpoint.checkpoint(chunk, *part, use_reentrant=False, preserve_rng_state=False)
+            )
+        else:
+            chunks.append(chunk(*part))
+    cut = (0, length - kept)  # (B, T') then 0 on the columns cut off: (B, T)
+    logprobs = torch.nn.functional.pad(torch.cat([c[0] for c in chunks]).view(-1, kept), cut)
+    if with_entropy:
+        return logprobs, torch.nn.functional.pad(torch.cat([c[1] for c in chunks]).view(-1, kept), cut)
+    return logprobs
+
+
+def attended(input_ids, attention_mask, prompt_len):
+    """input_ids and attention_mask without the columns at either end that no row attends to (their log-probs: 0),
+    prompt_len in them, and the completion positions kept; the positions, and so every kept log-prob, are the same."""
+    first, last = attention_mask.any(dim=0).nonzero()[[0, -1], 0].tolist()  # reads the mask: once a forward pass
+    first, end = min(first, prompt_len - 1), max(last + 1, prompt_len + 1)
+    return input_ids[:, first:end], attention_mask[:, first:end], prompt_len - first, end - prompt_len
+
+
+def own_logits(model):
+    """Whether the model scales or caps its logits (Gemma 2's softcapping): then its own, not the layer's product."""
+    config = unwrap(model).config.get_text_config()
+    scaled = any(getattr(config, k, None) not in (None, 1) for k in ("logit_scale", "logits_scaling"))
+    return scaled or getattr(config, "final_logit_softcapping", None) is not None
+
+
+def forward(model, input_ids, attention_mask, **kwargs):
+    """The model's output, with generate()'s positions and no KV cache (nobody would read it)."""
+    positions = (attention_mask.cumsum(1) - 1).clamp(0)
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, **kwargs)
+
+
+def hidden_states(model, input_ids, attention_mask):
+    """The decoder's last hidden states (B, L, d), as the output layer (or a score head) takes them."""
+    states, causal_lm = [], unwrap(model).get_output_embeddings() is not None
+    hook = unwrap(model).get_decoder().register_forward_hook(lambda module, inputs, out: states.append(out[0]))
+    try:
+        forward(model, input_ids, attention_mask, **({"logits_to_keep": no_logits(input_ids)} if causal_lm else {}))
+    finally:
+        hook.remove()
+    return states[0]
+
+
+def no_logits(input_ids):  # logits_to_keep for no position: the output layer's product is made in float32 by hand
+    return torch.zeros(0, dtype=torch.long, device=input_ids.device)
+
+
+def rows(tensor, idx):  # tensor[idx], or None (a run without a reference, or without an engine, has no log-probs)
+    return None if tensor is None else tensor[idx]
+
+
+def check_finite(loss, step, cause="the rewards"):
+    if not torch.isfinite(loss):
+        fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check {cause}")
+
+
+def weighted_means(records, prefix=""):
+    """{prefix + name: sum w x / sum w} of (stats, w) records: [({"kl": 1.0}, 1), ({"kl": 0.0}, 3)] -> {"kl": 0.25}"""
+    sums, totals = {}, {}
+    for stats, weight in records:
+        for name, value in stats.items():
+            sums[name] = sums.get(name, 0.0) + float(value) * float(weight)
+            totals[name] = totals.get(name, 0.0) + float(weight)
+    return {prefix + name: sums[name] / totals[name] for name in sums}
+
+
+def rollout_samples(records, texts, rewards, advantages):
+    """The first four rollouts of a step, for samples.jsonl: prompt, completion, answer, reward and advantage."""
+    rows = zip(records[:4], texts, rewards.tolist(), advantages.tolist())
+    return [
+        {"kind": "rollout", "prompt": r["prompt"], "completion": t, "answer": r["answer"], "reward": x, "advantage": a}
+        for r, t, x, a in rows
+    ]
+
+
+def save_checkpoint(args, output_dir, step, tokenizer, models, optimizer, generators, **loop_state):
+    """Every --save-every steps, checkpoints/step_<step>/: each model, state/ (DCP), random and loop states."""
+    if args.save_every == 0 or step % args.save_every != 0:
+        return
+    (rank, world), folder = rank_and_world(), os.path.join(output_dir, "checkpoints", f"step_{step:06d}")
+    part = folder + ".partial"  # named once whole
+    if rank == 0:
+        shutil.rmtree(part, ignore_errors=True)
+    barrier()
+    dcp.save(checkpoint_state(models, optimizer)[1], checkpoint_id=f"{part}/state")
+    for name, model in models.items():
+        save(model, tokenizer, f"{part}/{name}", merged=False)  # LoRA: adapter/ alone
+    _, keys, *rest = sys.modules["numpy"].random.get_state()  # torch loaded numpy; vLLM's CUDA sampler draws from it
+    states = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all(),
+        "numpy": [torch.from_numpy(keys), *rest],
+        "generators": [g.getstate() if isinstance(g, random.Random) else g.get_state() for g in generators],
+    }
+    torch.save(states, f"{part}/rng_{rank}.pt")
+    barrier()
+    if rank == 0:
+        with open(f"{part}/trainer_state.json", "w") as f:
+            json.dump({"file": os.path.basename(__file__), "step": step, "world_size": world, "state": loop_state}, f)
+        os.replace(part, folder)
+        for old in sorted(glob.glob(os.path.join(output_dir, "checkpoints", "step_*[0-9]")))[: -args.keep_checkpoints]:
+            shutil.rmtree(old)
+    barrier()
+
+
+def save(model, tokenizer, output_dir, merged=True):
+    """The model and the tokenizer, loadable with from_pretrained (rank 0 writes); with LoRA the adapter alone in
+    adapter/, and the model with it merged in unless merged=False."""
+    model, weights = unwrap(model), None
+    if isinstance(model, FSDPModule):
+        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)).items()
+    try:
+        if rank_and_world()[0] != 0:
+            return
+        if hasattr(model, "get_base_model"):  # LoRA
+            model.save_pretrained(os.path.join(output_dir, "adapter"))
+            if not merged:
+                return
+            model, weights = model.get_base_model(), merged_weights(model)
+        state_dict = None
+        if weights is not None:  # a tensor at a time to the CPU, a tied weight under one name
+            names = {n.replace(".base_layer", "") for n, _ in [*model.named_parameters(), *model.named_buffers()]}
+            state_dict = {name: tensor.cpu() for name, tensor in weights if name in names}
+        model.save_pretrained(output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(output_dir)
+    except OSError as e:
+        fail(f"--output-dir {output_dir}: cannot save the model there ({e.strerror})")
+
+
+@torch.no_grad()
+def merged_weights(model):
+    """(name, float32 tensor) of each weight, under the plain model's names; with LoRA merged, a layer at a time."""
+    model = unwrap(model)
+    if hasattr(model, "get_base_model"):  # LoRA
+        model = model.get_base_model()
+    adapted = {f"{n}.base_layer.weight": m for n, m in model.named_modules() if hasattr(m, "get_delta_weight")}
+    for name, tensor in model.state_dict().items():
+        if "lora_" in name:
+            continue
+        if name in adapted:  # a new tensor: the model's weight is never merged into and back (not exact)
+            tensor = tensor + adapted[name].get_delta_weight("default")
+        if tensor.is_floating_point():  # a frozen layer held in --dtype (add_lora)
+            tensor = tensor.float()
+        yield name.replace(".base_layer", ""), tensor
+
+
+def end_processes():
+    """Ends the wandb run; under torchrun the group, then the process (docs/distributed.md)."""
+    wandb = sys.modules.get("wandb")  # --track
+    if wandb is not None and wandb.run is not None:
+        wandb.finish()
+    if dist.is_initialized():
+        barrier()
+        dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def check_ranges(args, ranges):
+    """Stops at the first flag outside its range: '> 0', '>= 2' or 'in [0, 0.5)', maybe with a reason."""
+    for name, spec in ranges.items():
+        x = getattr(args, name, None)
+        if x is None:  # an optional flag left unset, or one this file lacks
+            continue
+        op, bounds = re.match(r"(>=|>|in) ([\[(].*?[\])]|\S+)", spec).groups()
+        if op != "in":  # '> 0' is 'in (0, inf)', '>= 2' is 'in [2, inf)'
+            bounds = f"{'[' if op == '>=' else '('}{bounds}, inf)"
+        low, high = map(float, bounds[1:-1].split(","))
+        above = x > low or (bounds[0] == "[" and x == low)
+        below = x < high or (bounds[-1] == "]" and x == high)
+        if not (math.isfinite(x) and above and below):  # nan and inf are in no range
+            fail(f"{flag(name)} {x}: must be {'' if math.isfinite(x) else 'a finite number '}{spec}")
+
+
+def check_lora(args):
+    """Stops before anything loads if --lora-r cannot run: with --fsdp, or without peft."""
+    if args.lora_r and args.fsdp:
+        fail("--lora-r with --fsdp: LoRA runs under DDP (torchrun without --fsdp); its gradients are small to copy")
+    if args.lora_r and importlib.util.find_spec("peft") is None:
+        fail("--lora-r: LoRA needs the peft library: pip install peft")
+
+
+def exact_div(a, b, what):
+    """a // b; unless b divides a, the run stops, naming what to change."""
+    if b <= 0 or a % b != 0:
+        fail(f"{what}: {a} does not divide by {b}")
+    return a // b
+
+
+def fit_micro_batches(args, minibatch_size, what):
+    """Makes --micro-batch-size no larger than a minibatch, which it must divide (or the run stops, naming what)."""
+    args.micro_batch_size = min(args.micro_batch_size, minibatch_size)
+    if minibatch_size % args.micro_batch_size != 0:
+        fail(f"{what} by --micro-batch-size: {minibatch_size} does not divide by {args.micro_batch_size}")
+
+
+# Why each piece is as it is, with its measurements: docs/gpu.md, docs/distributed.md, docs/outputs.md
+def fail(message):
+    raise SystemExit(f"error: {message}")
+
+
+def read_jsonl(path, *schemas, flag="--dataset"):
+    """The records of a JSONL file, each with the fields of a schema; a bad record stops the run naming its line."""
+    if not os.path.isfile(path):
+        fail(f"{flag} {path}: no such file")
+    with open(path, encoding="utf-8") as f:
+        lines = [(f"{flag} {path}: line {n}", line) for n, line in enumerate(f, start=1) if line.strip()]
+    records = []
+    for at, line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            fail(f"{at} is not valid JSON ({e.msg})")
+        record = records[-1] if isinstance(records[-1], dict) else {}
+        for k in next((s for s in schemas if set(s) <= set(record)), schemas[0]):
+            if k not in record:
+                fail(f"{at} has no field {k!r} (a record needs {' or '.join(' and '.join(s) for s in schemas)})")
+            v = record[k]
+            number = type(v) in (int, float) and math.isfinite(v)
+            messages = isinstance(v, list) and len(v) > 0 and all(isinstance(m, dict) for m in v)
+            chat = messages and all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in v)
+            if k == "answer" and not (isinstance(v, str) or number):
+                fail(f"{at}: field {k!r} holds {json.dumps(v)[:40]}, where it needs text or a finite number")
+            if k != "answer" and not (isinstance(v, str) or chat):
+                fail(
+                    f"{at}: field {k!r} holds {json.dumps(v)[:40]}, where it needs text or a list of role/content "
+                    "messages"
+                )
+    if not records:
+        fail(f"{flag} {path}: the file holds no records")
+    return records
+
+
+def flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def load_hub_split(name, config, split, flag="--dataset"):
+    if importlib.util.find_spec("datasets") is None:
+        fail(f"{flag} {name}: a hub dataset needs the datasets library: pip install datasets")
+    import datasets
+
+    try:
+        return list(datasets.load_dataset(name, config, split=split))
+    except Exception as e:  # the library raises many kinds
+        fail(f"{flag} {name}: could not load split {split!r} ({type(e).__name__}: {e})".splitlines()[0])
+
+
+@torch.no_grad()
+def generate(
+    model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, with_logprobs=False, switch=None
+):
+    """Completion ids (B, T), a token at a time into a static KV cache, each drawn at temperature (None: greedy) from
+    the model's float32 logits, padded after each row's first stop token (with_logprobs: and each token's log-prob
+    under softmax(logits / temperature), (B, T), 0 after the stop). Every process runs as many forward passes.
+    switch(t, going), if given, is called between token t - 1 and token t, going() saying whether a row has not stopped
+    (a look that waits for the device); True says that the model's weights changed (AReaL's interruption,
+    async_grpo.py): the cache is then computed again, under the new weights, from the prompts and the tokens drawn so
+    far (refill), and the rollout goes on from it."""
+    steps, device, size = max_new_tokens, prompt_ids.device, len(prompt_ids)
+    if dist.is_initialized():  # as many tokens as the process that asks for the most (tool_grpo.py's turns)
+        steps = int(all_sum(torch.tensor(max_new_tokens, device=device), dist.ReduceOp.MAX))
+    step, compiled, every = decode_step, compiles(model), stop_check_every(device)
+    if compiled:  # prompts in a few widths, every rollout in the shape of the model's one cache (rollout_cache)
+        step = compiled_step(model)
+        prompt_ids, prompt_mask = left_pad(prompt_ids, tokenizer.pad_token_id, 64), left_pad(prompt_mask, 0, 64)
+    width = prompt_ids.shape[1]
+    cache, own = rollout_cache(model, size, width + steps, compiled), own_logits(model)
+    rows, length = cache.rows, cache.length  # rows past the batch's: copies of its first prompt, stopped at once
+    prompt_ids, prompt_mask = pad_rows(prompt_ids, rows), pad_rows(prompt_mask, rows)
+    mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, length - width)], dim=1)  # (rows, length); causal on top
+    position = prompt_mask.sum(dim=1, keepdim=True)  # (rows, 1): the first new token's
+    inputs, weights = rollout_inputs(model, mask, cache), rollout_weights(model, compiled)
+    positions = (prompt_mask.cumsum(1) - 1).clamp(0)  # (rows, P): the prompts'
+    stops, heat = torch.tensor(stop_ids, device=device), heat_of(temperature, device, compiled)
+    tokens, logprobs, done = [], [], torch.arange(rows, device=device) >= size
+    with autocast(model), gathered(model), grouped_attention(model):
+        u = uniform(rows, size, temperature, device)
+        token, logprob = decode_step(model, prompt_ids, positions, inputs, own, weights, heat, u)  # the prefill
+        for t in range(steps):
+            tokens.append(torch.where(done, tokenizer.pad_token_id, token))
+            logprobs.append(torch.where(done, 0.0, logprob))
+            done = done | torch.isin(token, stops)
+            if t + 1 == steps or ((t + 1) % every == 0 and all_sum((~done).sum()) == 0):
+                break
+            u = uniform(rows, size, temperature, device)
+            if switch is not None and switch(t + 1, lambda: bool(all_sum((~done).sum()) > 0)):  # new weights
+                weights, so_far = rollout_weights(model, compiled), torch.stack(tokens, dim=1)  # (rows, t + 1)
+                ids, at = (prompt_ids, so_far), (positions, position)
+                token, logprob = refill(model, cache, ids, at, inputs, own, weights, heat, u)
+            else:
+                with fast_algorithms(compiled):
+                    token, logprob = step(model, tokens[-1][:, None], position + t, inputs, own, weights, heat, u)
+    out = torch.stack(tokens, dim=1)[:size, :max_new_tokens]  # (B, T)
+    stopped = torch.isin(out, stops)
+    length = int(torch.where(stopped.any(1), stopped.int().argmax(1) + 1, out.shape[1]).max())  # the longest row's
+    if with_logprobs:
+        return out[:, :length], torch.stack(logprobs, dim=1)[:size, :length]
+    return out[:, :length]
+
+
+def decode_step(model, ids, positions, inputs, own, weights, heat, u):
+    """The next token of each row (rows,) and its log-prob: drawn from the float32 logits after ids (next_logits) at
+    temperature heat (a tensor; 0: greedy) with the uniform numbers u (rows, 1). Compiled whole on a GPU: the
+    sampler's passes over the vocabulary run in the same graph as the forward pass (gpt-fast's way)."""
+    logits = next_logits(model, ids, positions, inputs, own, weights)
+    return draw(torch.nan_to_num(logits), heat, u)  # a diverged model still samples; the loss's check names it later
+
+
+def refill(model, cache, ids, at, inputs, own, weights, heat, u):
+    """After a switch to new weights: the cache emptied and filled again under them, with ids = (the prompts (B, P),
+    the tokens so far (B, t)) at = (the prompts' positions, the first new token's (B, 1)): the prompts, then the
+    tokens in chunks as wide as the prompts, so that no pass needs more memory than the prefill did (one pass over
+    all of them may not fit where decoding does). The next token, drawn from the last chunk's logits, and its
+    log-prob."""
+    (prompt_ids, so_far), (positions, first) = ids, at
+    cache.reset()
+    next_logits(model, prompt_ids, positions, inputs, own, weights)
+    width = prompt_ids.shape[1]
+    for start in range(0, so_far.shape[1], width):
+        chunk = so_far[:, start : start + width]
+        chunk_at = first + torch.arange(start, start + chunk.shape[1], device=chunk.device)
+        if start + width >= so_far.shape[1]:
+            return decode_step(model, chunk, chunk_at, inputs, own, weights, heat, u)
+        next_logits(model, chunk, chunk_at, inputs, own, weights)
+
+
+def next_logits(model, ids, positions, inputs, own, weights):
+    """float32 logits (B, vocab) of the token after ids (B, n) at positions (B, n); inputs: the attention mask (B,
+    cache length), 1 on the prompts' tokens and the new ones, and the cache, which keeps their keys and values
+    (rollout_inputs); own: the model's own logits (own_logits), else its decoder's state times the output layer;
+    weights: the decoder's, by name, to use in place of its own (rollout_weights)."""
+    causal_lm, inputs = unwrap(model), {"input_ids": ids, "position_ids": positions, **inputs}
+    if own:
+        return causal_lm(**inputs, logits_to_keep=1).logits[:, -1].float()
+    if isinstance(causal_lm, FSDPModule):  # through the model's forward, whose hooks FSDP2 needs: the state on its way
+        states = []
+        hook = causal_lm.get_decoder().register_forward_hook(lambda module, args, out: states.append(out[0]))
+        try:
+            causal_lm(**inputs, logits_to_keep=no_logits(ids))
+        finally:
+            hook.remove()
+        hidden = states[0][:, -1]
+    elif weights:
+        hidden = torch.func.functional_call(causal_lm.get_decoder(), weights, (), inputs).last_hidden_state[:, -1]
+    else:
+        hidden = causal_lm.get_decoder()(**inputs).last_hidden_state[:, -1]  # (B, d)
+    head = causal_lm.get_output_embeddings()
+    with torch.autocast(ids.device.type, enabled=False):
+        return torch.nn.functional.linear(hidden.float(), head.weight.float(), head.bias)
+
+
+def compiles(model):
+    """Whether the rollouts run a compiled step: on a GPU, so that a token costs one launch of a CUDA graph, not one
+    per operation (docs/gpu.md); not under FSDP2, whose hooks gather, nor on a CPU, which runs it as it is."""
+    return next(model.parameters()).device.type == "cuda" and not any(
+        isinstance(m, FSDPModule) for m in model.modules()
+    )
+
+
+def stop_check_every(device):
+    """Decoded tokens between two looks at whether every completion has stopped: 16 on a GPU, where a look waits for
+    the device to finish what is queued; 1 on a CPU, where the values are there already and a token past the last
+    stop costs a forward pass."""
+    if device.type == "cuda":
+        return 16
+    return 1
+
+
+def compiled_step(model):
+    """decode_step for one new token, compiled once a model (where compiles() says so)."""
+    if "compiled_step" not in unwrap(model).__dict__:
+        unwrap(model).compiled_step = compile_step(decode_step)
+    return unwrap(model).compiled_step
+
+
+def compile_step(function):  # the one part only a GPU runs (the tests compile it for the CPU)
+    return torch.compile(function, mode="reduce-overhead", fullgraph=True)
+
+
+def left_pad(x, value, multiple):
+    """x (B, P) padded on the left to a multiple of `multiple` columns."""
+    return torch.nn.functional.pad(x, (-x.shape[1] % multiple, 0), value=value)
+
+
+class RolloutCache(transformers.StaticCache):
+    """transformers' static KV cache for `rows` sequences of `length` tokens, its keys and values stored in `dtype`
+    (--dtype): autocast's attention reads them in it anyway (RoPE leaves the keys in float32: cast when stored,
+    they equal the keys cast when read), in half the memory; and transformers 5.17-5.23 made the values' tensor in
+    the keys' dtype, where a bfloat16 value failed to go."""
+
+    def __init__(self, config, rows, length, dtype):
+        super().__init__(config=config, max_cache_len=length)
+        self.rows, self.length, self.store_dtype = rows, length, dtype
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if key_states.dtype != self.store_dtype or value_states.dtype != self.store_dtype:
+            key_states, value_states = key_states.to(self.store_dtype), value_states.to(self.store_dtype)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def rollout_cache(model, rows, length, keep):
+    """A RolloutCache for rows sequences of length tokens; with keep (a compiled step), the model's one cache, made
+    again only for a larger shape (its length a multiple of 64), and every rollout run in its shape: one compile and
+    one CUDA graph for evaluation's batches and training's, and one cache in memory (gpt-fast's way). On a GPU a
+    decoded token costs about the weights' reading, whatever the rows, so a padded row costs little."""
+    config, dtype = unwrap(model).config, getattr(unwrap(model), "compute_dtype", torch.float32)
+    if not keep:
+        return RolloutCache(config, rows, length, dtype)
+    cache = unwrap(model).__dict__.pop("rollout_cache", None)  # freed before a larger one is filled
+    rows, length = max(rows, getattr(cache, "rows", 0)), max(length + (-length % 64), getattr(cache, "length", 0))
+    if cache is None or (cache.rows, cache.length) != (rows, length):
+        cache = RolloutCache(config, rows, length, dtype)  # its tensors are made when the prefill fills them
+    cache.reset()
+    unwrap(model).rollout_cache = cache
+    return cache
+
+
+def pad_rows(x, rows):
+    """x (B, P) with copies of its first row below it, up to `rows` rows."""
+    if rows == len(x):
+        return x
+    return torch.cat([x, x[:1].expand(rows - len(x), -1)])
+
+
+def rollout_inputs(model, mask, cache):
+    """next_logits' inputs, named as the model's forward takes them: `cache` since transformers 5.24."""
+    name = "past_key_values"
+    if "cache" in inspect.signature(unwrap(model).get_decoder().forward).parameters:
+        name = "cache"
+    return {"attention_mask": mask, "use_cache": True, name: cache}
+
+
+def rollout_weights(model, compiled):
+    """For a compiled step in bfloat16 (or float16): the decoder's linear layers' weights and biases in it, by name,
+    kept on the model, where a CUDA graph finds them at the same address every time: a copy made once a rollout of
+    a float32 master, the tensor itself where it is in that dtype already (LoRA's frozen base layers, async_grpo.py's
+    generator); else {} (the model's own weights: an eager step's autocast casts each once a rollout by itself, a
+    compiled step's at every token, which reads 3 bytes a parameter more)."""
+    dtype = getattr(unwrap(model), "compute_dtype", torch.float32)
+    if not compiled or dtype == torch.float32:
+        return {}
+    weights = unwrap(model).__dict__.setdefault("rollout_weights", {})
+    linears = [(name, m) for name, m in unwrap(model).get_decoder().named_modules() if isinstance(m, torch.nn.Linear)]
+    for name, module in linears:
+        for key, master in module.named_parameters(prefix=name, recurse=False):
+            if master.dtype == dtype:  # held in it already: the tensor itself
+                weights[key] = master
+                continue
+            if key not in weights:
+                weights[key] = torch.empty_like(master, dtype=dtype)
+                torch._dynamo.mark_static_address(weights[key])
+            weights[key].copy_(master)
+    return weights
+
+
+def autocast(model):
+    """torch.autocast in the model's --dtype, for a layer of it applied by hand."""
+    dtype = getattr(unwrap(model), "compute_dtype", torch.float32)
+    return torch.autocast(next(model.parameters()).device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+@contextlib.contextmanager
+def gathered(model):
+    """Under FSDP2, every layer's weights gathered once for the whole rollout, not for every token."""
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for module in sharded:
+        module.unshard()
+        module.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in sharded:  # then every layer but the root reshards after its forward again
+            module.reshard()
+            module.set_reshard_after_forward(module is not model, recurse=False)
+
+
+@contextlib.contextmanager
+def grouped_attention(model):
+    """The rollout's attention through grouped_sdpa where the model's is transformers' SDPA over fewer key-value
+    heads than query heads."""
+    config, heads = unwrap(model).config, unwrap(model).config.get_text_config().num_attention_heads
+    if (
+        config._attn_implementation != "sdpa"
+        or getattr(config.get_text_config(), "num_key_value_heads", heads) == heads
+    ):
+        yield
+        return
+    transformers.AttentionInterface.register("grouped_sdpa", grouped_sdpa)
+    transformers.AttentionMaskInterface.register("grouped_sdpa", transformers.AttentionMaskInterface()["sdpa"])
+    config._attn_implementation = "grouped_sdpa"
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
+
+
+def grouped_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' SDPA attention, but for one new token over fewer key-value heads than query heads: the queries
+    of a key-value head read it together, as a row of queries (query (B, heads, 1, d) -> (B, kv heads, groups, d)),
+    where transformers copies the keys and values to every query head (while compiling, and on CUDA with a mask)."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if query.shape[2] > 1 or groups == 1:
+        sdpa = transformers.AttentionInterface()["sdpa"]
+        return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    rows, heads, _, dim = query.shape
+    grouped = query.view(rows, heads // groups, groups, dim)
+    out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(rows, 1, heads, value.shape[-1]), None  # (B, 1, heads, d), as transformers' is
+
+
+@contextlib.contextmanager
+def fast_algorithms(compiled):
+    """For a compiled step, deterministic algorithms off in the main thread: with them on, inductor lowers each KV
+    cache write to ATen's sort-based index_put (a dozen kernels, 48 writes a token at 24 layers). The results stay
+    the same: the writes go to distinct places, draw() sums in an order fixed in advance, and inductor keeps its own
+    deterministic mode (no kernel picked by timing; its settings are each thread's own). In another thread the
+    setting, which is the process's, stays: async_grpo.py's trainer computes beside its generator."""
+    if not compiled:
+        yield
+        return
+    before, main = torch.are_deterministic_algorithms_enabled(), threading.current_thread() is threading.main_thread()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(before and not main, warn_only=warn_only)  # inductor's mode with it: again below
+    try:
+        with torch._inductor.config.patch(deterministic=before):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
+
+
+def heat_of(temperature, device, compiled):
+    """draw()'s temperature: None for greedy in an eager step (the largest logit alone); else a tensor, 0 for greedy,
+    so that one compiled step serves greedy and every temperature."""
+    if temperature is not None:
+        return torch.tensor(float(temperature), device=device)
+    if compiled:
+        return torch.zeros((), device=device)
+    return None
+
+
+def uniform(rows, size, temperature, device):
+    """draw()'s uniform numbers (rows, 1), float64 as the sums they are set against: one a row of the batch's size
+    (the padded rows repeat the first's), none drawn for greedy (0s), so that an evaluation takes none of training's."""
+    if temperature is None:
+        return torch.zeros(rows, 1, dtype=torch.float64, device=device)
+    return pad_rows(torch.rand(size, 1, dtype=torch.float64, device=device), rows)
+
+
+def draw(logits, heat, u):
+    """A token a row (B,) from float32 logits (B, vocab), and its log-prob (B,) under softmax(logits / heat): the
+    first token whose cumulative probability passes u (B, 1) of the total, so one uniform number a row
+    (torch.multinomial draws one an entry of the vocabulary), the sums in float64, so that no entry's share is
+    rounded; greedy (heat None, or a tensor 0 in a compiled step): the largest logit, log-prob 0."""
+    if heat is None:
+        return logits.argmax(dim=-1), torch.zeros(len(logits), device=logits.device)
+    greedy = heat == 0
+    logprobs = (logits / torch.where(greedy, 1.0, heat)).log_softmax(dim=-1)  # (B, vocab)
+    cumulative = cumulative_sums(logprobs.exp().double())  # (B, vocab)
+    token = torch.searchsorted(cumulative, u * cumulative[:, -1:], right=True).clamp_(max=logits.shape[-1] - 1)
+    logprob = logprobs.gather(1, token).squeeze(1)  # token: (B, 1)
+    return torch.where(greedy, logits.argmax(dim=-1), token.squeeze(1)), torch.where(greedy, 0.0, logprob)
+
+
+def cumulative_sums(x, block=1024):
+    """x's cumulative sums along its last dimension (B, n); beyond `block` entries in two levels, within blocks and
+    then over the blocks before each: one scan across a whole vocabulary is summed, on a GPU where the compiled
+    step leaves deterministic algorithms off, in an order that varies from run to run."""
+    rows, n = x.shape
+    if n <= block:
+        return x.cumsum(dim=-1)
+    within = torch.nn.functional.pad(x, (0, -n % block)).view(rows, -1, block).cumsum(dim=-1)  # (B, blocks, block)
+    before = torch.nn.functional.pad(within[..., -1].cumsum(dim=-1)[:, :-1], (1, 0))  # (B, blocks)
+    return (within + before[..., None]).view(rows, -1)[:, :n]
+
+
+def masked_mean(x, mask, dim=None):
+    """Mean of x where mask is 1; masked positions never leak, even inf or nan."""
+    x = torch.where(mask.bool(), x, 0.0)
+    return x.sum() / mask.sum().clamp(min=1) if dim is None else x.sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def parse_args():
+    """The flags; with --resume-from, a flag left out takes the run's own value (its args.json)."""
+    about = f"{__doc__.splitlines()[0]} See docs/{os.path.basename(__file__)[:-3]}.md; the algorithm's flags come last."
+    args = tyro.cli(Args, description=about)
+    if args.resume_from is None or not os.path.exists(os.path.join(args.resume_from, "args.json")):
+        return args  # a new run, or a --resume-from that checkpoint_to_resume refuses
+    with open(os.path.join(args.resume_from, "args.json")) as f:
+        saved = {k: v for k, v in json.load(f).items() if k in Args.__dataclass_fields__}
+    return tyro.cli(Args, description=about, default=Args(**saved))
+
+
+if __name__ == "__main__":
+    main(parse_args())
