@@ -645,9 +645,12 @@ def token_jsd(
 
     def chunk(hidden, teacher_hidden, targets):  # (n,) each, at n positions
         with torch.autocast(hidden.device.type, enabled=False):
-            logits = torch.nn.functional.linear(hidden.float(), head.weight.float(), head.bias)
-            teacher_logits = torch.nn.functional.linear(teacher_hidden.float(), teacher_weight.float(), teacher_bias)
-        logits, teacher_logits = logits / temperature, teacher_logits[:, :vocab] / temperature  # (n, vocab)
+            logits = torch.nn.functional.linear(hidden.float(), head.weight.float(), head.bias) / temperature
+            with torch.no_grad():  # the teacher's: a constant
+                teacher_logits = torch.nn.functional.linear(
+                    teacher_hidden.float(), teacher_weight.float(), teacher_bias
+                )
+        teacher_logits = teacher_logits[:, :vocab] / temperature  # (n, vocab), as logits
         jsd = generalized_jsd(logits, teacher_logits, beta)
         with torch.no_grad():
             s, t = logits.log_softmax(dim=-1), teacher_logits.log_softmax(dim=-1)

@@ -36,6 +36,7 @@ IN_PROCESS = (
         "process_grpo.py",
         "tool_grpo.py",
         "dapo.py",
+        "distill.py",
     }
 )
 
