@@ -180,10 +180,13 @@ def pg_loss(
     per_token = -torch.min(ratio * adv, clipped_ratio * adv)  # (B, T)
     if is_weights is not None:  # the engine sampled the tokens, not pi_old
         per_token = per_token * is_weights
+    stats = {}
     loss = aggregate(per_token, m, loss_agg, max_completion_length)
     # a token is clipped when the clipped branch wins the min and so gives no gradient
     clipped = ((ratio < 1 - clip_eps_low) & (adv < 0)) | ((ratio > 1 + clip_eps_high) & (adv > 0))
-    return loss, {"clip_frac": masked_mean(clipped.float(), m).detach(), "ratio": masked_mean(ratio, m).detach()}
+    stats["clip_frac"] = masked_mean(clipped.float(), m).detach()
+    stats["ratio"] = masked_mean(ratio, m).detach()
+    return loss, stats
 
 
 def aggregate(per_token, mask, loss_agg="seq-mean-token-mean", max_completion_length=None):
@@ -200,6 +203,14 @@ def aggregate(per_token, mask, loss_agg="seq-mean-token-mean", max_completion_le
     if loss_agg == "seq-mean-token-sum-norm":
         return (torch.where(m, per_token, 0.0).sum(dim=1) / max_completion_length).mean()
     raise ValueError(f"unknown loss_agg {loss_agg!r}")
+
+
+def jsd_loss(jsd, reverse_kl, mask, loss_agg="seq-mean-token-mean", max_completion_length=None):
+    """--loss jsd's loss: jsd (B, T), the generalized JSD at each sampled prefix (generalized_jsd, by token_jsd),
+    averaged as loss_agg says (aggregate); reverse_kl (B, T), the exact reverse KL there (no gradient), goes to the
+    stats as its mean over the tokens. mask (B, T) marks completion tokens."""
+    stats = {"reverse_kl_exact": masked_mean(reverse_kl, mask.bool()).detach()}
+    return aggregate(jsd, mask, loss_agg, max_completion_length), stats
 
 
 def generalized_jsd(logits, teacher_logits, beta=0.5):
@@ -276,6 +287,68 @@ def prompt_answer(record):
     return {**record, "prompt": record["question"], "answer": answer}
 
 
+# ---- --loss jsd: both models' logits over the vocabulary at every sampled prefix, a chunk at a time
+@torch.no_grad()
+def decoder_states(model, input_ids, attention_mask, prompt_len, batch_size):
+    """The decoder's last hidden states (B, T, d) at the positions that predict the completion tokens, as the output
+    layer takes them (in --dtype), without gradient, in batches of batch_size rows of like length; 0 on the columns
+    that no row of a batch attends to."""
+    model.eval()
+    order, length, states = attention_mask.sum(dim=1).argsort(stable=True), input_ids.shape[1] - prompt_len, []
+    for b in order.split(batch_size):
+        ids, mask, _, kept = attended(input_ids[b], attention_mask[b], prompt_len)
+        hidden = hidden_states(model, ids, mask)[:, -kept - 1 : -1]  # (b, T', d): the state at P - 1 + t predicts t
+        states.append(torch.nn.functional.pad(hidden, (0, 0, 0, length - kept)))  # (b, T, d)
+    return torch.cat(states)[order.argsort()]  # in the batch's order again
+
+
+def token_jsd(
+    policy, teacher, teacher_states, input_ids, attention_mask, prompt_len, temperature, beta, chunk_values=2**24
+):
+    """At each completion token's prefix, (B, T) each: generalized_jsd between the policy's and the teacher's next-token
+    distributions at temperature, with gradient; and without gradient the reverse KL's sampled estimate
+    log pi(o_t) - log pi_T(o_t) and the reverse KL itself, sum over the vocabulary of pi log(pi / pi_T).
+
+    teacher_states (B, T, d_T): decoder_states' of the teacher. input_ids, attention_mask and prompt_len as
+    token_logprobs takes them. chunk_values logits of each model at a time, computed again in the backward pass
+    (token_logprobs' way): no (B, T, vocab) tensor is held. A teacher's output layer larger than the student's (padding
+    rows: Qwen2.5-7B's against 0.5B's) is cut to the student's rows."""
+    length = input_ids.shape[1] - prompt_len
+    input_ids, attention_mask, prompt_len, kept = attended(input_ids, attention_mask, prompt_len)
+    hidden = hidden_states(policy, input_ids, attention_mask)[:, -kept - 1 : -1].flatten(0, 1)  # (B T', d)
+    teacher_hidden = teacher_states[:, :kept].flatten(0, 1)  # (B T', d_T)
+    targets = input_ids[:, prompt_len:].flatten()  # (B T',)
+    head, teacher_head = unwrap(policy).get_output_embeddings(), unwrap(teacher).get_output_embeddings()
+    teacher_weight, teacher_bias = (
+        w.full_tensor() if hasattr(w, "full_tensor") else w for w in (teacher_head.weight, teacher_head.bias)
+    )  # FSDP2 may hold them as sharded DTensors: gathered once for the micro-batch
+    vocab = head.weight.shape[0]
+
+    def chunk(hidden, teacher_hidden, targets):  # (n,) each, at n positions
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits = torch.nn.functional.linear(hidden.float(), head.weight.float(), head.bias) / temperature
+            teacher_logits = torch.nn.functional.linear(teacher_hidden.float(), teacher_weight.float(), teacher_bias)
+        teacher_logits = teacher_logits.detach()[:, :vocab] / temperature  # (n, vocab) as logits, a constant
+        jsd = generalized_jsd(logits, teacher_logits, beta)
+        with torch.no_grad():
+            s, t = logits.log_softmax(dim=-1), teacher_logits.log_softmax(dim=-1)
+            sampled = (s - t).gather(-1, targets[:, None]).squeeze(-1)
+            return jsd, sampled, generalized_jsd(logits, teacher_logits, 1.0)
+
+    span, chunks = max(1, chunk_values // vocab), []
+    recompute = torch.is_grad_enabled() and len(targets) > span  # in the backward pass (one chunk: no need)
+    for i in range(0, len(targets), span):
+        part = hidden[i : i + span], teacher_hidden[i : i + span], targets[i : i + span]
+        if recompute:
+            chunks.append(
+                torch.utils.checkpoint.checkpoint(chunk, *part, use_reentrant=False, preserve_rng_state=False)
+            )
+        else:
+            chunks.append(chunk(*part))
+    cut = (0, length - kept)  # (B, T') then 0 on the columns cut off: (B, T)
+    return [torch.nn.functional.pad(torch.cat(c).view(-1, kept), cut) for c in zip(*chunks)]
+
+
 def main(args):
     check_args(args)
     device = setup(args)
@@ -309,8 +382,8 @@ def main(args):
     if first_step == 1:
         samples = []  # a few held-out prompts with their completions, for samples.jsonl
         metrics = evaluate(policy, tokenizer, eval_records, args, stop_ids, samples, args.eval_samples)
-        teacher_metrics = evaluate(teacher, tokenizer, eval_records, args, stop_ids)  # once: where the student heads
-        metrics["eval/teacher_accuracy"] = teacher_metrics["eval/accuracy"]
+        # the teacher's, once: where the student is headed
+        metrics["eval/teacher_accuracy"] = evaluate(teacher, tokenizer, eval_records, args, stop_ids)["eval/accuracy"]
         reduce_and_log(output_dir, 0, metrics, samples)
     for step in range(first_step, args.num_steps + 1):
         timer = Timer(device, start)
@@ -362,8 +435,8 @@ def main(args):
                     jsd, sampled_kl[i], reverse_kl = token_jsd(
                         policy, teacher, teacher_states[i], input_ids[i], attention_mask[i], prompt_len, **jsd_args
                     )
-                    loss = aggregate(jsd, mask[i], args.loss_agg, args.max_new_tokens)
-                    stats, is_stats = {"reverse_kl_exact": masked_mean(reverse_kl, mask[i])}, {}
+                    loss, stats = jsd_loss(jsd, reverse_kl, mask[i], args.loss_agg, args.max_new_tokens)
+                    is_stats = {}  # --vllm: no importance weight; the loss sums over tokens, samples none
                 else:  # the policy gradient, each token's advantage its sampled reverse KL negated
                     logprobs = token_logprobs(policy, input_ids[i], attention_mask[i], prompt_len, args.temperature)
                     old = logprobs.detach() if old_logprobs is None else old_logprobs[i]
@@ -604,71 +677,6 @@ def sync_engine(engine, policy):
     if asleep:
         torch.cuda.empty_cache()  # what the sync freed, back to the GPU before the KV cache takes its share
         engine.wake_up(tags=["kv_cache"])
-
-
-# ---- --loss jsd: both models' logits over the vocabulary at every sampled prefix, a chunk at a time
-@torch.no_grad()
-def decoder_states(model, input_ids, attention_mask, prompt_len, batch_size):
-    """The decoder's last hidden states (B, T, d) at the positions that predict the completion tokens, as the output
-    layer takes them (in --dtype), without gradient, in batches of batch_size rows of like length; 0 on the columns
-    that no row of a batch attends to."""
-    model.eval()
-    order, length, states = attention_mask.sum(dim=1).argsort(stable=True), input_ids.shape[1] - prompt_len, []
-    for b in order.split(batch_size):
-        ids, mask, _, kept = attended(input_ids[b], attention_mask[b], prompt_len)
-        hidden = hidden_states(model, ids, mask)[:, -kept - 1 : -1]  # (b, T', d): the state at P - 1 + t predicts t
-        states.append(torch.nn.functional.pad(hidden, (0, 0, 0, length - kept)))  # (b, T, d)
-    return torch.cat(states)[order.argsort()]  # in the batch's order again
-
-
-def token_jsd(
-    policy, teacher, teacher_states, input_ids, attention_mask, prompt_len, temperature, beta, chunk_values=2**24
-):
-    """At each completion token's prefix, (B, T) each: generalized_jsd between the policy's and the teacher's next-token
-    distributions at temperature, with gradient; and without gradient the reverse KL's sampled estimate
-    log pi(o_t) - log pi_T(o_t) and the reverse KL itself, sum over the vocabulary of pi log(pi / pi_T).
-
-    teacher_states (B, T, d_T): decoder_states' of the teacher. input_ids, attention_mask and prompt_len as
-    token_logprobs takes them. chunk_values logits of each model at a time, computed again in the backward pass
-    (token_logprobs' way): no (B, T, vocab) tensor is held. A teacher's output layer larger than the student's (padding
-    rows: Qwen2.5-7B's against 0.5B's) is cut to the student's rows."""
-    length = input_ids.shape[1] - prompt_len
-    input_ids, attention_mask, prompt_len, kept = attended(input_ids, attention_mask, prompt_len)
-    hidden = hidden_states(policy, input_ids, attention_mask)[:, -kept - 1 : -1].flatten(0, 1)  # (B T', d)
-    teacher_hidden = teacher_states[:, :kept].flatten(0, 1)  # (B T', d_T)
-    targets = input_ids[:, prompt_len:].flatten()  # (B T',)
-    head, teacher_head = unwrap(policy).get_output_embeddings(), unwrap(teacher).get_output_embeddings()
-    teacher_weight, teacher_bias = (
-        w.full_tensor() if hasattr(w, "full_tensor") else w for w in (teacher_head.weight, teacher_head.bias)
-    )  # FSDP2 may hold them as sharded DTensors: gathered once for the micro-batch
-    vocab = head.weight.shape[0]
-
-    def chunk(hidden, teacher_hidden, targets):  # (n,) each, at n positions
-        with torch.autocast(hidden.device.type, enabled=False):
-            logits = torch.nn.functional.linear(hidden.float(), head.weight.float(), head.bias) / temperature
-            with torch.no_grad():  # the teacher's: a constant
-                teacher_logits = torch.nn.functional.linear(
-                    teacher_hidden.float(), teacher_weight.float(), teacher_bias
-                )
-        teacher_logits = teacher_logits[:, :vocab] / temperature  # (n, vocab), as logits
-        jsd = generalized_jsd(logits, teacher_logits, beta)
-        with torch.no_grad():
-            s, t = logits.log_softmax(dim=-1), teacher_logits.log_softmax(dim=-1)
-            sampled = (s - t).gather(-1, targets[:, None]).squeeze(-1)
-            return jsd, sampled, generalized_jsd(logits, teacher_logits, 1.0)
-
-    span, chunks = max(1, chunk_values // vocab), []
-    recompute = torch.is_grad_enabled() and len(targets) > span  # in the backward pass (one chunk: no need)
-    for i in range(0, len(targets), span):
-        part = hidden[i : i + span], teacher_hidden[i : i + span], targets[i : i + span]
-        if recompute:
-            chunks.append(
-                torch.utils.checkpoint.checkpoint(chunk, *part, use_reentrant=False, preserve_rng_state=False)
-            )
-        else:
-            chunks.append(chunk(*part))
-    cut = (0, length - kept)  # (B, T') then 0 on the columns cut off: (B, T)
-    return [torch.nn.functional.pad(torch.cat(c).view(-1, kept), cut) for c in zip(*chunks)]
 
 
 # ==== Everything below this line is the same in every file, byte for byte (tests/test_shared.py checks it) ====

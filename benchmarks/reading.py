@@ -40,6 +40,7 @@ FILES = [
     "process_grpo.py",
     "tool_grpo.py",
     "dapo.py",
+    "distill.py",
 ]
 BANNER = "# ==== Everything below this line is the same in every file"
 READER_STOPS = "# ==== The algorithm ends here."
@@ -53,6 +54,7 @@ PAIRS = {
     "process_grpo.py": "grpo.py",
     "tool_grpo.py": "grpo.py",
     "dapo.py": "grpo.py",
+    "distill.py": "grpo.py",
     "ppo.py": "rloo.py",
     "dpo.py": "reward_model.py",
 }
@@ -69,7 +71,8 @@ START = {
     "sft.py": {"lines": 1050, "main": 134, "inner_loop": 11, "ifexp_above": 0, "ifexp_below": 41},
     "async_grpo.py": {"lines": 1363, "main": 206, "inner_loop": 31, "ifexp_above": 15, "ifexp_below": 41},
 }
-# the walk through main()'s calls at commit 390253d, before issue 55's layout (one banner, below main()'s helpers)
+# the walk through main()'s calls at commit 390253d, before issue 55's layout (one banner, below main()'s helpers);
+# distill.py came after it
 START_WALK = {
     "grpo.py": {"after_main": 181, "reward_fn": "below", "calls": 38, "jumps": 20, "scrolled": 12877},
     "rloo.py": {"after_main": 175, "reward_fn": "below", "calls": 37, "jumps": 20, "scrolled": 12854},
@@ -270,7 +273,7 @@ def walk_table(found):
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for name, m in found.items():
-        start, now = START_WALK[name], m["walk"]
+        start, now = START_WALK.get(name, dict.fromkeys(m["walk"], "new")), m["walk"]
         cells = [f"{start[k]} → {now[k]}" for k in ("after_main", "reward_fn", "calls", "jumps", "scrolled")]
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(rows)

@@ -300,7 +300,7 @@ def test_both_losses_run_and_log_the_teacher(loss, teachers, tmp_path):
         assert ("losses/reverse_kl_exact" in m) == (loss == "jsd") and ("losses/clip_frac" in m) == (loss != "jsd")
     if loss == "jsd":  # KL(pi || pi_T) >= 0 exactly
         assert all(m["losses/reverse_kl_exact"] >= 0 for m in metrics[1:])
-    rollouts = [json.loads(line) for line in open(out / "samples.jsonl") if '"rollout"' in line]
+    rollouts = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines() if '"rollout"' in line]
     assert rollouts and all(math.isfinite(r["advantage"]) for r in rollouts)
 
 

@@ -33,6 +33,7 @@ SCRIPTS = [
     "process_grpo.py",
     "tool_grpo.py",
     "dapo.py",
+    "distill.py",
 ]
 
 # (low, low included, high, high included); None: no bound on that side
@@ -97,6 +98,7 @@ RANGES = {
         "behav_imp_cap": (1, True, None, False),
     },
     "rloo.py": {**COMMON, **TRAINED_LM, **GROUP, **VLLM, "beta": NON_NEGATIVE},
+    "distill.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM, "group_size": POSITIVE, "jsd_beta": UNIT},
     "gspo.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM},
     "cispo.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM},
     "ppo.py": {

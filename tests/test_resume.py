@@ -46,6 +46,7 @@ SAMPLING = (
     "process_grpo.py",
     "tool_grpo.py",
     "dapo.py",
+    "distill.py",
 )  # they log rollouts too
 RL = ["--prompts-per-step", "4", "--micro-batch-size", "8", "--num-eval", "20", "--max-new-tokens", "6"]
 PAIRS = [
@@ -70,6 +71,8 @@ FLAGS = {  # several optimizer steps per batch where the file has them: the Adam
     # a chain's steps need room: in 6 tokens every completion ends inside its first step, all rewards 0, no update
     "process_grpo.py": RL + ["--group-size", "4", "--num-minibatches", "2", "--max-new-tokens", "16"],
     "dapo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],  # its sampled batches' counter comes back too
+    # a teacher with the bundled model's tokenizer, trained on another task: the student moves at every step
+    "distill.py": RL + ["--group-size", "4", "--num-minibatches", "2", "--teacher-path", "tiny-chainer"],
     "tool_grpo.py": RL + ["--group-size", "4", "--num-minibatches", "2", "--max-new-tokens", "24"],  # a call and more
     "gspo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],
     "cispo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],

@@ -36,6 +36,7 @@ TIMING_KEYS = (
     "charts/logprob_time",
     "charts/update_time",
     "charts/wait_time",
+    "charts/teacher_time",
 )
 
 # flags that make a README command small enough for the test suite (later flags win in tyro)

@@ -38,6 +38,7 @@ ALGORITHM_FILES = [
     "process_grpo.py",
     "tool_grpo.py",
     "dapo.py",
+    "distill.py",
 ]
 
 
@@ -224,6 +225,7 @@ LOSSES = {
     "process_grpo.py": "grpo_loss",
     "tool_grpo.py": "grpo_loss",
     "dapo.py": "overlong_penalty",
+    "distill.py": "pg_loss",
 }
 
 
