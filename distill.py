@@ -3,8 +3,8 @@
 The student samples completions of the prompts from its current policy, as grpo.py's rollout does; a frozen
 teacher that shares its tokenizer scores every sampled token in one pass without gradient, log pi_T(o_t | o_<t),
 and each token's advantage is the reverse KL's sampled estimate at its prefix, negated: no reward, no discount
-(Agarwal et al. 2024, GKD, https://arxiv.org/abs/2306.13649; Lu and Thinking Machines 2025, On-Policy
-Distillation; tinker-cookbook's incorporate_kl_penalty). The update is PPO's clipped surrogate over those tokens:
+(Agarwal et al. 2024, GKD, https://arxiv.org/abs/2306.13649; Thinking Machines 2025, On-Policy Distillation;
+tinker-cookbook's incorporate_kl_penalty). The update is PPO's clipped surrogate over those tokens:
 
     loss = -1/B sum_i 1/|o_i| sum_t min(r_it A_it, clip(r_it, 1-eps, 1+eps) A_it)
     r_it = pi(o_it) / pi_old(o_it),   A_it = log pi_T(o_it) - log pi_old(o_it)
@@ -27,7 +27,9 @@ itself tends to 0 at both ends.) No sampling of the next token, no ratio, no cli
 logits over the vocabulary at every token, made a chunk at a time so that no (B, T, vocab) tensor is held.
 
 Where this file departs from the references: no KL to a reference model (the teacher is the anchor); the teacher's
-log-probs at --temperature, as the student's (TRL's way); `--loss-agg` as grpo.py's. A teacher whose own stop token
+log-probs at --temperature, as the student's (TRL's way); `--loss-agg` as grpo.py's. With `--vllm` the engine samples
+and the default loss weighs each token as grpo.py does (TIS); `--loss jsd` needs no weight (it sums over the
+vocabulary and samples no token), though its prefixes are the engine's. A teacher whose own stop token
 is not the student's (another chat format) scores the student's stop token low (or high), and the student learns
 to stop late or never (or at once): its length drifts. The stop token is scored like any other token; a note at
 the start names stop tokens that differ, and charts/completion_length and charts/stopped show the drift.
@@ -122,16 +124,16 @@ class Args:
     prompts_per_step: int = 32  # prompts per batch of rollouts
     group_size: int = 8  # completions sampled per prompt
     temperature: float = 1.0  # sampling temperature; log-probs are computed at the same temperature
-    num_iterations: int = 1  # passes over each batch of rollouts (the paper's mu)
+    num_iterations: int = 1  # passes over each batch of rollouts (GRPO's mu)
     num_minibatches: int = 1  # optimizer steps per pass over a batch of rollouts
     teacher_path: str = "tiny-teacher"  # the frozen teacher: a local folder or a hub id, with the student's tokenizer
     loss: Literal["reverse-kl", "jsd"] = "reverse-kl"
     """the policy gradient with A_t = log pi_T(o_t) - log pi_old(o_t), or the generalized JSD over the vocabulary"""
     jsd_beta: float = 0.5  # --loss jsd: M = beta T + (1 - beta) S; 0 the forward KL(T || S), 1 the reverse (TRL's beta)
-    clip_eps_low: float = 0.2  # the ratio is clipped below at 1 - clip_eps_low
-    clip_eps_high: float = 0.2  # the ratio is clipped above at 1 + clip_eps_high (DAPO raises it to 0.28)
+    clip_eps_low: float = 0.2  # the ratio is clipped below at 1 - clip_eps_low (--loss reverse-kl)
+    clip_eps_high: float = 0.2  # the ratio is clipped above at 1 + clip_eps_high (--loss reverse-kl)
     loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
-    """how token losses are averaged: the paper's, DAPO's, or Dr. GRPO's (docs/grpo.md)"""
+    """how token losses are averaged: GRPO's, DAPO's, or Dr. GRPO's (docs/grpo.md), with either --loss"""
     vllm: bool = False  # sample the rollouts with a vLLM engine in this process (docs/vllm.md)
     vllm_kv_cache_gib: float = 1.0  # the engine's KV cache, in GiB (beside its copy of the weights)
     vllm_is_cap: float = 2.0  # truncate the pi_old / engine importance weights at this (TIS)
@@ -291,8 +293,8 @@ def prompt_answer(record):
 @torch.no_grad()
 def decoder_states(model, input_ids, attention_mask, prompt_len, batch_size):
     """The decoder's last hidden states (B, T, d) at the positions that predict the completion tokens, as the output
-    layer takes them (in --dtype), without gradient, in batches of batch_size rows of like length; 0 on the columns
-    that no row of a batch attends to."""
+    layer takes them, without gradient, in batches of batch_size rows of like length (batched_logprobs' way); 0 on
+    the columns that no row of a batch attends to."""
     model.eval()
     order, length, states = attention_mask.sum(dim=1).argsort(stable=True), input_ids.shape[1] - prompt_len, []
     for b in order.split(batch_size):

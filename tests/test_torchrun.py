@@ -246,6 +246,9 @@ ONLINE = {
     "ppo": ("ppo.py", ["--num-minibatches", "1", "--micro-batch-size", "2"]),
     "process": ("process_grpo.py", ["--num-minibatches", "1"]),  # an advantage a token, from tiny-chainer
     "grpo-lora": ("grpo.py", ["--lora-r", "4"]),  # DDP only: --fsdp refuses --lora-r
+    # a teacher with the bundled tokenizer (tiny-chainer/), sharded too under --fsdp; the JSD's pass over the vocabulary
+    "distill": ("distill.py", ["--teacher-path", "tiny-chainer", "--num-iterations", "2"]),
+    "distill-jsd": ("distill.py", ["--teacher-path", "tiny-chainer", "--loss", "jsd", "--loss-agg", "token-mean"]),
 }
 # batches that do not split among 2 processes (grpo.py's in a launch of its own, below)
 UNSPLIT = {
