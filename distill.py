@@ -326,11 +326,13 @@ def token_jsd(
     )  # FSDP2 may hold them as sharded DTensors: gathered once for the micro-batch
     vocab = head.weight.shape[0]
 
-    def chunk(hidden, teacher_hidden, targets):  # (n,) each, at n positions
+    def chunk(hidden, teacher_hidden, targets, weight, bias):  # (n,) each, at n positions
         with torch.autocast(hidden.device.type, enabled=False):
-            logits = torch.nn.functional.linear(hidden.float(), head.weight.float(), head.bias) / temperature
-            teacher_logits = torch.nn.functional.linear(teacher_hidden.float(), teacher_weight.float(), teacher_bias)
-        teacher_logits = teacher_logits.detach()[:, :vocab] / temperature  # (n, vocab) as logits, a constant
+            logits = torch.nn.functional.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
+            teacher_logits = torch.nn.functional.linear(
+                teacher_hidden.float(), teacher_weight.float(), None if teacher_bias is None else teacher_bias.float()
+            )
+        logits, teacher_logits = logits / temperature, teacher_logits.detach()[:, :vocab] / temperature  # (n, vocab)
         jsd = generalized_jsd(logits, teacher_logits, beta)
         with torch.no_grad():
             s, t = logits.log_softmax(dim=-1), teacher_logits.log_softmax(dim=-1)
@@ -340,7 +342,7 @@ def token_jsd(
     span, chunks = max(1, chunk_values // vocab), []
     recompute = torch.is_grad_enabled() and len(targets) > span  # in the backward pass (one chunk: no need)
     for i in range(0, len(targets), span):
-        part = hidden[i : i + span], teacher_hidden[i : i + span], targets[i : i + span]
+        part = hidden[i : i + span], teacher_hidden[i : i + span], targets[i : i + span], head.weight, head.bias
         if recompute:
             chunks.append(
                 torch.utils.checkpoint.checkpoint(chunk, *part, use_reentrant=False, preserve_rng_state=False)

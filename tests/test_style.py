@@ -31,8 +31,8 @@ MAIN = {
 # work; calls run counted apart from calls written) and 13 to dapo (no update on a step with no token to train on).
 # Issue 55's layout took 6 from process_grpo (grpo_loss, not a copy) and 4 from tool_grpo (no --vllm to refuse);
 # issue 56 added 51 to async_grpo (234 to 285: --interrupt-every's switch, its flag checks and version metrics).
-# distill 195 against grpo.py (issue 64): the teacher's loading and checks 35, --loss jsd's chunked pass over the
-# vocabulary 44 and its loss (generalized_jsd, jsd_loss) 11, loss_agg's means in aggregate (both losses') 9, and 96
+# distill 197 against grpo.py (issue 64): the teacher's loading and checks 35, --loss jsd's chunked pass over the
+# vocabulary 46 and its loss (generalized_jsd, jsd_loss) 11, loss_agg's means in aggregate (both losses') 9, and 96
 # in Args, the advantage, pg_loss and main() (the teacher's pass, a branch a loss, the sampled reverse KL)
 DIFF = {
     "rloo.py": 125,
