@@ -226,6 +226,42 @@ def test_token_jsd_equals_the_models_own_logits_in_any_chunks():
         assert all(p.grad is None for p in teacher.parameters())
 
 
+def test_token_jsd_keeps_no_logits_beyond_one_chunk_for_the_backward_pass():
+    """What autograd keeps for the backward pass (token_logprobs' test in test_shared.py): with 3 positions a chunk,
+    the tensors over the 300-token vocabulary other than the weights add up to at most one chunk's logits, since each
+    chunk is computed again in the backward pass; the JSD of the models' full logits keeps all 10 positions'."""
+    student, teacher = tiny_llama(32, 300, 0), tiny_llama(32, 300, 1).requires_grad_(False)
+    input_ids, attention_mask = torch.randint(3, 300, (2, 9)), torch.ones(2, 9, dtype=torch.long)
+    states = decoder_states(teacher, input_ids, attention_mask, 4, batch_size=2)
+    weights = {p.untyped_storage().data_ptr() for p in [*student.parameters(), *teacher.parameters()]}
+
+    def saved_vocabulary_values(compute):
+        sizes = [0]
+
+        def pack(tensor):  # logits, or anything else over the vocabulary that is not the weights themselves
+            is_weight = tensor.untyped_storage().data_ptr() in weights
+            if tensor.shape and tensor.shape[-1] == 300 and tensor.dtype.is_floating_point and not is_weight:
+                sizes.append(tensor.numel())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            jsd = compute()
+        jsd.sum().backward()
+        return sum(sizes)
+
+    def plain():
+        logits = student(input_ids, attention_mask=attention_mask).logits[:, 3:-1].flatten(0, 1)
+        with torch.no_grad():
+            teacher_logits = teacher(input_ids, attention_mask=attention_mask).logits[:, 3:-1].flatten(0, 1)
+        return generalized_jsd(logits, teacher_logits, 0.5)
+
+    chunked = saved_vocabulary_values(
+        lambda: token_jsd(student, teacher, states, input_ids, attention_mask, 4, 1.0, 0.5, chunk_values=3 * 300)[0]
+    )
+    assert saved_vocabulary_values(plain) >= 10 * 300  # the check sees the logits when they are kept
+    assert chunked <= 3 * 300
+
+
 @pytest.fixture(scope="module")
 def teachers(tmp_path_factory):
     """{name: a model folder}: a student (the bundled model with noise: worse at the task than the bundled model, the
