@@ -16,7 +16,8 @@ from test_torchrun import torchrun
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM and not os.environ.get("VLLM_REQUIRED"), reason="vLLM not installed")
-SAMPLING_FILES = ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "process_grpo.py", "dapo.py"]
+SAMPLING_FILES = ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "process_grpo.py", "dapo.py", "distill.py"]
+TEACHER = {"distill.py": ["--teacher-path", "tiny-chainer"]}  # the bundled tokenizer's, trained on another task
 SMALL = [
     "--prompts-per-step",
     "4",
@@ -105,7 +106,7 @@ def test_a_step_with_vllm_on_the_bundled_model(script, tmp_path):
     harness.write_text(CHECK)
     out = tmp_path / "run"
     flags = [*SMALL, *([] if script == "ppo.py" else GROUPS), "--num-steps", "2", "--learning-rate", "1e-2"]
-    run_script(str(harness), script, "--vllm", *flags, "--output-dir", str(out))
+    run_script(str(harness), script, "--vllm", *flags, *TEACHER.get(script, []), "--output-dir", str(out))
     step2 = [m for m in read_metrics(out) if m["step"] == 2][0]
     assert step2["rollout/logprob_diff"] < 1e-4 and step2["rollout/is_weight"] == pytest.approx(1.0, abs=1e-3)
     check_synced(out, minimum_move=0.05)
