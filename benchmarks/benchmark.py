@@ -857,11 +857,11 @@ def write_results(runs, memory, args, path):
             + ".",
         ]
         lines.append("")
-    kept = ""  # the blocks that benchmarks/process_benchmark.py and tool_benchmark.py write, kept as they are
+    kept = ""  # the blocks that benchmarks/process_, tool_, dapo_ and distill_benchmark.py write, kept as they are
     if os.path.exists(path):
         with open(path) as f:
             page = f.read()
-        for name in ("process", "tool"):
+        for name in ("process", "tool", "dapo", "distill"):
             start, end = f"<!-- {name}: written by benchmarks/{name}_benchmark.py -->", f"<!-- end of {name} -->"
             if start in page and end in page:
                 kept += "\n" + page[page.index(start) : page.index(end) + len(end)] + "\n"

@@ -353,3 +353,38 @@ def test_distillation_moves_the_student_toward_the_teacher(teachers, tmp_path):
     assert after >= before + 0.1, f"held-out accuracy {before:.3f} -> {after:.3f} (the teacher's {teacher:.3f})"
     kl = [m["losses/reverse_kl"] for m in metrics[1:]]  # steps 5, 10, 15, 20
     assert kl[-1] < 0.7 * kl[0], kl
+
+
+def test_the_benchmark_reads_its_targets_by_hand():
+    """benchmarks/distill_benchmark.py's cells from evaluations worked by hand: the first evaluation at or above the
+    target, the mean over the seeds that reached it and how many did, the shared steps thinned to powers of two."""
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import distill_benchmark as b
+
+    evals = [(0, 30.0, 0.0), (25, 80.0, 10.0), (50, 93.0, 20.0), (75, 91.0, 30.0)]
+    assert b.first_reaching(evals, 92.0) == (50, 20.0) and b.first_reaching(evals, 95.0) is None
+    assert b.reached([], 3) == "not reached (0/3)"
+    assert b.reached([50, 100], 3) == "75 ± 35 (2/3 seeds)"  # the std over the seeds that reached it
+    runs = [[{"step": s, "eval/accuracy": 0.5} for s in range(0, 301, 25)]]
+    assert b.equal_steps({"grpo": [(runs[0], 1.0)], "distill": [(runs[0][:9], 1.0)]}) == [25, 50, 100, 200]
+
+
+def test_the_benchmark_writes_its_table_from_the_runs(tmp_path):
+    """benchmarks/distill_benchmark.py, grpo.py's and distill.py's rows for 2 small steps of seed 1: each row's
+    accuracy is its run's, the teacher's accuracy names the target, the figure is written."""
+    small = "--num-steps 2 --prompts-per-step 4 --num-eval 16 --eval-every 1 --log-every 1"
+    args = ["--seeds", "1", "--rows", "grpo", "distill", f"--flags={small}", "--out-dir", str(tmp_path)]
+    run_script("benchmarks/distill_benchmark.py", *args, "--runs-dir", str(tmp_path / "runs"))
+    page = (tmp_path / "distill.md").read_text()
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in page.splitlines() if line.startswith("| ")}
+    grpo, distill = read_metrics(tmp_path / "runs" / "grpo__1"), read_metrics(tmp_path / "runs" / "distill__1")
+    for name, metrics in (("grpo", grpo), ("distill", distill)):
+        first, last = (100 * metrics[i]["eval/accuracy"] for i in (0, -1))
+        assert rows[name][1] == f"{first:.1f} → {last:.1f}", rows[name]
+    teacher = 100 * distill[0]["eval/teacher_accuracy"]
+    assert f"scores {teacher:.1f}% on the held-out prompts, so the target is {0.95 * teacher:.1f}%" in page
+    assert rows["grpo"][-1] == "— |" and rows["distill"][-1] in {"0/1 |", "1/1 |"}
+    assert "## On-policy distillation against GRPO" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "distill.png").stat().st_size > 0

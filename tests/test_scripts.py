@@ -62,6 +62,7 @@ SMALL = {
     "process_grpo.py": RL_SMALL,
     "tool_grpo.py": RL_SMALL,
     "dapo.py": RL_SMALL,
+    "distill.py": RL_SMALL,
     "rloo.py": RL_SMALL,
     "gspo.py": RL_SMALL + ["--num-minibatches", "2"],
     "cispo.py": RL_SMALL + ["--num-minibatches", "2"],
@@ -168,6 +169,7 @@ def offline(argv, chat_model_dir):
         "Qwen/Qwen2.5-0.5B-Instruct": chat_model_dir,
         "Qwen/Qwen2.5-0.5B": chat_model_dir,
         "Qwen/Qwen2.5-7B-Instruct": chat_model_dir,
+        "Qwen/Qwen2.5-1.5B-Instruct": chat_model_dir,  # distill.py's teacher: the student's tokenizer
         "openai/gsm8k": os.path.join(FIXTURES, "gsm8k_tiny.jsonl"),
         "my_problems.jsonl": os.path.join(FIXTURES, "gsm8k_tiny.jsonl"),
         "my_sft_data.jsonl": os.path.join(FIXTURES, "sft_tiny.jsonl"),
@@ -221,7 +223,7 @@ def test_readme_command(command, chat_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "script", ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "process_grpo.py", "dapo.py"]
+    "script", ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "process_grpo.py", "dapo.py", "distill.py"]
 )
 def test_learns(script, tmp_path):
     """A short run from the bundled model raises held-out accuracy clearly (a sign and wiring check); process_grpo.py
