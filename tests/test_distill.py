@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import ROOT, read_metrics, run_script
+from conftest import ROOT, read_metrics, run_here, run_script
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from distill import aggregate, decoder_states, generalized_jsd, pg_loss, teacher_advantages, token_jsd
@@ -376,7 +376,8 @@ def test_the_benchmark_writes_its_table_from_the_runs(tmp_path):
     accuracy is its run's, the teacher's accuracy names the target, the figure is written."""
     small = "--num-steps 2 --prompts-per-step 4 --num-eval 16 --eval-every 1 --log-every 1"
     args = ["--seeds", "1", "--rows", "grpo", "distill", f"--flags={small}", "--out-dir", str(tmp_path)]
-    run_script("benchmarks/distill_benchmark.py", *args, "--runs-dir", str(tmp_path / "runs"))
+    proc = run_here(["benchmarks/distill_benchmark.py", *args, "--runs-dir", str(tmp_path / "runs")])
+    assert proc.returncode == 0, proc.stderr[-2000:]  # in this process: its runs are its subprocesses
     page = (tmp_path / "distill.md").read_text()
     rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in page.splitlines() if line.startswith("| ")}
     grpo, distill = read_metrics(tmp_path / "runs" / "grpo__1"), read_metrics(tmp_path / "runs" / "distill__1")
