@@ -223,7 +223,7 @@ def test_readme_command(command, chat_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "script", ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "process_grpo.py", "dapo.py", "distill.py"]
+    "script", ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "process_grpo.py", "dapo.py"]
 )
 def test_learns(script, tmp_path):
     """A short run from the bundled model raises held-out accuracy clearly (a sign and wiring check); process_grpo.py
