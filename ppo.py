@@ -1642,8 +1642,8 @@ class RolloutCache(transformers.StaticCache):
         self.rows, self.length, self.store_dtype = rows, length, dtype
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        if key_states.dtype != self.store_dtype or value_states.dtype != self.store_dtype:
-            key_states, value_states = key_states.to(self.store_dtype), value_states.to(self.store_dtype)
+        # a no-op where they are in that dtype already (to() returns the tensor itself)
+        key_states, value_states = key_states.to(self.store_dtype), value_states.to(self.store_dtype)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
@@ -1727,11 +1727,10 @@ def gathered(model):
 def grouped_attention(model):
     """The rollout's attention through grouped_sdpa where the model's is transformers' SDPA over fewer key-value
     heads than query heads."""
-    config, heads = unwrap(model).config, unwrap(model).config.get_text_config().num_attention_heads
-    if (
-        config._attn_implementation != "sdpa"
-        or getattr(config.get_text_config(), "num_key_value_heads", heads) == heads
-    ):
+    config = unwrap(model).config
+    text = config.get_text_config()  # a multimodal model's decoder
+    heads = text.num_attention_heads
+    if config._attn_implementation != "sdpa" or getattr(text, "num_key_value_heads", heads) == heads:
         yield
         return
     transformers.AttentionInterface.register("grouped_sdpa", grouped_sdpa)
