@@ -113,6 +113,21 @@ def test_a_step_with_vllm_on_the_bundled_model(script, tmp_path):
 
 
 @needs_vllm
+def test_distill_jsd_with_vllm(tmp_path):
+    """distill.py --loss jsd --vllm: the whole-vocabulary loss at the prefixes the engine sampled, with no importance
+    weight (no token is sampled for the loss: no rollout/ metrics), the exact reverse KL logged; the engine samples
+    from the trained weights."""
+    harness = tmp_path / "check.py"
+    harness.write_text(CHECK)
+    out = tmp_path / "run"
+    flags = [*SMALL, *GROUPS, "--num-steps", "2", "--learning-rate", "1e-2", "--loss", "jsd"]
+    run_script(str(harness), "distill.py", "--vllm", *flags, *TEACHER["distill.py"], "--output-dir", str(out))
+    step2 = [m for m in read_metrics(out) if m["step"] == 2][0]
+    assert step2["losses/reverse_kl_exact"] > 0 and not any(k.startswith("rollout/") for k in step2), step2
+    check_synced(out, minimum_move=0.05)
+
+
+@needs_vllm
 def test_a_step_with_vllm_on_a_tied_qwen2(chat_model_dir, tmp_path):
     """The test suite's tiny Qwen2 (tied embeddings, a ChatML template, two stop ids): GRPO with --vllm; it earns
     no reward, so the check moves its weights by noise before the sync. Its heads made 32 wide (hidden 64, 2 query
