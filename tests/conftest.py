@@ -19,8 +19,8 @@ FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 sys.path.insert(0, ROOT)
 OFFLINE = {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
 os.environ.update(OFFLINE)  # before transformers is imported: the runs in this process are offline too
-# the files run_script runs in this process (async_grpo.py's generator thread could outlive a run that fails); none
-# where vLLM is installed: its engine starts a process group, and a run ends its process when there is one
+# the files run_script runs in this process; none where vLLM is installed: its engine starts a process group, and a
+# run ends its process when there is one
 IN_PROCESS = (
     set()
     if importlib.util.find_spec("vllm")
@@ -37,6 +37,7 @@ IN_PROCESS = (
         "tool_grpo.py",
         "dapo.py",
         "distill.py",
+        "async_grpo.py",
     }
 )
 
@@ -51,10 +52,17 @@ def pytest_configure(config):
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+# the modules whose tests start torchrun (the longest of the tests outside a group): handed out first, so that the
+# run does not end on one of them on one worker while the other worker has nothing left to do
+FIRST = ("test_torchrun", "test_resume")
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
     """--dist loadgroup (pytest.ini): the tests that take the same module-scoped fixture (a benchmark's runs, a
-    harness process) go to one worker, which makes it once; a parametrized one makes a group a parameter."""
+    harness process) go to one worker, which makes it once; a parametrized one makes a group a parameter. xdist
+    hands out the groups first (the most tests first), then the other tests in this order: FIRST's, then the rest."""
+    items.sort(key=lambda item: item.module.__name__ not in FIRST)  # stable: each keeps its place among its kind
     for item in items:
         info, params = item._fixtureinfo, getattr(getattr(item, "callspec", None), "params", {})
         groups = [
