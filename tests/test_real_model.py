@@ -8,6 +8,7 @@ measures the real model learning; these tests keep every file working on it.
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 
 import pytest
@@ -135,6 +136,25 @@ def test_reward_model_then_ppo_against_it_on_the_real_model(real_model_dir, tmp_
         ppo,
     )
     assert "charts/score" in check_saved(ppo)[-1]
+
+
+def test_the_distillation_pages_commands_on_the_real_model(real_model_dir, tmp_path):
+    """docs/distill.md's SmolLM2 pair: the teacher is the GRPO command's output folder (test_benchmark.py checks that
+    command is the benchmark's), and distill.py's command runs a step with small flags, the SmolLM2 folder standing
+    in for that teacher (the same tokenizer); the teacher's accuracy is logged once, at step 0."""
+    from test_scripts import readme_commands
+
+    commands = readme_commands()
+    (command,) = [c for c in commands if c.startswith("python distill.py") and "--task addition-question" in c]
+    argv = shlex.split(command)[1:]
+    teacher = argv.index("--teacher-path") + 1
+    assert [c for c in commands if c.startswith("python grpo.py") and c.endswith(f" --output-dir {argv[teacher]}")]
+    argv[teacher] = real_model_dir
+    out = str(tmp_path / "run")
+    run_script(*argv, *SMALL["distill.py"], *ONE_STEP, "--output-dir", out)
+    metrics = check_saved(out)
+    assert 0 <= metrics[0]["eval/teacher_accuracy"] <= 1 and "eval/teacher_accuracy" not in metrics[-1]
+    assert metrics[-1]["losses/reverse_kl"] == pytest.approx(0, abs=1e-4)  # its own teacher: pi_old = pi_T at step 1
 
 
 def one_line_error(proc):
