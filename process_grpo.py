@@ -1568,6 +1568,7 @@ def stop_check_every(device):
 def compiled_step(model):
     """decode_step for one new token, compiled once a model (where compiles() says so)."""
     if "compiled_step" not in unwrap(model).__dict__:
+        unwrap(model).get_input_embeddings()._forward_hooks.clear()  # checkpointing's requires_grad_ hooks: gpu.md
         unwrap(model).compiled_step = compile_step(decode_step)
     return unwrap(model).compiled_step
 
@@ -1753,7 +1754,7 @@ def draw(logits, heat, u):
         return logits.argmax(dim=-1), torch.zeros(len(logits), device=logits.device)
     greedy = heat == 0
     logprobs = (logits / torch.where(greedy, 1.0, heat)).log_softmax(dim=-1)  # (B, vocab)
-    cumulative = cumulative_sums(logprobs.exp().double())  # (B, vocab)
+    cumulative = cumulative_sums(logprobs.exp().double()).contiguous()  # (B, vocab); torch 2.11 inductor: no view
     token = torch.searchsorted(cumulative, u * cumulative[:, -1:], right=True).clamp_(max=logits.shape[-1] - 1)
     logprob = logprobs.gather(1, token).squeeze(1)  # token: (B, 1)
     return torch.where(greedy, logits.argmax(dim=-1), token.squeeze(1)), torch.where(greedy, 0.0, logprob)

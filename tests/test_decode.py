@@ -357,6 +357,36 @@ def test_the_compiled_step_has_no_graph_break_and_compiles_once_for_every_rollou
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_the_compiled_step_runs_on_a_checkpointed_model_whose_weights_still_get_their_gradient(
+    monkeypatch, tmp_path, lora_r
+):
+    """With --gradient-checkpointing, transformers (and peft, with --lora-r) hook the input embedding to call
+    requires_grad_ on its output at every forward pass. In the compiled step that is a graph break: on a GPU the first
+    rollout of the README's GPU command stopped there (torch 2.11, transformers 5.24). The model's first compiled
+    step takes the hook off, which non-reentrant checkpointing does not need: the step compiles with fullgraph=True,
+    and every trained weight gets a gradient through the checkpointed layers."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, pad_token_id=0
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    args = grpo.Args(dtype="bfloat16", gradient_checkpointing=True, lora_r=lora_r)
+    model = grpo.add_lora(grpo.load_model(str(tmp_path), args, torch.device("cpu")), args)
+    assert model.get_input_embeddings()._forward_hooks  # transformers' (peft's, with LoRA)
+    stats = eager_compile(monkeypatch)
+    ids, mask = rollout_prompts(4, 2)
+    completions = generate(model.eval(), SimpleNamespace(pad_token_id=0), ids, mask, 6, 1.0, [-1])
+    assert not model.get_input_embeddings()._forward_hooks
+    assert completions.shape == (2, 6) and stats["unique_graphs"] == 1, dict(stats)
+    sequences = torch.cat([ids, completions], dim=1)
+    token_logprobs(model.train(), sequences, torch.cat([mask, torch.ones_like(completions)], 1), 4).sum().backward()
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    assert len(trained) == (7 * 2 * 2 if lora_r else len(list(model.parameters())))  # 7 linears a layer, A and B
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for name, p in trained if "lora_B" in name or not lora_r)
+    torch._dynamo.reset()
+
+
 def test_the_weights_held_in_the_compute_dtype_are_read_as_they_are(monkeypatch):
     """LoRA's frozen base layers (add_lora holds them in --dtype) and async_grpo.py's generator (its weights in
     --dtype): rollout_weights makes no copy of a weight already in the compute dtype, and a copy of each float32
