@@ -1,0 +1,314 @@
+"""The papers' headline effects in miniature, one row an effect (docs/effects.md): what each change in the files was
+made for, on the bundled task and the CPU.
+
+    python benchmarks/effects.py                               # every row: 3 seeds where a row trains, 12 runs
+    python benchmarks/effects.py --rows length-bias kl-estimators
+    python benchmarks/effects.py --quick --runs-dir /tmp/effects   # the suite's form: 1 seed, 2 steps a run
+
+Rows (docs/effects.md gives each claim, its source and what was seen):
+    length-bias        grpo.py's default objective against Dr. GRPO's: the gradient a wrong completion's tokens get as
+                       it grows, exactly, and the length of right and of wrong completions sampled over training
+    std-amplification  what dividing by the group's standard deviation does to rewards that differ by a little
+    kl-estimators      k1, k2 and k3 against the exact KL of a trained policy to the bundled model, token by token
+    cispo-clipped      the share of tokens PPO's clip (grpo.py) and CISPO's leave without gradient, 4 passes a batch
+    rloo-vs-ppo        the three-seed runs of docs/results.md, read per rollout and per second
+    areal-staleness    docs/async_grpo.md's runs: the decoupled objective against the coupled one as staleness grows
+
+Runs go to --runs-dir, each in its own folder, run in this process as `python FILE.py FLAGS` runs it; a folder whose
+run finished with the same flags is read again, not run.
+"""
+
+import argparse
+import json
+import os
+import re
+import runpy
+import statistics
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import grpo  # noqa: E402  (the loss, the advantage and the sampler the rows look into)
+
+ROWS = ("length-bias", "std-amplification", "kl-estimators", "cispo-clipped", "rloo-vs-ppo", "areal-staleness")
+DR_GRPO = ["--loss-agg", "seq-mean-token-sum-norm", "--no-scale-rewards"]
+SAMPLED = 500  # the held-out prompts (a default run's): one completion each, for the lengths and the KL estimators
+
+
+def train(args, file, flags, name, seed):
+    """The run's metrics (a list of records): `python FILE --seed S FLAGS --output-dir RUNS/NAME-S`, run here."""
+    out = os.path.join(args.runs_dir, f"{name}-{seed}")
+    argv = [*flags, "--seed", str(seed), "--output-dir", out]
+    done = os.path.join(out, "effects_argv.json")
+    if not (os.path.exists(done) and json.load(open(done)) == argv):
+        print(f"python {file} {' '.join(argv)}", flush=True)
+        sys.argv = [os.path.join(ROOT, file), *argv]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        with open(done, "w") as f:
+            json.dump(argv, f)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def steps_flags(args, full_steps):
+    """The runs' flags and how often they evaluate (and the length-bias runs save): 6 times a run, or each of --quick's
+    2 steps on 64 held-out prompts."""
+    if args.quick:
+        return ["--num-steps", "2", "--eval-every", "1", "--log-every", "1", "--num-eval", "64"], 1
+    return ["--num-steps", str(full_steps), "--eval-every", str(full_steps // 6), "--log-every", "1"], full_steps // 6
+
+
+def last(metrics, key):
+    return [m[key] for m in metrics if key in m][-1]
+
+
+def spread(values, digits=1, scale=1.0):
+    values = [v * scale for v in values]
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.{digits}f} ± {std:.{digits}f}"
+
+
+def sample_lengths(folder, num=SAMPLED):
+    """(mean length of the right completions, of the wrong ones, share right): `num` held-out prompts, one completion
+    each at temperature 1, from the model in folder (tokens up to and including the stop token)."""
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "tiny-adder"))
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    model.compute_dtype = torch.float32
+    _, held_out = grpo.addition_task(num)
+    ids, mask = grpo.tokenize_prompts(tokenizer, [r["prompt"] for r in held_out], "cpu", grpo.Args())
+    stop_ids = grpo.stop_token_ids(tokenizer, model)
+    torch.manual_seed(0)
+    completions = grpo.generate(model, tokenizer, ids, mask, grpo.Args().max_new_tokens, 1.0, stop_ids)
+    keep = grpo.completion_mask(completions, stop_ids)
+    texts = grpo.decode_completions(tokenizer, completions, keep)
+    right = torch.tensor([grpo.reward_fn(t, r) == 1.0 for t, r in zip(texts, held_out)])
+    lengths = keep.sum(dim=1).float()
+    return lengths[right].mean().item(), lengths[~right].mean().item(), right.float().mean().item()
+
+
+def token_weights(loss_agg, right_length=3, wrong_length=12, max_completion_length=16):
+    """d loss / d log pi of each token of a wrong completion (A = -1) grouped with a right one (A = +1), the ratio 1
+    and no KL: positive, the token is pushed down. Returns (a token's weight, the completion's total)."""
+    length = max(right_length, wrong_length)
+    logprobs = torch.zeros(2, length, dtype=torch.float64, requires_grad=True)
+    mask = torch.zeros(2, length)
+    mask[0, :right_length], mask[1, :wrong_length] = 1, 1
+    advantages = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    loss, _ = grpo.grpo_loss(
+        logprobs, logprobs.detach(), None, advantages, mask, beta=0.0, loss_agg=loss_agg,
+        max_completion_length=max_completion_length,
+    )  # fmt: skip
+    loss.backward()
+    return logprobs.grad[1, 0].item(), logprobs.grad[1].sum().item()
+
+
+def length_bias(args):
+    result = {"per_token": {}}
+    for agg in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        for wrong in (3, 6, 12):
+            per_token, total = token_weights(agg, wrong_length=wrong)
+            result["per_token"][f"{agg} {wrong}"] = [per_token, total]
+            print(f"  {agg}: a wrong completion of {wrong} tokens: {per_token:.4f} a token, {total:.4f} in all")
+    flags, every = steps_flags(args, 150)
+    flags += ["--save-every", str(every), "--keep-checkpoints", "100"]
+    curves = {}
+    for name, extra in (("grpo", []), ("dr-grpo", DR_GRPO)):
+        for seed in args.seeds:
+            train(args, "grpo.py", flags + extra, f"length-{name}", seed)
+            folder = os.path.join(args.runs_dir, f"length-{name}-{seed}", "checkpoints")
+            points = [(0, os.path.join(ROOT, "tiny-adder"))]
+            points += [(int(step[5:]), os.path.join(folder, step, "policy")) for step in sorted(os.listdir(folder))]
+            for step, path in points:
+                curves.setdefault(name, {}).setdefault(step, []).append(sample_lengths(path, args.sampled))
+    result["curves"] = {
+        name: {step: [statistics.mean(v[i] for v in runs) for i in range(3)] for step, runs in by_step.items()}
+        for name, by_step in curves.items()
+    }
+    for name, by_step in curves.items():
+        for step, runs in sorted(by_step.items()):
+            right, wrong, share = ([v[i] for v in runs] for i in range(3))
+            print(
+                f"  {name} step {step}: right {spread(right, 2)} tokens, wrong {spread(wrong, 2)}, {spread(share, 2)}"
+            )
+    if args.figure:
+        plot_lengths(curves, args.figure)
+    return result
+
+
+def plot_lengths(curves, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for name, color in (("grpo", "tab:blue"), ("dr-grpo", "tab:orange")):
+        steps = sorted(curves[name])
+        for i, (kind, style) in enumerate((("right", "-"), ("wrong", "--"))):
+            ys = [statistics.mean(v[i] for v in curves[name][s]) for s in steps]
+            label = f"{'GRPO (seq-mean-token-mean)' if name == 'grpo' else 'Dr. GRPO'}: {kind}"
+            ax.plot(steps, ys, style, color=color, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean completion length (tokens)")
+    ax.set_ylim(0, grpo.Args().max_new_tokens)  # the room a completion has
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def std_amplification(args):
+    """Advantages of a group of 4 whose rewards differ by delta, with and without the division by the group's std."""
+    result = {}
+    for delta in (1.0, 0.1, 0.01, 0.001):
+        rewards = torch.tensor([1.0 + delta, 1.0, 1.0, 1.0])
+        scaled = grpo.group_advantages(rewards, 4).tolist()
+        plain = grpo.group_advantages(rewards, 4, scale=False).tolist()
+        result[str(delta)] = {"scaled": scaled, "plain": plain}
+        print(
+            f"  rewards differ by {delta}: scaled {scaled[0]:.3f}, {scaled[1]:.3f}; "
+            f"plain {plain[0]:.4f}, {plain[1]:.4f}"
+        )
+    return result
+
+
+def kl_estimates(logp, logq, tokens):
+    """The exact KL(pi || ref) at each position (N,) from log pi and log ref (N, vocab), and Schulman's estimators of it
+    from the sampled tokens (N,), x ~ pi, r = ref(x) / pi(x): k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r.
+    p = [1/2, 1/2], ref = [1/4, 3/4]: exact 0.5 log(4/3) = 0.1438; x = 0: k1 0.6931, k2 0.2402, k3 0.1931."""
+    exact = (logp.exp() * (logp - logq)).sum(-1)
+    log_r = (logq - logp).gather(-1, tokens[:, None]).squeeze(-1)
+    return exact, {"k1": -log_r, "k2": log_r**2 / 2, "k3": log_r.exp() - 1 - log_r}
+
+
+def kl_estimators(args):
+    """k1, k2, k3 of KL(pi || ref) at tokens sampled from pi, against the exact KL at the same positions, for two
+    policies of the length-bias row's grpo run of the first seed (trained here if missing): its first checkpoint, near
+    the reference, and its final model; ref: the bundled model. The bias's standard error is the estimator's std over
+    the square root of the tokens."""
+    flags, every = steps_flags(args, 150)
+    train(args, "grpo.py", flags + ["--save-every", str(every), "--keep-checkpoints", "100"], "length-grpo", 1)
+    run = os.path.join(args.runs_dir, "length-grpo-1")
+    policies = {f"step {every}": os.path.join(run, "checkpoints", f"step_{every:06d}", "policy"), "final": run}
+    reference = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "tiny-adder")).eval()
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "tiny-adder"))
+    _, held_out = grpo.addition_task(args.sampled)
+    ids, mask = grpo.tokenize_prompts(tokenizer, [r["prompt"] for r in held_out], "cpu", grpo.Args())
+    result = {}
+    for label, folder in policies.items():
+        policy = AutoModelForCausalLM.from_pretrained(folder).eval()
+        policy.compute_dtype = torch.float32
+        stop_ids = grpo.stop_token_ids(tokenizer, policy)
+        torch.manual_seed(0)
+        completions = grpo.generate(policy, tokenizer, ids, mask, grpo.Args().max_new_tokens, 1.0, stop_ids)
+        keep = grpo.completion_mask(completions, stop_ids)
+        sequences = torch.cat([ids, completions], dim=1)
+        attention = torch.cat([mask, keep.long()], dim=1)
+        with torch.no_grad():
+            logp, logq = (
+                grpo.forward(m, sequences, attention).logits[:, ids.shape[1] - 1 : -1].double().log_softmax(-1)
+                for m in (policy, reference)
+            )
+        exact, estimates = kl_estimates(logp[keep], logq[keep], completions[keep])
+        result[label] = {"tokens": len(exact), "exact": exact.mean().item()}
+        print(f"  {label}: {len(exact)} sampled tokens; the exact KL: mean {exact.mean():.5f}, std {exact.std():.5f}")
+        for name, k in estimates.items():
+            row = {
+                "mean": k.mean().item(),
+                "bias": (k.mean() - exact.mean()).item(),
+                "se": (k.std() / len(k) ** 0.5).item(),
+                "std": k.std().item(),
+                "negative": (k < 0).double().mean().item(),
+            }
+            result[label][name] = row
+            print(
+                f"    {name}: mean {row['mean']:.5f} (bias {row['bias']:+.5f}, standard error {row['se']:.5f}), "
+                f"std {row['std']:.5f}, {row['negative']:.1%} negative"
+            )
+    return result
+
+
+def cispo_clipped(args):
+    """grpo.py and cispo.py with 4 passes over each batch: the share of tokens PPO's clip leaves without gradient
+    (grpo.py's clip_frac) against CISPO's (none: its clip_frac counts weights clipped, gradient kept)."""
+    flags, _ = steps_flags(args, 150)
+    flags += ["--num-iterations", "4"]
+    result = {}
+    for file in ("grpo.py", "cispo.py"):
+        runs = [train(args, file, flags, f"passes4-{file[:-3]}", seed) for seed in args.seeds]
+        clipped = [statistics.mean(m["losses/clip_frac"] for m in run if "losses/clip_frac" in m) for run in runs]
+        peak = [max(m["losses/clip_frac"] for m in run if "losses/clip_frac" in m) for run in runs]
+        accuracy = [last(run, "eval/accuracy") for run in runs]
+        result[file] = {"clip_frac": clipped, "clip_frac_max": peak, "accuracy": accuracy}
+        print(
+            f"  {file}: clipped tokens {spread(clipped, 2, 100)}% on average (max {spread(peak, 2, 100)}%), "
+            f"held-out accuracy {spread(accuracy, 1, 100)}%"
+        )
+    return result
+
+
+def results_row(path, name):
+    """The cells of docs/*.md's table row `| name | ...`."""
+    with open(os.path.join(ROOT, "docs", path)) as f:
+        line = next(line for line in f if line.startswith(f"| {name} |"))
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
+def mean_of(cell, index=-1):
+    """The mean of a 'a ± b' (or 'x ± y → a ± b') cell."""
+    return float(re.findall(r"(-?[0-9.]+) ± ", cell)[index])
+
+
+def rloo_vs_ppo(args):
+    """docs/results.md's rloo and ppo rows per rollout (steps x completions a step, from each file's defaults) and per
+    second of wall time."""
+    import ppo
+    import rloo
+
+    result = {}
+    for name, module in (("rloo", rloo), ("ppo", ppo)):
+        a = module.Args()
+        rollouts = a.num_steps * a.prompts_per_step * getattr(a, "group_size", 1)
+        cells = results_row("results.md", name)
+        accuracy, seconds = mean_of(cells[1]), mean_of(cells[4])
+        result[name] = {"rollouts": rollouts, "accuracy": accuracy, "seconds": seconds}
+        print(f"  {name}: {accuracy}% held-out after {rollouts:,} rollouts in {seconds:.0f} s")
+    return result
+
+
+def areal_staleness(args):
+    """docs/async_grpo.md's rows at each staleness bound, decoupled against coupled."""
+    result = {}
+    for row in ("sync", "eta1", "eta1-coupled", "eta2", "eta2-coupled", "eta4", "eta4-coupled"):
+        cells = results_row("async_grpo.md", row)
+        result[row] = mean_of(cells[1])
+        print(f"  {row}: held-out accuracy {cells[1]}")
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
+    parser.add_argument("--quick", action="store_true", help="1 seed, 2 steps a run, 64 held-out prompts")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--runs-dir", default=os.path.join(ROOT, "runs", "effects"))
+    parser.add_argument("--figure", help="length-bias: write the lengths over training to this PNG file")
+    parser.add_argument("--json", help="write every row's numbers to this file")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.seeds = args.seeds[:1]
+    args.sampled = 64 if args.quick else SAMPLED
+    results = {}
+    for row in args.rows:
+        print(row, flush=True)
+        results[row] = globals()[row.replace("-", "_")](args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""benchmarks/effects.py: the papers' effects in miniature (docs/effects.md). Its exact parts against numbers worked by
+hand; every row's --quick form run once, in this process."""
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import effects  # noqa: E402
+
+
+def test_a_wrong_completions_tokens_are_pushed_down_less_as_it_grows_under_grpo_and_alike_under_dr_grpo():
+    """A group of two, a right completion of 3 tokens (A = +1) and a wrong one of L (A = -1), the ratio 1, no KL:
+    seq-mean-token-mean's loss is 1/2 sum_i 1/|o_i| sum_t -A_i r_it, so each wrong token's d loss / d log pi is 1/(2L)
+    and the completion's 1/2 whatever its length; Dr. GRPO's divides by 16 (the longest completion) instead of |o_i|:
+    1/32 a token, L/32 for the completion."""
+    for length in (3, 6, 12):
+        assert effects.token_weights("seq-mean-token-mean", wrong_length=length) == pytest.approx(
+            (1 / (2 * length), 0.5)
+        )
+        dr = effects.token_weights("seq-mean-token-sum-norm", wrong_length=length)
+        assert dr == pytest.approx((1 / 32, length / 32))
+
+
+def test_the_kl_estimators_on_a_two_token_vocabulary():
+    """pi = [1/2, 1/2], ref = [1/4, 3/4]: KL(pi || ref) = 1/2 log 2 + 1/2 log(2/3) = 1/2 log(4/3). Token 0: r = 1/2,
+    k1 = log 2, k2 = (log 2)^2 / 2, k3 = 1/2 - 1 + log 2. Token 1: r = 3/2, k1 = -log(3/2) < 0, k3 = 1/2 - log(3/2).
+    Over the two (each drawn half the time) k1 and k3 average to the exact KL, k2 above it."""
+    logp = torch.tensor([[0.5, 0.5], [0.5, 0.5]], dtype=torch.float64).log()
+    logq = torch.tensor([[0.25, 0.75], [0.25, 0.75]], dtype=torch.float64).log()
+    exact, k = effects.kl_estimates(logp, logq, torch.tensor([0, 1]))
+    assert exact.tolist() == pytest.approx([0.5 * math.log(4 / 3)] * 2)
+    assert k["k1"].tolist() == pytest.approx([math.log(2), -math.log(1.5)])
+    assert k["k2"].tolist() == pytest.approx([math.log(2) ** 2 / 2, math.log(1.5) ** 2 / 2])
+    assert k["k3"].tolist() == pytest.approx([math.log(2) - 0.5, 0.5 - math.log(1.5)])
+    assert k["k1"].mean().item() == pytest.approx(0.5 * math.log(4 / 3))
+    assert k["k3"].mean().item() == pytest.approx(0.5 * math.log(4 / 3))
+    assert k["k2"].mean().item() > 0.5 * math.log(4 / 3) + 0.01
+
+
+def test_every_rows_quick_form(tmp_path):
+    """The suite's form of `python benchmarks/effects.py`: 1 seed, 2 steps a run, 64 held-out prompts."""
+    results = effects.main(["--quick", "--runs-dir", str(tmp_path), "--figure", str(tmp_path / "lengths.png")])
+    assert list(results) == list(effects.ROWS)
+    curves = results["length-bias"]["curves"]
+    assert set(curves) == {"grpo", "dr-grpo"} and all(sorted(c) == [0, 1, 2] for c in curves.values())
+    for right, wrong, share in (v for c in curves.values() for v in c.values()):
+        assert 1 <= right <= 8 and 1 <= wrong <= 8 and 0 < share < 1  # a stop token included, at most 8 tokens
+    assert curves["grpo"][0] == curves["dr-grpo"][0]  # the bundled model, the same sampled completions
+    assert os.path.getsize(tmp_path / "lengths.png") > 0
+    # rewards [1 + d, 1, 1, 1]: deviations 3d/4 and -d/4, the group's std d/2; scaled by d/2 + 1e-4, or not
+    std = results["std-amplification"]
+    assert std["1.0"]["scaled"][:2] == pytest.approx([0.75 / 0.5001, -0.25 / 0.5001])
+    assert std["0.001"]["scaled"][:2] == pytest.approx([1.25, -0.25 / 0.6], rel=1e-3)  # 1.001 in float32
+    assert std["0.001"]["plain"][:2] == pytest.approx([0.75e-3, -0.25e-3], rel=1e-3)
+    kl = results["kl-estimators"]
+    assert set(kl) == {"step 1", "final"}
+    for policy in kl.values():
+        assert policy["tokens"] > 64 and policy["exact"] > 0
+        assert policy["k1"]["negative"] > 0 and policy["k2"]["negative"] == policy["k3"]["negative"] == 0
+    clipped = results["cispo-clipped"]
+    assert clipped["grpo.py"]["clip_frac_max"][0] > 0  # the later passes move the ratio past the clip
+    assert all(0 <= f <= 1 for row in clipped.values() for f in row["clip_frac"])
+    # the files' defaults: 300 steps of 32 prompts x 8 completions (rloo.py), of 128 prompts x 1 (ppo.py)
+    ppo_rloo = results["rloo-vs-ppo"]
+    assert (ppo_rloo["rloo"]["rollouts"], ppo_rloo["ppo"]["rollouts"]) == (76_800, 38_400)
+    assert 0 < ppo_rloo["ppo"]["accuracy"] < 100 and ppo_rloo["rloo"]["seconds"] > 0
+    assert set(results["areal-staleness"]) >= {"sync", "eta4", "eta4-coupled"}
