@@ -38,15 +38,19 @@ DR_GRPO = ["--loss-agg", "seq-mean-token-sum-norm", "--no-scale-rewards"]
 SAMPLED = 500  # the held-out prompts (a default run's): one completion each, for the lengths and the KL estimators
 
 
-def train(args, file, flags, name, seed):
-    """The run's metrics (a list of records): `python FILE --seed S FLAGS --output-dir RUNS/NAME-S`, run here."""
+def train(args, file, flags, name, seed, in_module=False):
+    """The run's metrics (a list of records): `python FILE --seed S FLAGS --output-dir RUNS/NAME-S`, run here (with
+    in_module, grpo.py's main in the module imported above, which a row may patch)."""
     out = os.path.join(args.runs_dir, f"{name}-{seed}")
     argv = [*flags, "--seed", str(seed), "--output-dir", out]
     done = os.path.join(out, "effects_argv.json")
     if not (os.path.exists(done) and json.load(open(done)) == argv):
         print(f"python {file} {' '.join(argv)}", flush=True)
         sys.argv = [os.path.join(ROOT, file), *argv]
-        runpy.run_path(sys.argv[0], run_name="__main__")
+        if in_module:
+            grpo.main(grpo.parse_args())
+        else:
+            runpy.run_path(sys.argv[0], run_name="__main__")
         with open(done, "w") as f:
             json.dump(argv, f)
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -183,11 +187,31 @@ def kl_estimates(logp, logq, tokens):
     return exact, {"k1": -log_r, "k2": log_r**2 / 2, "k3": log_r.exp() - 1 - log_r}
 
 
+def against_reference(folder, reference, tokenizer, ids, mask):
+    """(exact KL(pi || ref) at each sampled position, the estimators there, pi's entropy there): one completion a
+    prompt at temperature 1 from the model in folder (pi); ref: the bundled model."""
+    policy = AutoModelForCausalLM.from_pretrained(folder).eval()
+    policy.compute_dtype = torch.float32
+    stop_ids = grpo.stop_token_ids(tokenizer, policy)
+    torch.manual_seed(0)
+    completions = grpo.generate(policy, tokenizer, ids, mask, grpo.Args().max_new_tokens, 1.0, stop_ids)
+    keep = grpo.completion_mask(completions, stop_ids)
+    sequences = torch.cat([ids, completions], dim=1)
+    attention = torch.cat([mask, keep.long()], dim=1)
+    with torch.no_grad():
+        logp, logq = (
+            grpo.forward(m, sequences, attention).logits[:, ids.shape[1] - 1 : -1].double().log_softmax(-1)
+            for m in (policy, reference)
+        )
+    exact, estimates = kl_estimates(logp[keep], logq[keep], completions[keep])
+    return exact, estimates, -(logp.exp() * logp).sum(-1)[keep]
+
+
 def kl_estimators(args):
     """k1, k2, k3 of KL(pi || ref) at tokens sampled from pi, against the exact KL at the same positions, for two
     policies of the length-bias row's grpo run of the first seed (trained here if missing): its first checkpoint, near
     the reference, and its final model; ref: the bundled model. The bias's standard error is the estimator's std over
-    the square root of the tokens."""
+    the square root of the tokens. Then each estimator as grpo.py's KL penalty under a reward without signal."""
     flags, every = steps_flags(args, 150)
     train(args, "grpo.py", flags + ["--save-every", str(every), "--keep-checkpoints", "100"], "length-grpo", 1)
     run = os.path.join(args.runs_dir, "length-grpo-1")
@@ -198,20 +222,7 @@ def kl_estimators(args):
     ids, mask = grpo.tokenize_prompts(tokenizer, [r["prompt"] for r in held_out], "cpu", grpo.Args())
     result = {}
     for label, folder in policies.items():
-        policy = AutoModelForCausalLM.from_pretrained(folder).eval()
-        policy.compute_dtype = torch.float32
-        stop_ids = grpo.stop_token_ids(tokenizer, policy)
-        torch.manual_seed(0)
-        completions = grpo.generate(policy, tokenizer, ids, mask, grpo.Args().max_new_tokens, 1.0, stop_ids)
-        keep = grpo.completion_mask(completions, stop_ids)
-        sequences = torch.cat([ids, completions], dim=1)
-        attention = torch.cat([mask, keep.long()], dim=1)
-        with torch.no_grad():
-            logp, logq = (
-                grpo.forward(m, sequences, attention).logits[:, ids.shape[1] - 1 : -1].double().log_softmax(-1)
-                for m in (policy, reference)
-            )
-        exact, estimates = kl_estimates(logp[keep], logq[keep], completions[keep])
+        exact, estimates, _ = against_reference(folder, reference, tokenizer, ids, mask)
         result[label] = {"tokens": len(exact), "exact": exact.mean().item()}
         print(f"  {label}: {len(exact)} sampled tokens; the exact KL: mean {exact.mean():.5f}, std {exact.std():.5f}")
         for name, k in estimates.items():
@@ -227,7 +238,51 @@ def kl_estimators(args):
                 f"    {name}: mean {row['mean']:.5f} (bias {row['bias']:+.5f}, standard error {row['se']:.5f}), "
                 f"std {row['std']:.5f}, {row['negative']:.1%} negative"
             )
+    entropy = against_reference(os.path.join(ROOT, "tiny-adder"), reference, tokenizer, ids, mask)[2].mean().item()
+    print(f"  the bundled model: entropy {entropy:.4f} nats a sampled token")
+    result["as a loss"] = {"start entropy": entropy}
+    flags, _ = steps_flags(args, 150)
+    for name in ("k1", "k2", "k3"):
+        ends = []
+        for seed in args.seeds:
+            with estimator_and_no_signal(name):
+                train(args, "grpo.py", flags, f"no-signal-{name}", seed, in_module=True)
+            folder = os.path.join(args.runs_dir, f"no-signal-{name}-{seed}")
+            exact, _, entropy = against_reference(folder, reference, tokenizer, ids, mask)
+            ends.append((exact.mean().item(), entropy.mean().item()))
+        result["as a loss"][name] = ends
+        kl, entropy = ([e[i] for e in ends] for i in range(2))
+        print(
+            f"  {name} as the KL penalty, no reward signal: KL to the reference {spread(kl, 4)}, "
+            f"entropy {spread(entropy, 4)}"
+        )
     return result
+
+
+class estimator_and_no_signal:
+    """Inside: every reward of grpo.py is 0 (no signal: every advantage is 0, only the KL penalty trains), and its
+    loss's KL penalty is `name` of the log-ratio d = log pi_ref - log pi (grpo.py's own is k3), averaged as its loss
+    averages (seq-mean-token-mean). grpo.py has no flag for either; the row patches the module it runs."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __enter__(self):
+        self.saved = grpo.reward_fn, grpo.grpo_loss
+        original, name = grpo.grpo_loss, self.name
+
+        def loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, beta=0.04, **kwargs):
+            value, stats = original(logprobs, old_logprobs, ref_logprobs, advantages, mask, beta=0.0, **kwargs)
+            m = mask.bool()
+            d = torch.where(m, ref_logprobs - logprobs, 0.0)
+            kl = {"k1": -d, "k2": d**2 / 2, "k3": torch.exp(d) - d - 1}[name]
+            stats["kl"] = grpo.masked_mean(kl, m).detach()
+            return value + beta * grpo.masked_mean(kl, m, dim=1).mean(), stats
+
+        grpo.reward_fn, grpo.grpo_loss = (lambda completion, record: 0.0), loss
+
+    def __exit__(self, *exc):
+        grpo.reward_fn, grpo.grpo_loss = self.saved
 
 
 def cispo_clipped(args):

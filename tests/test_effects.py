@@ -58,7 +58,13 @@ def test_every_rows_quick_form(tmp_path):
     assert std["0.001"]["scaled"][:2] == pytest.approx([1.25, -0.25 / 0.6], rel=1e-3)  # 1.001 in float32
     assert std["0.001"]["plain"][:2] == pytest.approx([0.75e-3, -0.25e-3], rel=1e-3)
     kl = results["kl-estimators"]
-    assert set(kl) == {"step 1", "final"}
+    assert set(kl) == {"step 1", "final", "as a loss"}
+    # no reward signal: only the KL penalty trains. k2's and k3's gradients vanish where pi = ref (the start), so the
+    # policy stays the bundled model; k1's is the score function, zero only on average, and the policy drifts
+    as_loss = kl.pop("as a loss")
+    [(k1_kl, k1_entropy)], [(k3_kl, k3_entropy)] = as_loss["k1"], as_loss["k3"]
+    assert k1_kl > 1e-3 and as_loss["k2"][0][0] < k1_kl / 100 and k3_kl < k1_kl / 100
+    assert k3_entropy == pytest.approx(as_loss["start entropy"], abs=1e-3) and k1_entropy != k3_entropy
     for policy in kl.values():
         assert policy["tokens"] > 64 and policy["exact"] > 0
         assert policy["k1"]["negative"] > 0 and policy["k2"]["negative"] == policy["k3"]["negative"] == 0
