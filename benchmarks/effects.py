@@ -1,7 +1,7 @@
 """The papers' headline effects in miniature, one row an effect (docs/effects.md): what each change in the files was
 made for, on the bundled task and the CPU.
 
-    python benchmarks/effects.py                               # every row: 3 seeds where a row trains, 12 runs
+    python benchmarks/effects.py                               # every row: 3 seeds where a row trains, 21 runs
     python benchmarks/effects.py --rows length-bias kl-estimators
     python benchmarks/effects.py --quick --runs-dir /tmp/effects   # the suite's form: 1 seed, 2 steps a run
 
@@ -46,11 +46,17 @@ def train(args, file, flags, name, seed, in_module=False):
     done = os.path.join(out, "effects_argv.json")
     if not (os.path.exists(done) and json.load(open(done)) == argv):
         print(f"python {file} {' '.join(argv)}", flush=True)
+        saved = sys.argv, torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
         sys.argv = [os.path.join(ROOT, file), *argv]
-        if in_module:
-            grpo.main(grpo.parse_args())
-        else:
-            runpy.run_path(sys.argv[0], run_name="__main__")
+        try:
+            if in_module:
+                grpo.main(grpo.parse_args())
+            else:
+                runpy.run_path(sys.argv[0], run_name="__main__")
+        finally:  # the global settings a run changes, put back for the next run (and the caller)
+            sys.argv = saved[0]
+            torch.use_deterministic_algorithms(saved[1])
+            torch.set_num_threads(saved[2])
         with open(done, "w") as f:
             json.dump(argv, f)
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -75,20 +81,32 @@ def spread(values, digits=1, scale=1.0):
     return f"{statistics.mean(values):.{digits}f} ± {std:.{digits}f}"
 
 
-def sample_lengths(folder, num=SAMPLED):
-    """(mean length of the right completions, of the wrong ones, share right): `num` held-out prompts, one completion
-    each at temperature 1, from the model in folder (tokens up to and including the stop token)."""
+def held_out(num):
+    """(the bundled tokenizer, the first `num` held-out records, their prompts' ids and mask)."""
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "tiny-adder"))
+    _, records = grpo.addition_task(num)
+    ids, mask = grpo.tokenize_prompts(tokenizer, [r["prompt"] for r in records], "cpu", grpo.Args())
+    return tokenizer, records, ids, mask
+
+
+def sample(folder, tokenizer, ids, mask):
+    """(the model in folder, one completion a prompt at temperature 1 from it, the mask of its tokens up to and
+    including the stop token), seed 0."""
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     model.compute_dtype = torch.float32
-    _, held_out = grpo.addition_task(num)
-    ids, mask = grpo.tokenize_prompts(tokenizer, [r["prompt"] for r in held_out], "cpu", grpo.Args())
     stop_ids = grpo.stop_token_ids(tokenizer, model)
     torch.manual_seed(0)
     completions = grpo.generate(model, tokenizer, ids, mask, grpo.Args().max_new_tokens, 1.0, stop_ids)
-    keep = grpo.completion_mask(completions, stop_ids)
+    return model, completions, grpo.completion_mask(completions, stop_ids)
+
+
+def sample_lengths(folder, prompts):
+    """(mean length of the right completions, of the wrong ones, share right) of the model in folder, sampled on
+    prompts = held_out(num) (tokens up to and including the stop token)."""
+    tokenizer, records, ids, mask = prompts
+    _, completions, keep = sample(folder, tokenizer, ids, mask)
     texts = grpo.decode_completions(tokenizer, completions, keep)
-    right = torch.tensor([grpo.reward_fn(t, r) == 1.0 for t, r in zip(texts, held_out)])
+    right = torch.tensor([grpo.reward_fn(t, r) == 1.0 for t, r in zip(texts, records)])
     lengths = keep.sum(dim=1).float()
     return lengths[right].mean().item(), lengths[~right].mean().item(), right.float().mean().item()
 
@@ -118,7 +136,7 @@ def length_bias(args):
             print(f"  {agg}: a wrong completion of {wrong} tokens: {per_token:.4f} a token, {total:.4f} in all")
     flags, every = steps_flags(args, 150)
     flags += ["--save-every", str(every), "--keep-checkpoints", "100"]
-    curves = {}
+    curves, prompts = {}, held_out(args.sampled)
     for name, extra in (("grpo", []), ("dr-grpo", DR_GRPO)):
         for seed in args.seeds:
             train(args, "grpo.py", flags + extra, f"length-{name}", seed)
@@ -126,7 +144,7 @@ def length_bias(args):
             points = [(0, os.path.join(ROOT, "tiny-adder"))]
             points += [(int(step[5:]), os.path.join(folder, step, "policy")) for step in sorted(os.listdir(folder))]
             for step, path in points:
-                curves.setdefault(name, {}).setdefault(step, []).append(sample_lengths(path, args.sampled))
+                curves.setdefault(name, {}).setdefault(step, []).append(sample_lengths(path, prompts))
     result["curves"] = {
         name: {step: [statistics.mean(v[i] for v in runs) for i in range(3)] for step, runs in by_step.items()}
         for name, by_step in curves.items()
@@ -190,12 +208,7 @@ def kl_estimates(logp, logq, tokens):
 def against_reference(folder, reference, tokenizer, ids, mask):
     """(exact KL(pi || ref) at each sampled position, the estimators there, pi's entropy there): one completion a
     prompt at temperature 1 from the model in folder (pi); ref: the bundled model."""
-    policy = AutoModelForCausalLM.from_pretrained(folder).eval()
-    policy.compute_dtype = torch.float32
-    stop_ids = grpo.stop_token_ids(tokenizer, policy)
-    torch.manual_seed(0)
-    completions = grpo.generate(policy, tokenizer, ids, mask, grpo.Args().max_new_tokens, 1.0, stop_ids)
-    keep = grpo.completion_mask(completions, stop_ids)
+    policy, completions, keep = sample(folder, tokenizer, ids, mask)
     sequences = torch.cat([ids, completions], dim=1)
     attention = torch.cat([mask, keep.long()], dim=1)
     with torch.no_grad():
@@ -217,9 +230,7 @@ def kl_estimators(args):
     run = os.path.join(args.runs_dir, "length-grpo-1")
     policies = {f"step {every}": os.path.join(run, "checkpoints", f"step_{every:06d}", "policy"), "final": run}
     reference = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "tiny-adder")).eval()
-    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "tiny-adder"))
-    _, held_out = grpo.addition_task(args.sampled)
-    ids, mask = grpo.tokenize_prompts(tokenizer, [r["prompt"] for r in held_out], "cpu", grpo.Args())
+    tokenizer, _, ids, mask = held_out(args.sampled)
     result = {}
     for label, folder in policies.items():
         exact, estimates, _ = against_reference(folder, reference, tokenizer, ids, mask)
