@@ -1,26 +1,33 @@
 """The papers' headline effects in miniature, one row an effect (docs/effects.md): what each change in the files was
 made for, on the bundled task and the CPU.
 
-    python benchmarks/effects.py                               # every row: 3 seeds where a row trains, 21 runs
+    python benchmarks/effects.py                               # every row: 3 seeds where a row trains, 56 runs
     python benchmarks/effects.py --rows length-bias kl-estimators
     python benchmarks/effects.py --quick --runs-dir /tmp/effects   # the suite's form: 1 seed, 2 steps a run
 
 Rows (docs/effects.md gives each claim, its source and what was seen):
     length-bias        grpo.py's default objective against Dr. GRPO's: the gradient a wrong completion's tokens get as
-                       it grows, exactly, and the length of right and of wrong completions sampled over training
-    std-amplification  what dividing by the group's standard deviation does to rewards that differ by a little
-    kl-estimators      k1, k2 and k3 against the exact KL of a trained policy to the bundled model, token by token
+                       it grows, exactly, and the length of right and of wrong completions sampled over training, on
+                       tasks whose answers 0 to 4 spaces precede or follow (the bundled model fine-tuned to write them)
+    std-amplification  what dividing by the group's standard deviation does to rewards that differ by a little, and
+                       to learning when every reward carries noise of 0.01 (grpo.py --reward-noise)
+    kl-estimators      k1, k2 and k3 against the exact KL of a trained policy to the bundled model, token by token;
+                       then each as the KL penalty (grpo.py --kl-estimator) with a reward without signal, sampled at
+                       the temperature it is scored at, and (k1, k3) sampled at 0.7 and scored at 1
     cispo-clipped      the share of tokens PPO's clip (grpo.py) and CISPO's leave without gradient, 4 passes a batch
     rloo-vs-ppo        the three-seed runs of docs/results.md, read per rollout and per second
-    areal-staleness    docs/async_grpo.md's runs: the decoupled objective against the coupled one as staleness grows
+    areal-staleness    docs/async_grpo.md's runs: the decoupled objective against the coupled one as staleness grows;
+                       then both at eta 16 and ten times the learning rate, against synchronous training at that rate
 
 Runs go to --runs-dir, each in its own folder, run in this process as `python FILE.py FLAGS` runs it; a folder whose
 run finished with the same flags is read again, not run.
 """
 
 import argparse
+import dataclasses
 import json
 import os
+import random
 import re
 import runpy
 import statistics
@@ -36,6 +43,10 @@ import grpo  # noqa: E402  (the loss, the advantage and the sampler the rows loo
 ROWS = ("length-bias", "std-amplification", "kl-estimators", "cispo-clipped", "rloo-vs-ppo", "areal-staleness")
 DR_GRPO = ["--loss-agg", "seq-mean-token-sum-norm", "--no-scale-rewards"]
 SAMPLED = 500  # the held-out prompts (a default run's): one completion each, for the lengths and the KL estimators
+SPACES, ROOM = 4, 12  # the length-bias tasks: 0 to 4 spaces before or after an answer; completions of 12 tokens
+SPACED = ("spaced", "trailing")  # the spaces before the answer, or after it
+NOISE = "0.01"  # the std-amplification row's --reward-noise
+MISMATCH = 0.7  # the kl-estimators row's sampling temperature where it scores at 1
 
 
 def train(args, file, flags, name, seed, in_module=False):
@@ -89,22 +100,22 @@ def held_out(num):
     return tokenizer, records, ids, mask
 
 
-def sample(folder, tokenizer, ids, mask):
+def sample(folder, tokenizer, ids, mask, max_new_tokens=grpo.Args().max_new_tokens):
     """(the model in folder, one completion a prompt at temperature 1 from it, the mask of its tokens up to and
     including the stop token), seed 0."""
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     model.compute_dtype = torch.float32
     stop_ids = grpo.stop_token_ids(tokenizer, model)
     torch.manual_seed(0)
-    completions = grpo.generate(model, tokenizer, ids, mask, grpo.Args().max_new_tokens, 1.0, stop_ids)
+    completions = grpo.generate(model, tokenizer, ids, mask, max_new_tokens, 1.0, stop_ids)
     return model, completions, grpo.completion_mask(completions, stop_ids)
 
 
 def sample_lengths(folder, prompts):
     """(mean length of the right completions, of the wrong ones, share right) of the model in folder, sampled on
-    prompts = held_out(num) (tokens up to and including the stop token)."""
+    prompts = held_out(num) (tokens up to and including the stop token, at most ROOM)."""
     tokenizer, records, ids, mask = prompts
-    _, completions, keep = sample(folder, tokenizer, ids, mask)
+    _, completions, keep = sample(folder, tokenizer, ids, mask, ROOM)
     texts = grpo.decode_completions(tokenizer, completions, keep)
     right = torch.tensor([grpo.reward_fn(t, r) == 1.0 for t, r in zip(texts, records)])
     lengths = keep.sum(dim=1).float()
@@ -137,27 +148,56 @@ def length_bias(args):
     flags, every = steps_flags(args, 150)
     flags += ["--save-every", str(every), "--keep-checkpoints", "100"]
     curves, prompts = {}, held_out(args.sampled)
-    for name, extra in (("grpo", []), ("dr-grpo", DR_GRPO)):
-        for seed in args.seeds:
-            train(args, "grpo.py", flags + extra, f"length-{name}", seed)
-            folder = os.path.join(args.runs_dir, f"length-{name}-{seed}", "checkpoints")
-            points = [(0, os.path.join(ROOT, "tiny-adder"))]
-            points += [(int(step[5:]), os.path.join(folder, step, "policy")) for step in sorted(os.listdir(folder))]
-            for step, path in points:
-                curves.setdefault(name, {}).setdefault(step, []).append(sample_lengths(path, prompts))
+    for task in SPACED:
+        start = spaced_model(args, task)
+        for name, extra in (("grpo", []), ("dr-grpo", DR_GRPO)):
+            for seed in args.seeds:
+                run = [*flags, "--model-name-or-path", start, "--max-new-tokens", str(ROOM), *extra]
+                train(args, "grpo.py", run, f"{task}-{name}", seed)
+                folder = os.path.join(args.runs_dir, f"{task}-{name}-{seed}", "checkpoints")
+                points = [(0, start)]
+                points += [(int(step[5:]), os.path.join(folder, step, "policy")) for step in sorted(os.listdir(folder))]
+                for step, path in points:
+                    curves.setdefault(task, {}).setdefault(name, {}).setdefault(step, [])
+                    curves[task][name][step].append(sample_lengths(path, prompts))
     result["curves"] = {
-        name: {step: [statistics.mean(v[i] for v in runs) for i in range(3)] for step, runs in by_step.items()}
-        for name, by_step in curves.items()
+        task: {
+            name: {step: [statistics.mean(v[i] for v in runs) for i in range(3)] for step, runs in by_step.items()}
+            for name, by_step in by_name.items()
+        }
+        for task, by_name in curves.items()
     }
-    for name, by_step in curves.items():
-        for step, runs in sorted(by_step.items()):
-            right, wrong, share = ([v[i] for v in runs] for i in range(3))
-            print(
-                f"  {name} step {step}: right {spread(right, 2)} tokens, wrong {spread(wrong, 2)}, {spread(share, 2)}"
-            )
+    for task, by_name in curves.items():
+        for name, by_step in by_name.items():
+            for step, runs in sorted(by_step.items()):
+                right, wrong, share = ([v[i] for v in runs] for i in range(3))
+                print(
+                    f"  {task} {name} step {step}: right {spread(right, 2)} tokens, wrong {spread(wrong, 2)}, "
+                    f"{spread(share, 2)}"
+                )
     if args.figure:
         plot_lengths(curves, args.figure)
     return result
+
+
+def spaced_model(args, task):
+    """The folder of the bundled model fine-tuned (sft.py, 200 steps) on the bundled task's training records with 0
+    to SPACES spaces, drawn at random, before each answer (task "spaced") or after it ("trailing"): a completion that
+    can grow without changing its answer (reward_fn reads the last number). Before, the length is chosen before the
+    answer; after, once the answer is written. sft.py holds out the file's last records; grpo.py's are the task's."""
+    os.makedirs(args.runs_dir, exist_ok=True)
+    path = os.path.join(args.runs_dir, f"{task}.jsonl")
+    rng, records = random.Random(0), grpo.addition_task(SAMPLED)[0]
+    with open(path, "w") as f:
+        for r in records:
+            spaces = " " * rng.randint(0, SPACES)
+            completion = spaces + r["answer"] if task == "spaced" else r["answer"] + spaces
+            f.write(json.dumps({"prompt": r["prompt"], "completion": completion}) + "\n")
+    steps = "2" if args.quick else "200"
+    flags = ["--model-name-or-path", os.path.join(ROOT, "tiny-adder"), "--dataset", path, "--num-steps", steps]
+    flags += ["--eval-every", steps, "--num-eval", "64", "--learning-rate", "3e-4", "--max-new-tokens", str(ROOM)]
+    train(args, "sft.py", flags, f"{task}-sft", 1)
+    return os.path.join(args.runs_dir, f"{task}-sft-1")
 
 
 def plot_lengths(curves, path):
@@ -166,23 +206,32 @@ def plot_lengths(curves, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    for name, color in (("grpo", "tab:blue"), ("dr-grpo", "tab:orange")):
-        steps = sorted(curves[name])
-        for i, (kind, style) in enumerate((("right", "-"), ("wrong", "--"))):
-            ys = [statistics.mean(v[i] for v in curves[name][s]) for s in steps]
-            label = f"{'GRPO (seq-mean-token-mean)' if name == 'grpo' else 'Dr. GRPO'}: {kind}"
-            ax.plot(steps, ys, style, color=color, label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel("mean completion length (tokens)")
-    ax.set_ylim(0, grpo.Args().max_new_tokens)  # the room a completion has
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, len(SPACED), figsize=(10, 3.6), sharey=True)
+    for ax, task in zip(axes, SPACED):
+        for name, color in (("grpo", "tab:blue"), ("dr-grpo", "tab:orange")):
+            steps = sorted(curves[task][name])
+            for i, (kind, style) in enumerate((("right", "-"), ("wrong", "--"))):
+                ys = [statistics.mean(v[i] for v in curves[task][name][s]) for s in steps]
+                label = f"{'GRPO (seq-mean-token-mean)' if name == 'grpo' else 'Dr. GRPO'}: {kind}"
+                ax.plot(steps, ys, style, color=color, label=label)
+        ax.set_title(f"0-{SPACES} spaces {'before' if task == 'spaced' else 'after'} the answer", fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_ylim(0, ROOM)  # the room a completion has
+    axes[0].set_ylabel("mean completion length (tokens)")
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
+def default_grpo(args, seed):
+    """grpo.py's default run of 150 steps, with checkpoints: the std row's baseline and the KL row's policies."""
+    flags, every = steps_flags(args, 150)
+    return train(args, "grpo.py", flags + ["--save-every", str(every), "--keep-checkpoints", "100"], "grpo", seed)
+
+
 def std_amplification(args):
-    """Advantages of a group of 4 whose rewards differ by delta, with and without the division by the group's std."""
+    """Advantages of a group of 4 whose rewards differ by delta, with and without the division by the group's std;
+    then grpo.py's held-out accuracy with and without the division, each with and without --reward-noise."""
     result = {}
     for delta in (1.0, 0.1, 0.01, 0.001):
         rewards = torch.tensor([1.0 + delta, 1.0, 1.0, 1.0])
@@ -193,16 +242,36 @@ def std_amplification(args):
             f"  rewards differ by {delta}: scaled {scaled[0]:.3f}, {scaled[1]:.3f}; "
             f"plain {plain[0]:.4f}, {plain[1]:.4f}"
         )
+    flags, _ = steps_flags(args, 150)
+    noise = ["--reward-noise", NOISE]
+    result["learning"] = {}
+    for name, extra in (("scaled", None), ("scaled, noise", noise), ("unscaled", []), ("unscaled, noise", noise)):
+        if name.startswith("unscaled"):
+            extra = ["--no-scale-rewards", *extra]
+        runs = [
+            default_grpo(args, seed)
+            if extra is None
+            else train(args, "grpo.py", flags + extra, f"std-{name.replace(', ', '-')}", seed)
+            for seed in args.seeds
+        ]
+        accuracy = [last(run, "eval/accuracy") for run in runs]
+        signal = [statistics.mean(1 - m["charts/zero_std_groups"] for m in run if "charts/reward" in m) for run in runs]
+        result["learning"][name] = {"accuracy": accuracy, "groups with signal": signal}
+        print(
+            f"  {name}: held-out accuracy {spread(accuracy, 1, 100)}% after {len(runs[0]) - 1} steps "
+            f"({spread(signal, 1, 100)}% of groups with rewards that differ)"
+        )
     return result
 
 
 def kl_estimates(logp, logq, tokens):
     """The exact KL(pi || ref) at each position (N,) from log pi and log ref (N, vocab), and Schulman's estimators of it
-    from the sampled tokens (N,), x ~ pi, r = ref(x) / pi(x): k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r.
-    p = [1/2, 1/2], ref = [1/4, 3/4]: exact 0.5 log(4/3) = 0.1438; x = 0: k1 0.6931, k2 0.2402, k3 0.1931."""
+    from the sampled tokens (N,), x ~ pi, r = ref(x) / pi(x): k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r
+    (grpo.py's kl_estimate). p = [1/2, 1/2], ref = [1/4, 3/4]: exact 0.5 log(4/3) = 0.1438; x = 0: k1 0.6931, k2
+    0.2402, k3 0.1931."""
     exact = (logp.exp() * (logp - logq)).sum(-1)
     log_r = (logq - logp).gather(-1, tokens[:, None]).squeeze(-1)
-    return exact, {"k1": -log_r, "k2": log_r**2 / 2, "k3": log_r.exp() - 1 - log_r}
+    return exact, {name: grpo.kl_estimate(log_r, name) for name in ("k1", "k2", "k3")}
 
 
 def against_reference(folder, reference, tokenizer, ids, mask):
@@ -222,18 +291,19 @@ def against_reference(folder, reference, tokenizer, ids, mask):
 
 def kl_estimators(args):
     """k1, k2, k3 of KL(pi || ref) at tokens sampled from pi, against the exact KL at the same positions, for two
-    policies of the length-bias row's grpo run of the first seed (trained here if missing): its first checkpoint, near
-    the reference, and its final model; ref: the bundled model. The bias's standard error is the estimator's std over
-    the square root of the tokens. Then each estimator as grpo.py's KL penalty under a reward without signal."""
-    flags, every = steps_flags(args, 150)
-    train(args, "grpo.py", flags + ["--save-every", str(every), "--keep-checkpoints", "100"], "length-grpo", 1)
-    run = os.path.join(args.runs_dir, "length-grpo-1")
+    policies of grpo.py's default run of the first seed (trained here if missing): its first checkpoint, near the
+    reference, and its final model; ref: the bundled model. The bias's standard error is the estimator's std over the
+    square root of the tokens. Then each estimator as grpo.py's KL penalty under a reward without signal, sampled at
+    the temperature it is scored at, and (k1, k3) sampled at MISMATCH, scored at 1."""
+    every = steps_flags(args, 150)[1]
+    default_grpo(args, 1)
+    run = os.path.join(args.runs_dir, "grpo-1")
     policies = {f"step {every}": os.path.join(run, "checkpoints", f"step_{every:06d}", "policy"), "final": run}
     reference = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "tiny-adder")).eval()
     tokenizer, _, ids, mask = held_out(args.sampled)
-    result = {}
+    prompts, result = (tokenizer, ids, mask), {}
     for label, folder in policies.items():
-        exact, estimates, _ = against_reference(folder, reference, tokenizer, ids, mask)
+        exact, estimates, _ = against_reference(folder, reference, *prompts)
         result[label] = {"tokens": len(exact), "exact": exact.mean().item()}
         print(f"  {label}: {len(exact)} sampled tokens; the exact KL: mean {exact.mean():.5f}, std {exact.std():.5f}")
         for name, k in estimates.items():
@@ -249,51 +319,49 @@ def kl_estimators(args):
                 f"    {name}: mean {row['mean']:.5f} (bias {row['bias']:+.5f}, standard error {row['se']:.5f}), "
                 f"std {row['std']:.5f}, {row['negative']:.1%} negative"
             )
-    entropy = against_reference(os.path.join(ROOT, "tiny-adder"), reference, tokenizer, ids, mask)[2].mean().item()
+    entropy = against_reference(os.path.join(ROOT, "tiny-adder"), reference, *prompts)[2].mean().item()
     print(f"  the bundled model: entropy {entropy:.4f} nats a sampled token")
     result["as a loss"] = {"start entropy": entropy}
     flags, _ = steps_flags(args, 150)
-    for name in ("k1", "k2", "k3"):
-        ends = []
+    for name, temperature in (("k1", None), ("k2", None), ("k3", None), ("k1", MISMATCH), ("k3", MISMATCH)):
+        label, ends = name if temperature is None else f"{name}, sampled at {temperature}", []
         for seed in args.seeds:
-            with estimator_and_no_signal(name):
-                train(args, "grpo.py", flags, f"no-signal-{name}", seed, in_module=True)
-            folder = os.path.join(args.runs_dir, f"no-signal-{name}-{seed}")
-            exact, _, entropy = against_reference(folder, reference, tokenizer, ids, mask)
+            run = f"no-signal-{name}" if temperature is None else f"no-signal-{name}-t{temperature}"
+            with no_signal(temperature):
+                train(args, "grpo.py", flags + ["--kl-estimator", name], run, seed, in_module=True)
+            exact, _, entropy = against_reference(os.path.join(args.runs_dir, f"{run}-{seed}"), reference, *prompts)
             ends.append((exact.mean().item(), entropy.mean().item()))
-        result["as a loss"][name] = ends
+        result["as a loss"][label] = ends
         kl, entropy = ([e[i] for e in ends] for i in range(2))
         print(
-            f"  {name} as the KL penalty, no reward signal: KL to the reference {spread(kl, 4)}, "
+            f"  {label} as the KL penalty, no reward signal: KL to the reference {spread(kl, 4)}, "
             f"entropy {spread(entropy, 4)}"
         )
     return result
 
 
-class estimator_and_no_signal:
-    """Inside: every reward of grpo.py is 0 (no signal: every advantage is 0, only the KL penalty trains), and its
-    loss's KL penalty is `name` of the log-ratio d = log pi_ref - log pi (grpo.py's own is k3), averaged as its loss
-    averages (seq-mean-token-mean). grpo.py has no flag for either; the row patches the module it runs."""
+class no_signal:
+    """Inside: every reward of grpo.py is 0 (no signal: every advantage is 0, only the KL penalty trains), and with a
+    temperature grpo.py samples its rollouts at it while it scores them at --temperature, as a sampler set apart from
+    the loss may. grpo.py has a flag for neither (it samples and scores at --temperature); the row patches the module
+    it runs."""
 
-    def __init__(self, name):
-        self.name = name
+    def __init__(self, temperature=None):
+        self.temperature = temperature
 
     def __enter__(self):
-        self.saved = grpo.reward_fn, grpo.grpo_loss
-        original, name = grpo.grpo_loss, self.name
+        self.saved = grpo.reward_fn, grpo.sample
+        original, temperature = grpo.sample, self.temperature
 
-        def loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, beta=0.04, **kwargs):
-            value, stats = original(logprobs, old_logprobs, ref_logprobs, advantages, mask, beta=0.0, **kwargs)
-            m = mask.bool()
-            d = torch.where(m, ref_logprobs - logprobs, 0.0)
-            kl = {"k1": -d, "k2": d**2 / 2, "k3": torch.exp(d) - d - 1}[name]
-            stats["kl"] = grpo.masked_mean(kl, m).detach()
-            return value + beta * grpo.masked_mean(kl, m, dim=1).mean(), stats
+        def sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids):
+            if temperature is not None:
+                args = dataclasses.replace(args, temperature=temperature)
+            return original(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids)
 
-        grpo.reward_fn, grpo.grpo_loss = (lambda completion, record: 0.0), loss
+        grpo.reward_fn, grpo.sample = (lambda completion, record: 0.0), sample
 
     def __exit__(self, *exc):
-        grpo.reward_fn, grpo.grpo_loss = self.saved
+        grpo.reward_fn, grpo.sample = self.saved
 
 
 def cispo_clipped(args):
@@ -345,12 +413,27 @@ def rloo_vs_ppo(args):
 
 
 def areal_staleness(args):
-    """docs/async_grpo.md's rows at each staleness bound, decoupled against coupled."""
+    """docs/async_grpo.md's rows at each staleness bound, decoupled against coupled; then async_grpo.py at eta 16 and
+    learning rate 1e-3 (ten times its default), decoupled and coupled, against eta 0 at that rate."""
     result = {}
     for row in ("sync", "eta1", "eta1-coupled", "eta2", "eta2-coupled", "eta4", "eta4-coupled"):
         cells = results_row("async_grpo.md", row)
         result[row] = mean_of(cells[1])
         print(f"  {row}: held-out accuracy {cells[1]}")
+    flags, _ = steps_flags(args, 150)
+    flags += ["--learning-rate", "1e-3"]
+    for name, extra in (("sync", ["0"]), ("eta16", ["16"]), ("eta16-coupled", ["16", "--no-decoupled"])):
+        runs = [
+            train(args, "async_grpo.py", flags + ["--max-staleness", *extra], f"lr1e-3-{name}", s) for s in args.seeds
+        ]
+        accuracy = [last(run, "eval/accuracy") for run in runs]
+        weight = [statistics.mean(m["losses/behav_weight"] for m in run if "losses/behav_weight" in m) for run in runs]
+        clipped = [statistics.mean(m["losses/clip_frac"] for m in run if "losses/clip_frac" in m) for run in runs]
+        result[f"lr 1e-3 {name}"] = {"accuracy": accuracy, "behav_weight": weight, "clip_frac": clipped}
+        print(
+            f"  lr 1e-3, {name}: held-out accuracy {spread(accuracy, 1, 100)}%, pi_prox / pi_behav "
+            f"{spread(weight, 4)} on average, clipped tokens {spread(clipped, 2, 100)}%"
+        )
     return result
 
 

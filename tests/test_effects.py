@@ -1,8 +1,10 @@
 """benchmarks/effects.py: the papers' effects in miniature (docs/effects.md). Its exact parts against numbers worked by
 hand; every row's --quick form run once, in this process."""
 
+import json
 import math
 import os
+import re
 import sys
 
 import pytest
@@ -48,17 +50,26 @@ def test_every_rows_quick_form(tmp_path):
     results = effects.main(["--quick", "--runs-dir", str(tmp_path), "--figure", str(tmp_path / "lengths.png")])
     assert (sys.argv, torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()) == settings  # put back
     assert list(results) == list(effects.ROWS)
-    curves = results["length-bias"]["curves"]
-    assert set(curves) == {"grpo", "dr-grpo"} and all(sorted(c) == [0, 1, 2] for c in curves.values())
-    for right, wrong, share in (v for c in curves.values() for v in c.values()):
-        assert 1 <= right <= 8 and 1 <= wrong <= 8 and 0 < share < 1  # a stop token included, at most 8 tokens
-    assert curves["grpo"][0] == pytest.approx(curves["dr-grpo"][0])  # the bundled model, the same seed's samples
+    tasks = results["length-bias"]["curves"]
+    assert set(tasks) == {"spaced", "trailing"}
+    for curves in tasks.values():
+        assert set(curves) == {"grpo", "dr-grpo"} and all(sorted(c) == [0, 1, 2] for c in curves.values())
+        for right, wrong, share in (v for c in curves.values() for v in c.values()):
+            assert 1 <= right <= 12 and 1 <= wrong <= 12 and 0 < share < 1  # a stop token included, at most 12
+        assert curves["grpo"][0] == pytest.approx(curves["dr-grpo"][0])  # the fine-tuned model, the same samples
+    for task, pattern in (("spaced", r" {0,4}[0-9]+"), ("trailing", r"[0-9]+ {0,4}")):  # the answer read alike
+        completions = [json.loads(line)["completion"] for line in open(tmp_path / f"{task}.jsonl")]
+        assert all(re.fullmatch(pattern, c) for c in completions)
+        assert {len(c) - len(c.strip()) for c in completions} == {0, 1, 2, 3, 4}
     assert os.path.getsize(tmp_path / "lengths.png") > 0
     # rewards [1 + d, 1, 1, 1]: deviations 3d/4 and -d/4, the group's std d/2; scaled by d/2 + 1e-4, or not
     std = results["std-amplification"]
     assert std["1.0"]["scaled"][:2] == pytest.approx([0.75 / 0.5001, -0.25 / 0.5001])
     assert std["0.001"]["scaled"][:2] == pytest.approx([1.25, -0.25 / 0.6], rel=1e-3)  # 1.001 in float32
     assert std["0.001"]["plain"][:2] == pytest.approx([0.75e-3, -0.25e-3], rel=1e-3)
+    learning = std["learning"]
+    assert set(learning) == {"scaled", "unscaled", "scaled, noise", "unscaled, noise"}
+    assert all(0 < r["accuracy"][0] < 1 and 0 < r["groups with signal"][0] <= 1 for r in learning.values())
     kl = results["kl-estimators"]
     assert set(kl) == {"step 1", "final", "as a loss"}
     # no reward signal: only the KL penalty trains. k2's and k3's gradients vanish where pi = ref (the start), so the
@@ -67,6 +78,9 @@ def test_every_rows_quick_form(tmp_path):
     [(k1_kl, k1_entropy)], [(k3_kl, k3_entropy)] = as_loss["k1"], as_loss["k3"]
     assert k1_kl > 1e-3 and as_loss["k2"][0][0] < k1_kl / 100 and k3_kl < k1_kl / 100
     assert k3_entropy == pytest.approx(as_loss["start entropy"], abs=1e-3) and k1_entropy != k3_entropy
+    # sampled at 0.7 and scored at 1: k3's gradient is still 0 at pi = ref, k1's still is not
+    [(k1_hot, _)], [(k3_hot, _)] = as_loss["k1, sampled at 0.7"], as_loss["k3, sampled at 0.7"]
+    assert k1_hot > 1e-3 and k3_hot < k1_hot / 100
     for policy in kl.values():
         assert policy["tokens"] > 64 and policy["exact"] > 0
         assert policy["k1"]["negative"] > 0 and policy["k2"]["negative"] == policy["k3"]["negative"] == 0
@@ -77,4 +91,9 @@ def test_every_rows_quick_form(tmp_path):
     ppo_rloo = results["rloo-vs-ppo"]
     assert (ppo_rloo["rloo"]["rollouts"], ppo_rloo["ppo"]["rollouts"]) == (76_800, 38_400)
     assert 0 < ppo_rloo["ppo"]["accuracy"] < 100 and ppo_rloo["rloo"]["seconds"] > 0
-    assert set(results["areal-staleness"]) >= {"sync", "eta4", "eta4-coupled"}
+    areal = results["areal-staleness"]
+    assert set(areal) >= {"sync", "eta4", "eta4-coupled", "lr 1e-3 sync", "lr 1e-3 eta16", "lr 1e-3 eta16-coupled"}
+    # the second step trains on version 0's rollouts from version 1: pi_prox / pi_behav moves off 1, unless coupled
+    assert areal["lr 1e-3 eta16"]["behav_weight"][0] != pytest.approx(1, abs=1e-3)
+    assert areal["lr 1e-3 eta16-coupled"]["behav_weight"] == [1.0]  # w = 1: the clip centred on pi_behav
+    assert areal["lr 1e-3 sync"]["behav_weight"][0] == pytest.approx(1, abs=1e-3)  # no lag: rounding only
