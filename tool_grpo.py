@@ -188,7 +188,7 @@ def grpo_loss(
     stats = {}
     if beta > 0:
         d = torch.where(m, ref_logprobs - logprobs, 0.0)
-        kl = kl_estimate(d, kl_estimator)  # k3 >= 0, its gradient flows through logprobs
+        kl = kl_estimate(d, kl_estimator)  # k3 (the default) >= 0, k1 not; the gradient flows through logprobs
         per_token = per_token + beta * kl
         stats["kl"] = masked_mean(kl, m).detach()
     if loss_agg == "seq-mean-token-mean":
