@@ -1757,29 +1757,35 @@ def uniform(rows, size, temperature, device):
 
 def draw(logits, heat, u):
     """A token a row (B,) from float32 logits (B, vocab), and its log-prob (B,) under softmax(logits / heat): the
-    first token whose cumulative probability passes u (B, 1) of the total, so one uniform number a row
-    (torch.multinomial draws one an entry of the vocabulary), the sums in float64, so that no entry's share is
-    rounded; greedy (heat None, or a tensor 0 in a compiled step): the largest logit, log-prob 0."""
+    first token whose cumulative probability passes u (B, 1) of the total (first_past), so one uniform number a row
+    (torch.multinomial draws one an entry of the vocabulary); greedy (heat None, or a tensor 0 in a compiled step):
+    the largest logit, log-prob 0."""
     if heat is None:
         return logits.argmax(dim=-1), torch.zeros(len(logits), device=logits.device)
     greedy = heat == 0
     logprobs = (logits / torch.where(greedy, 1.0, heat)).log_softmax(dim=-1)  # (B, vocab)
-    cumulative = cumulative_sums(logprobs.exp().double()).contiguous()  # (B, vocab); torch 2.11 inductor: no view
-    token = torch.searchsorted(cumulative, u * cumulative[:, -1:], right=True).clamp_(max=logits.shape[-1] - 1)
-    logprob = logprobs.gather(1, token).squeeze(1)  # token: (B, 1)
+    token = first_past(logprobs.exp(), u)  # (B, 1)
+    logprob = logprobs.gather(1, token).squeeze(1)
     return torch.where(greedy, logits.argmax(dim=-1), token.squeeze(1)), torch.where(greedy, 0.0, logprob)
 
 
-def cumulative_sums(x, block=1024):
-    """x's cumulative sums along its last dimension (B, n); beyond `block` entries in two levels, within blocks and
-    then over the blocks before each: one scan across a whole vocabulary is summed, on a GPU where the compiled
-    step leaves deterministic algorithms off, in an order that varies from run to run."""
-    rows, n = x.shape
-    if n <= block:
-        return x.cumsum(dim=-1)
-    within = torch.nn.functional.pad(x, (0, -n % block)).view(rows, -1, block).cumsum(dim=-1)  # (B, blocks, block)
-    before = torch.nn.functional.pad(within[..., -1].cumsum(dim=-1)[:, :-1], (1, 0))  # (B, blocks)
-    return (within + before[..., None]).view(rows, -1)[:, :n]
+def first_past(probs, u, block=1024):
+    """The first entry (B, 1) whose cumulative sum passes u (B, 1) of its row's total, probs (B, n) >= 0, found in two
+    levels: the block of `block` entries whose sums pass it, then the entry in that block at the share of the block
+    where u fell. Each pass over the whole row is a float32 one (a float64 copy of the vocabulary costs more than the
+    rest of the draw on a CPU), and no sum runs across the whole row (a GPU's scan, the compiled step's
+    deterministic algorithms off, sums in an order that varies from run to run); the sums that decide are float64,
+    so an entry's share is its float32 probability's to float32's rounding of its block's sum."""
+    rows, n = probs.shape
+    blocks = torch.nn.functional.pad(probs, (0, -n % block)).view(rows, -1, block)  # (B, blocks, block)
+    ends = blocks.sum(dim=-1).double().cumsum(dim=-1)  # (B, blocks): the sums up to each block's end
+    at = u * ends[:, -1:]  # (B, 1)
+    k = torch.searchsorted(ends, at, right=True).clamp_(max=ends.shape[1] - 1)  # (B, 1): the block it falls in
+    start = torch.where(k > 0, ends.gather(1, (k - 1).clamp(min=0)), 0.0)  # (B, 1): the sum before that block
+    share = (at - start) / (ends.gather(1, k) - start)  # (B, 1): where in the block, a fraction in [0, 1)
+    within = blocks.gather(1, k[..., None].expand(rows, 1, block)).squeeze(1).double().cumsum(dim=-1)  # (B, block)
+    j = torch.searchsorted(within, share * within[:, -1:], right=True).clamp_(max=block - 1)
+    return (k * block + j).clamp_(max=n - 1)
 
 
 def masked_mean(x, mask, dim=None):
