@@ -19,6 +19,13 @@ FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 sys.path.insert(0, ROOT)
 OFFLINE = {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
 os.environ.update(OFFLINE)  # before transformers is imported: the runs in this process are offline too
+# ATEN_CPU_CAPABILITY (the kernels of an older CPU kind, .ci/run's second pass): inductor's C++ kernels are made for
+# that kind too, and its cache does not tell them apart (a kernel cached by a run of another kind fails, "returned a
+# result with an exception set"): a cache of its own for each kind
+if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}_{os.environ['ATEN_CPU_CAPABILITY']}"
 # the files run_script runs in this process; none where vLLM is installed: its engine starts a process group, and a
 # run ends its process when there is one
 IN_PROCESS = (

@@ -521,14 +521,31 @@ sharded = grpo.distribute(grpo.load_model(model_dir, args, device), args.fsdp)
 prompt_ids, prompt_mask = grpo.tokenize_prompts(tokenizer, ["What is 2 + 3?", "Name a colour."], device, args)
 never = [len(tokenizer) + 7]  # no id ends a completion: every rollout writes all its tokens
 result = {}
+draw, seen = grpo.draw, []
+
+
+def forced(logits, heat, u):  # the sharded model's tokens, forced through the whole one
+    token = tokens[:, len(seen)]
+    seen.append((logits.double(), u))
+    return token, (logits / heat).log_softmax(-1).gather(1, token[:, None]).squeeze(1)
+
+
 for n in (4, 16):
     gathers[0] = 0
     torch.manual_seed(5)
-    tokens = grpo.generate(sharded, tokenizer, prompt_ids, prompt_mask, n, 1.0, never)
+    tokens, logprobs = grpo.generate(sharded, tokenizer, prompt_ids, prompt_mask, n, 1.0, never, with_logprobs=True)
     result[n] = {"gathers": gathers[0], "length": tokens.shape[1]}
+    seen.clear()
+    grpo.draw = forced
     torch.manual_seed(5)
-    again = grpo.generate(whole, tokenizer, prompt_ids, prompt_mask, n, 1.0, never)
-    result[n]["same_tokens"] = torch.equal(tokens, again)
+    again = grpo.generate(whole, tokenizer, prompt_ids, prompt_mask, n, 1.0, never, with_logprobs=True)[1]
+    grpo.draw = draw
+    falls = []  # each token where its uniform number falls in the whole model's cumulative probabilities, to 1e-5
+    for (logits, u), token in zip(seen, tokens.T):
+        probs = logits.softmax(-1)
+        after = probs.cumsum(-1).gather(1, token[:, None])
+        falls.append(bool(((after - probs.gather(1, token[:, None]) - 1e-5 <= u) & (u <= after + 1e-5)).all()))
+    result[n]["same_draws"] = all(falls) and len(falls) == n and (logprobs - again).abs().max().item() < 1e-5
 rank = torch.distributed.get_rank()
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(result, f)
@@ -538,7 +555,8 @@ grpo.end_processes()  # as the scripts leave: the interpreter's exit-time teardo
 
 def test_fsdp_generation_gathers_each_layer_once_per_rollout(chat_model_dir, tmp_path):
     """With --fsdp, generate() keeps the gathered layers for the whole rollout: the same number of all-gathers for
-    4 new tokens as for 16 (one per decoder layer and one for the rest), and the tokens of the unsharded model."""
+    4 new tokens as for 16 (one per decoder layer and one for the rest), and the unsharded model's draws: its tokens,
+    forced through the unsharded model, are where each uniform number falls there, log-probs to 1e-5."""
     script = tmp_path / "count_gathers.py"
     script.write_text(COUNT_GATHERS)
     torchrun(str(script), chat_model_dir, str(tmp_path))
@@ -546,4 +564,4 @@ def test_fsdp_generation_gathers_each_layer_once_per_rollout(chat_model_dir, tmp
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["4"]["length"] == 4 and result["16"]["length"] == 16
         assert result["4"]["gathers"] == result["16"]["gathers"] == 3, result  # 2 decoder layers and the root
-        assert result["4"]["same_tokens"] and result["16"]["same_tokens"], result
+        assert result["4"]["same_draws"] and result["16"]["same_draws"], result

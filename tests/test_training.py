@@ -152,9 +152,10 @@ def test_sampled_evaluation_leaves_training_alone_and_at_a_tiny_temperature_is_g
     run_script(
         "grpo.py", *SMALL, "--num-steps", "2", "--eval-every", "2", "--eval-samples", "3", "--output-dir", str(warm)
     )
-    for m in read_metrics(cold):
-        if "eval/accuracy" in m:
-            assert m["eval/mean@k"] == m["eval/pass@k"] == m["eval/accuracy"]
+    for m in read_metrics(cold):  # the 3 samples a prompt, a batch of 48, against greedy in a batch of 16: a near tie
+        if "eval/accuracy" in m:  # (two logits under 1e-5 apart) may go either way; one prompt of the 16 is allowed
+            assert abs(m["eval/mean@k"] - m["eval/accuracy"]) <= 1 / 16
+            assert abs(m["eval/pass@k"] - m["eval/mean@k"]) <= 1 / 16  # the 3 samples alike
     drop = ("eval/mean@k", "eval/pass@k")
     assert_same_records(
         [{k: v for k, v in m.items() if k not in drop} for m in untimed(read_metrics(warm))],
