@@ -141,19 +141,6 @@ def group_advantages(rewards, group_size, scale=True, eps=1e-4):
     return advantages.view(-1)  # (B,)
 
 
-def kl_estimate(d, estimator="k3"):
-    """Schulman's estimates of KL(pi || pi_ref) from d = log pi_ref - log pi at a token sampled from pi (Approximating
-    KL Divergence, 2020): k3 = exp(d) - d - 1, unbiased and >= 0 (the paper's); k1 = -d, unbiased, < 0 where pi_ref is
-    the likelier; k2 = d^2 / 2, >= 0 but biased. Their gradients differ most: k1's is that of log pi whatever pi_ref
-    says (docs/effects.md). d = log 2 -> k3 0.3069, k1 -0.6931, k2 0.2402
-    """
-    if estimator == "k1":
-        return -d
-    if estimator == "k2":
-        return d**2 / 2
-    return torch.exp(d) - d - 1
-
-
 def grpo_loss(
     logprobs,
     old_logprobs,
@@ -166,9 +153,8 @@ def grpo_loss(
     loss_agg="seq-mean-token-mean",
     max_completion_length=None,
     is_weights=None,
-    kl_estimator="k3",
 ):
-    """GRPO's clipped surrogate plus beta times the k3 KL to the reference (or kl_estimator's), to be minimised.
+    """GRPO's clipped surrogate plus beta times the k3 KL to the reference, to be minimised.
 
     logprobs (B, T) carries the gradient; old_logprobs, ref_logprobs (B, T) and advantages (B,), or (B, T) with an
     advantage for every token (process_grpo.py), are constants; mask (B, T) marks completion tokens. Per token:
@@ -190,7 +176,7 @@ def grpo_loss(
     stats = {}
     if beta > 0:
         d = torch.where(m, ref_logprobs - logprobs, 0.0)
-        kl = kl_estimate(d, kl_estimator)  # k3 (the default) >= 0, k1 not; the gradient flows through logprobs
+        kl = torch.exp(d) - d - 1  # k3 >= 0, its gradient flows through logprobs
         per_token = per_token + beta * kl
         stats["kl"] = masked_mean(kl, m).detach()
     if loss_agg == "seq-mean-token-mean":

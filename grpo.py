@@ -108,13 +108,11 @@ class Args:
     num_iterations: int = 1  # passes over each batch of rollouts (the paper's mu)
     num_minibatches: int = 1  # optimizer steps per pass over a batch of rollouts
     beta: float = 0.04  # weight of the KL penalty to the reference model (0: no reference model is loaded)
-    kl_estimator: Literal["k3", "k1", "k2"] = "k3"  # the penalty's estimate of the KL: the paper's k3 (kl_estimate)
     clip_eps_low: float = 0.2  # the ratio is clipped below at 1 - clip_eps_low
     clip_eps_high: float = 0.2  # the ratio is clipped above at 1 + clip_eps_high (DAPO raises it to 0.28)
     loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
     """how token losses are averaged: the paper's, DAPO's, or Dr. GRPO's (docs/grpo.md)"""
     scale_rewards: bool = True  # divide by the group's std (`--no-scale-rewards`: Dr. GRPO)
-    reward_noise: float = 0.0  # add N(0, this^2) to each reward before its advantage (docs/effects.md)
     vllm: bool = False  # sample the rollouts with a vLLM engine in this process (docs/vllm.md)
     vllm_kv_cache_gib: float = 1.0  # the engine's KV cache, in GiB (beside its copy of the weights)
     vllm_is_cap: float = 2.0  # truncate the pi_old / engine importance weights at this (TIS)
@@ -139,27 +137,6 @@ def group_advantages(rewards, group_size, scale=True, eps=1e-4):
     return advantages.view(-1)  # (B,)
 
 
-def noisy(rewards, scale, generator):
-    """rewards (B,) + N(0, scale^2) each, drawn from generator; at scale 0 the rewards, and nothing drawn. A small
-    noise becomes a whole advantage where a group's rewards are otherwise equal, if scaled (docs/effects.md)."""
-    if scale == 0:
-        return rewards
-    return rewards + scale * torch.randn(rewards.shape, generator=generator).to(rewards.device)
-
-
-def kl_estimate(d, estimator="k3"):
-    """Schulman's estimates of KL(pi || pi_ref) from d = log pi_ref - log pi at a token sampled from pi (Approximating
-    KL Divergence, 2020): k3 = exp(d) - d - 1, unbiased and >= 0 (the paper's); k1 = -d, unbiased, < 0 where pi_ref is
-    the likelier; k2 = d^2 / 2, >= 0 but biased. Their gradients differ most: k1's is that of log pi whatever pi_ref
-    says (docs/effects.md). d = log 2 -> k3 0.3069, k1 -0.6931, k2 0.2402
-    """
-    if estimator == "k1":
-        return -d
-    if estimator == "k2":
-        return d**2 / 2
-    return torch.exp(d) - d - 1
-
-
 def grpo_loss(
     logprobs,
     old_logprobs,
@@ -172,9 +149,8 @@ def grpo_loss(
     loss_agg="seq-mean-token-mean",
     max_completion_length=None,
     is_weights=None,
-    kl_estimator="k3",
 ):
-    """GRPO's clipped surrogate plus beta times the k3 KL to the reference (or kl_estimator's), to be minimised.
+    """GRPO's clipped surrogate plus beta times the k3 KL to the reference, to be minimised.
 
     logprobs (B, T) carries the gradient; old_logprobs, ref_logprobs (B, T) and advantages (B,), or (B, T) with an
     advantage for every token (process_grpo.py), are constants; mask (B, T) marks completion tokens. Per token:
@@ -196,7 +172,7 @@ def grpo_loss(
     stats = {}
     if beta > 0:
         d = torch.where(m, ref_logprobs - logprobs, 0.0)
-        kl = kl_estimate(d, kl_estimator)  # k3 (the default) >= 0, k1 not; the gradient flows through logprobs
+        kl = torch.exp(d) - d - 1  # k3 >= 0, its gradient flows through logprobs
         per_token = per_token + beta * kl
         stats["kl"] = masked_mean(kl, m).detach()
     if loss_agg == "seq-mean-token-mean":
@@ -299,7 +275,6 @@ def main(args):
         beta=args.beta,
         loss_agg=args.loss_agg,
         max_completion_length=args.max_new_tokens,
-        kl_estimator=args.kl_estimator,
     )  # grpo_loss's constants
     start = time.time()
     if first_step == 1:
@@ -325,8 +300,7 @@ def main(args):
         texts = decode_completions(tokenizer, completion_ids, mask)
         rewards = torch.tensor([reward_fn(t, r) for t, r in zip(texts, group)], device=device)  # (B,)
         signal = no_signal_note(step, rewards, args.group_size, signal)
-        noised = noisy(rewards, args.reward_noise, shuffle_gen)  # + N(0, reward_noise^2), 0 by default
-        advantages = group_advantages(noised, args.group_size, scale=args.scale_rewards)  # (B,)
+        advantages = group_advantages(rewards, args.group_size, scale=args.scale_rewards)  # (B,)
 
         # 3. log-probs of pi_old and pi_ref, once per batch, without gradient. With one update per batch, pi_old is
         # the policy being updated: its log-probs are the new ones, detached, and need no pass here.
@@ -406,11 +380,8 @@ def check_args(args):
         "beta": ">= 0",
         "clip_eps_low": "in [0, 1]",
         "clip_eps_high": ">= 0",
-        "reward_noise": ">= 0",
     }
     check_ranges(args, {**COMMON_RANGES, **VLLM_RANGES, **ranges})
-    if args.kl_estimator != "k3" and args.beta == 0:
-        fail(f"--kl-estimator {args.kl_estimator} needs --beta > 0: without a KL penalty there is nothing to estimate")
     check_lora(args)
     check_vllm(args)
 

@@ -10,22 +10,27 @@ Rows (docs/effects.md gives each claim, its source and what was seen):
                        it grows, exactly, and the length of right and of wrong completions sampled over training, on
                        tasks whose answers 0 to 4 spaces precede or follow (the bundled model fine-tuned to write them)
     std-amplification  what dividing by the group's standard deviation does to rewards that differ by a little, and
-                       to learning when every reward carries noise of 0.01 (grpo.py --reward-noise)
+                       to learning when every reward carries noise of 0.01 (noisy_rewards)
     kl-estimators      k1, k2 and k3 against the exact KL of a trained policy to the bundled model, token by token;
-                       then each as the KL penalty (grpo.py --kl-estimator) with a reward without signal, sampled at
-                       the temperature it is scored at, and (k1, k3) sampled at 0.7 and scored at 1
+                       then each as grpo.py's KL penalty (kl_penalty) with a reward without signal (no_signal),
+                       sampled at the temperature it is scored at, and (k1, k3) sampled at 0.7 and scored at 1
     cispo-clipped      the share of tokens PPO's clip (grpo.py) and CISPO's leave without gradient, 4 passes a batch
     rloo-vs-ppo        the three-seed runs of docs/results.md, read per rollout and per second
     areal-staleness    docs/async_grpo.md's runs: the decoupled objective against the coupled one as staleness grows;
                        then both at eta 16 and ten times the learning rate, against synchronous training at that rate
 
 Runs go to --runs-dir, each in its own folder, run in this process as `python FILE.py FLAGS` runs it; a folder whose
-run finished with the same flags is read again, not run.
+run finished with the same flags is read again, not run. grpo.py has no flag for the rows' knobs (noise on the
+rewards, another KL estimator, no reward signal, a sampler at another temperature): nobody trains with them, so each
+is a patch of the grpo module a row runs, made here (docs/reading.md, "Flags and knobs").
 """
 
 import argparse
+import contextlib
 import dataclasses
+import inspect
 import json
+import linecache
 import os
 import random
 import re
@@ -45,7 +50,7 @@ DR_GRPO = ["--loss-agg", "seq-mean-token-sum-norm", "--no-scale-rewards"]
 SAMPLED = 500  # the held-out prompts (a default run's): one completion each, for the lengths and the KL estimators
 SPACES, ROOM = 4, 12  # the length-bias tasks: 0 to 4 spaces before or after an answer; completions of 12 tokens
 SPACED = ("spaced", "trailing")  # the spaces before the answer, or after it
-NOISE = "0.01"  # the std-amplification row's --reward-noise
+NOISE = 0.01  # the std-amplification row's noise on the rewards
 MISMATCH = 0.7  # the kl-estimators row's sampling temperature where it scores at 1
 
 
@@ -231,7 +236,7 @@ def default_grpo(args, seed):
 
 def std_amplification(args):
     """Advantages of a group of 4 whose rewards differ by delta, with and without the division by the group's std;
-    then grpo.py's held-out accuracy with and without the division, each with and without --reward-noise."""
+    then grpo.py's held-out accuracy with and without the division, each with and without noise on the rewards."""
     result = {}
     for delta in (1.0, 0.1, 0.01, 0.001):
         rewards = torch.tensor([1.0 + delta, 1.0, 1.0, 1.0])
@@ -243,17 +248,17 @@ def std_amplification(args):
             f"plain {plain[0]:.4f}, {plain[1]:.4f}"
         )
     flags, _ = steps_flags(args, 150)
-    noise = ["--reward-noise", NOISE]
     result["learning"] = {}
-    for name, extra in (("scaled", None), ("scaled, noise", noise), ("unscaled", []), ("unscaled, noise", noise)):
-        if name.startswith("unscaled"):
-            extra = ["--no-scale-rewards", *extra]
-        runs = [
-            default_grpo(args, seed)
-            if extra is None
-            else train(args, "grpo.py", flags + extra, f"std-{name.replace(', ', '-')}", seed)
-            for seed in args.seeds
-        ]
+    for name in ("scaled", "scaled, noise", "unscaled", "unscaled, noise"):
+        extra = ["--no-scale-rewards"] if name.startswith("unscaled") else []
+        folder = f"std-{name.replace(', ', '-')}"
+        if name == "scaled":
+            runs = [default_grpo(args, seed) for seed in args.seeds]
+        elif "noise" in name:
+            with patching(main=noisy_rewards(NOISE)):
+                runs = [train(args, "grpo.py", flags + extra, folder, seed, in_module=True) for seed in args.seeds]
+        else:
+            runs = [train(args, "grpo.py", flags + extra, folder, seed) for seed in args.seeds]
         accuracy = [last(run, "eval/accuracy") for run in runs]
         signal = [statistics.mean(1 - m["charts/zero_std_groups"] for m in run if "charts/reward" in m) for run in runs]
         result["learning"][name] = {"accuracy": accuracy, "groups with signal": signal}
@@ -267,11 +272,11 @@ def std_amplification(args):
 def kl_estimates(logp, logq, tokens):
     """The exact KL(pi || ref) at each position (N,) from log pi and log ref (N, vocab), and Schulman's estimators of it
     from the sampled tokens (N,), x ~ pi, r = ref(x) / pi(x): k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r
-    (grpo.py's kl_estimate). p = [1/2, 1/2], ref = [1/4, 3/4]: exact 0.5 log(4/3) = 0.1438; x = 0: k1 0.6931, k2
-    0.2402, k3 0.1931."""
+    (kl_estimate). p = [1/2, 1/2], ref = [1/4, 3/4]: exact 0.5 log(4/3) = 0.1438; x = 0: k1 0.6931, k2 0.2402, k3
+    0.1931."""
     exact = (logp.exp() * (logp - logq)).sum(-1)
     log_r = (logq - logp).gather(-1, tokens[:, None]).squeeze(-1)
-    return exact, {name: grpo.kl_estimate(log_r, name) for name in ("k1", "k2", "k3")}
+    return exact, {name: kl_estimate(log_r, name) for name in KL_ESTIMATES}
 
 
 def against_reference(folder, reference, tokenizer, ids, mask):
@@ -327,8 +332,8 @@ def kl_estimators(args):
         label, ends = name if temperature is None else f"{name}, sampled at {temperature}", []
         for seed in args.seeds:
             run = f"no-signal-{name}" if temperature is None else f"no-signal-{name}-t{temperature}"
-            with no_signal(temperature):
-                train(args, "grpo.py", flags + ["--kl-estimator", name], run, seed, in_module=True)
+            with no_signal(temperature), patching(grpo_loss=kl_penalty(name)):
+                train(args, "grpo.py", flags, run, seed, in_module=True)
             exact, _, entropy = against_reference(os.path.join(args.runs_dir, f"{run}-{seed}"), reference, *prompts)
             ends.append((exact.mean().item(), entropy.mean().item()))
         result["as a loss"][label] = ends
@@ -338,6 +343,54 @@ def kl_estimators(args):
             f"entropy {spread(entropy, 4)}"
         )
     return result
+
+
+# Schulman's estimates of KL(pi || ref) from d = log ref - log pi at a token sampled from pi (Approximating KL
+# Divergence, 2020): k1 unbiased, negative where ref is the likelier; k2 >= 0 but biased; k3 unbiased and >= 0, the
+# one grpo.py's loss computes (its gradient vanishes where pi = ref; k1's is the score function whatever ref says)
+KL_ESTIMATES = {"k1": "-d", "k2": "d**2 / 2", "k3": "torch.exp(d) - d - 1"}
+KL_LINE = "        kl = torch.exp(d) - d - 1  # k3 >= 0, its gradient flows through logprobs\n"  # grpo_loss's
+
+
+def kl_estimate(d, name):
+    """KL_ESTIMATES[name] at d (a tensor). d = log 2: k1 -0.6931, k2 0.2402, k3 0.3069."""
+    return eval(KL_ESTIMATES[name], {"torch": torch, "d": d})  # the expression grpo_loss takes in kl_penalty
+
+
+def patched(function, line, replacement):
+    """grpo.py's `function` with the one line `line` of its source replaced, made in the grpo module's namespace: a
+    knob that only this benchmark needs, so grpo.py has no flag for it (docs/reading.md, "Flags and knobs")."""
+    source = inspect.getsource(function)
+    assert source.count(line) == 1, (function.__name__, line)
+    source, name, made = source.replace(line, replacement), f"<grpo.{function.__name__}, patched>", {}
+    linecache.cache[name] = (len(source), None, source.splitlines(keepends=True), name)  # its tracebacks, its source
+    exec(compile(source, name, "exec"), vars(grpo), made)
+    return made[function.__name__]
+
+
+def kl_penalty(name):
+    """grpo.py's loss with the KL penalty's estimate KL_ESTIMATES[name] in place of its k3 (the same arithmetic as the
+    --kl-estimator flag grpo.py had from e482211 to issue 73)."""
+    return patched(grpo.grpo_loss, KL_LINE, f"        kl = {KL_ESTIMATES[name]}\n")
+
+
+def noisy_rewards(scale):
+    """grpo.py's main() with N(0, scale^2) added to each reward before its advantage, drawn from the run's shuffle
+    generator; the metrics keep the task's rewards (the same draws as grpo.py's --reward-noise of e482211)."""
+    line = "advantages = group_advantages(rewards, args.group_size, scale=args.scale_rewards)"
+    noised = f"rewards + {scale!r} * torch.randn(rewards.shape, generator=shuffle_gen).to(rewards.device)"
+    return patched(grpo.main, line, line.replace("(rewards,", f"({noised},"))
+
+
+@contextlib.contextmanager
+def patching(**functions):
+    """grpo.NAME = function for each, inside; put back after."""
+    saved = {name: getattr(grpo, name) for name in functions}
+    vars(grpo).update(functions)
+    try:
+        yield
+    finally:
+        vars(grpo).update(saved)
 
 
 class no_signal:

@@ -1,6 +1,7 @@
 """benchmarks/effects.py: the papers' effects in miniature (docs/effects.md). Its exact parts against numbers worked by
 hand; every row's --quick form run once, in this process."""
 
+import inspect
 import json
 import math
 import os
@@ -10,6 +11,8 @@ import sys
 import pytest
 import torch
 from conftest import ROOT
+
+import grpo
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import effects  # noqa: E402
@@ -42,6 +45,51 @@ def test_the_kl_estimators_on_a_two_token_vocabulary():
     assert k["k1"].mean().item() == pytest.approx(0.5 * math.log(4 / 3))
     assert k["k3"].mean().item() == pytest.approx(0.5 * math.log(4 / 3))
     assert k["k2"].mean().item() > 0.5 * math.log(4 / 3) + 0.01
+
+
+SENTINEL = 1e6  # a padded position holds this; it must not reach the loss or the gradient
+
+
+@pytest.mark.parametrize(
+    "estimator, values, grad",
+    [
+        # d = (ln 2, -ln 2); d d / d logp = -1, times beta / |o| = 0.1 / 2
+        ("k1", [-math.log(2), math.log(2)], [0.05, 0.05]),  # -d: +1 a token, whatever the reference says
+        ("k2", [math.log(2) ** 2 / 2] * 2, [-0.05 * math.log(2), 0.05 * math.log(2)]),  # d^2/2: -d
+        ("k3", [1 - math.log(2), math.log(2) - 0.5], [-0.05, 0.025]),  # e^d - d - 1: 1 - e^d
+    ],
+)
+def test_each_kl_estimator_by_hand_as_grpo_pys_penalty(estimator, values, grad):
+    """Each estimate at d = +-ln 2, and grpo.py's loss with it as the KL penalty (kl_penalty: the loss's k3 line
+    replaced, as the row trains it): the logged KL and the gradient, worked by hand; the k3 patch is the loss itself."""
+    logprobs = torch.tensor([[-1.0, -1.0, SENTINEL]], requires_grad=True)
+    ref = torch.tensor([[-1.0 + math.log(2), -1.0 - math.log(2), -SENTINEL]])
+    mask = torch.tensor([[1, 1, 0]])
+    d = torch.tensor([math.log(2), -math.log(2)])
+    assert effects.kl_estimate(d, estimator).tolist() == pytest.approx(values, abs=1e-6)
+    loss, stats = effects.kl_penalty(estimator)(logprobs, logprobs.detach(), ref, torch.zeros(1), mask, beta=0.1)
+    assert stats["kl"].item() == pytest.approx(sum(values) / 2, abs=1e-6)
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([grad + [0.0]]))
+
+
+def test_reward_noise_becomes_a_whole_advantage_only_where_the_rewards_are_scaled():
+    """noisy_rewards: grpo.py's main() with one line changed, the rewards + N(0, 0.01^2) from the run's shuffle
+    generator into the advantage. Groups of 4 whose answers agree (rewards 1, 1, 1, 1): no signal; that expression
+    gives advantages whose std within the group is std / (std + 1e-4), about 1, once divided by the group's std, and
+    about 0.01 if not."""
+    ours, theirs = (inspect.getsource(f).splitlines() for f in (grpo.main, effects.noisy_rewards(0.01)))
+    changed = [b for a, b in zip(ours, theirs) if a != b]
+    assert len(ours) == len(theirs) and len(changed) == 1, changed
+    noise = re.fullmatch(r" +advantages = group_advantages\((rewards \+ .*), args.group_size, .*", changed[0]).group(1)
+    rewards, shuffle_gen = torch.ones(4000), torch.Generator().manual_seed(0)
+    noised = eval(noise, {"torch": torch}, {"rewards": rewards, "shuffle_gen": shuffle_gen})  # the patch's own words
+    assert (noised - rewards).std().item() == pytest.approx(0.01, rel=0.05) and abs((noised - rewards).mean()) < 1e-3
+    scaled = grpo.group_advantages(noised, 4).view(-1, 4).std(dim=1)
+    plain = grpo.group_advantages(noised, 4, scale=False).view(-1, 4).std(dim=1)
+    assert scaled.mean().item() == pytest.approx(0.99, abs=0.01) and plain.mean().item() < 0.015
+    with pytest.raises(AssertionError):  # a line the function does not hold
+        effects.patched(grpo.main, "no such line", "")
 
 
 def test_every_rows_quick_form(tmp_path):
