@@ -1,39 +1,30 @@
 """On-policy distillation, in one file.
 
-The student samples completions of the prompts from its current policy, as grpo.py's rollout does; a frozen
-teacher that shares its tokenizer scores every sampled token in one pass without gradient, log pi_T(o_t | o_<t),
-and each token's advantage is the reverse KL's sampled estimate at its prefix, negated: no reward, no discount
-(Agarwal et al. 2024, GKD, https://arxiv.org/abs/2306.13649; Thinking Machines 2025, On-Policy Distillation;
-tinker-cookbook's incorporate_kl_penalty). The update is PPO's clipped surrogate over those tokens:
+The student samples completions from its current policy, as grpo.py's rollout does; a frozen teacher that shares its
+tokenizer scores every sampled token; each token's advantage is the teacher's log-prob of it minus the student's, the
+reverse KL's sampled estimate at its prefix, negated: no reward, no value model, no discount. The update is PPO's
+clipped surrogate over those tokens (Agarwal et al. 2024, GKD, https://arxiv.org/abs/2306.13649; Thinking Machines
+2025, On-Policy Distillation; tinker-cookbook's incorporate_kl_penalty):
 
     loss = -1/B sum_i 1/|o_i| sum_t min(r_it A_it, clip(r_it, 1-eps, 1+eps) A_it)
     r_it = pi(o_it) / pi_old(o_it),   A_it = log pi_T(o_it) - log pi_old(o_it)
 
-Which gradient: at r = 1 a token's is -A_t grad log pi(o_t), whose mean over o_t ~ pi is the gradient of the reverse
-KL(pi || pi_T) at that prefix (the prefix held fixed; no discount: a token is not credited with the prefixes it
-leads to). On the student's own samples this is unbiased. verl's default, the k3 estimate exp(d) - d - 1,
-d = log pi_T(o_t) - log pi(o_t), back-propagated directly (grpo.py's KL term with the teacher as the reference), has
-in expectation the gradient of the *forward* KL(pi_T || pi), the mass-covering one; this file does not use it
-(tests/test_distill.py checks both by summing over a small vocabulary).
+At r = 1 a token's gradient, averaged over o_t ~ pi, is that of the reverse KL(pi || pi_T) at its prefix
+(docs/distill.md works it out). `--loss jsd` computes instead, at each sampled prefix, the generalized Jensen-Shannon
+divergence over the whole vocabulary, as TRL's generalized_jsd_loss does (GKD eq. 1), with S = pi, T = pi_T:
 
-`--loss jsd` computes instead, at each sampled prefix, the generalized Jensen-Shannon divergence over the whole
-vocabulary, as TRL's generalized_jsd_loss does (GKD eq. 1), with S = pi, T = pi_T, M = beta T + (1 - beta) S:
-
-    loss = aggregate over tokens of JSD_beta = beta KL(T || M) + (1 - beta) KL(S || M)
+    loss = aggregate over tokens of JSD_beta = beta KL(T || M) + (1 - beta) KL(S || M),   M = beta T + (1 - beta) S
     beta = 0: KL(T || S), the forward KL;  beta = 1: KL(S || T), the reverse KL, exact at each prefix
 
-(TRL's convention: at 0 and 1 the KLs themselves, which JSD_beta / beta and JSD_beta / (1 - beta) tend to; JSD_beta
-itself tends to 0 at both ends.) No sampling of the next token, no ratio, no clipping; the cost is both models'
-logits over the vocabulary at every token, made a chunk at a time so that no (B, T, vocab) tensor is held.
+No ratio and no clipping there; the cost is both models' logits over the vocabulary at every token, made a chunk at a
+time (token_jsd, below the banner).
 
 Where this file departs from the references: no KL to a reference model (the teacher is the anchor); the teacher's
 log-probs at --temperature, as the student's (TRL's way); `--loss-agg` as grpo.py's. With `--vllm` the engine samples
-and the default loss weighs each token as grpo.py does (TIS); `--loss jsd` needs no weight (it sums over the
-vocabulary and samples no token), though its prefixes are the engine's. A teacher whose own stop token
-is not the student's (another chat format) scores the student's stop token low (or high), and the student learns
-to stop late or never (or at once): its length drifts. The stop token is scored like any other token; a note at
-the start names stop tokens that differ, and charts/completion_length and charts/stopped show the drift.
-See docs/distill.md.
+and the default loss weighs each token as grpo.py does (TIS); `--loss jsd` needs no weight (it samples no token),
+though its prefixes are the engine's. A teacher whose stop token is not the student's scores the student's stop token
+low (or high), and the student learns to stop late or never (or at once): a note at the start names stop tokens that
+differ, and charts/completion_length and charts/stopped show the drift. See docs/distill.md.
 
     python distill.py                                # bundled student, tiny-teacher/ as teacher, addition task, CPU
     python distill.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --teacher-path Qwen/Qwen2.5-1.5B-Instruct \
@@ -233,6 +224,35 @@ def generalized_jsd(logits, teacher_logits, beta=0.5):
     return beta * (t.exp() * (t - m)).sum(dim=-1) + (1 - beta) * (s.exp() * (s - m)).sum(dim=-1)
 
 
+def token_jsd(
+    policy, teacher, teacher_states, input_ids, attention_mask, prompt_len, temperature, beta, chunk_values=2**24
+):
+    """At each completion token's prefix, (B, T) each: generalized_jsd between the policy's and the teacher's next-token
+    distributions at temperature, with gradient; and without gradient the reverse KL's sampled estimate
+    log pi(o_t) - log pi_T(o_t) and the reverse KL itself, sum over the vocabulary of pi log(pi / pi_T).
+    teacher_states (B, T, d_T): the teacher's last hidden states (teacher_pass); input_ids, attention_mask and
+    prompt_len as token_logprobs takes them. Both models' logits a chunk_values at a time (over_vocabulary)."""
+
+    def terms(logits, teacher_logits, targets):  # (n, vocab), (n, vocab), (n,)
+        jsd = generalized_jsd(logits, teacher_logits, beta)
+        with torch.no_grad():
+            s, t = logits.log_softmax(dim=-1), teacher_logits.log_softmax(dim=-1)
+            sampled = (s - t).gather(-1, targets[:, None]).squeeze(-1)
+            return jsd, sampled, generalized_jsd(logits, teacher_logits, 1.0)
+
+    state = (policy, teacher, teacher_states, input_ids, attention_mask, prompt_len, temperature, chunk_values)
+    return over_vocabulary(terms, *state)
+
+
+def teacher_pass(teacher, input_ids, attention_mask, prompt_len, args):
+    """The teacher's scores of every sampled token, once per batch, without gradient: its log-probs log pi_T(o_t | o_<t)
+    (B, T) at --temperature; with --loss jsd its last hidden states (B, T, d) at the positions that predict them, from
+    which token_jsd makes its logits over the vocabulary a chunk at a time (last_states)."""
+    if args.loss == "jsd":
+        return last_states(teacher, input_ids, attention_mask, prompt_len, args.micro_batch_size)
+    return batched_logprobs(teacher, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size)
+
+
 def truncated_is_weights(old_logprobs, engine_logprobs, mask, cap):
     """Truncated importance sampling (TIS): the engine sampled the tokens, the loss assumes pi_old did, so each
     token's policy-gradient term is weighed by w_t = min(pi_old(o_t) / pi_engine(o_t), cap), a constant.
@@ -287,70 +307,6 @@ def prompt_answer(record):
         return {**record, "answer": answer}
     answer = None if answer is None else answer.split("####")[-1].strip()
     return {**record, "prompt": record["question"], "answer": answer}
-
-
-# ---- --loss jsd: both models' logits over the vocabulary at every sampled prefix, a chunk at a time
-@torch.no_grad()
-def decoder_states(model, input_ids, attention_mask, prompt_len, batch_size):
-    """The decoder's last hidden states (B, T, d) at the positions that predict the completion tokens, as the output
-    layer takes them, without gradient, in batches of batch_size rows of like length (batched_logprobs' way); 0 on
-    the columns that no row of a batch attends to."""
-    model.eval()
-    order, length, states = attention_mask.sum(dim=1).argsort(stable=True), input_ids.shape[1] - prompt_len, []
-    for b in order.split(batch_size):
-        ids, mask, _, kept = attended(input_ids[b], attention_mask[b], prompt_len)
-        hidden = hidden_states(model, ids, mask)[:, -kept - 1 : -1]  # (b, T', d): the state at P - 1 + t predicts t
-        states.append(torch.nn.functional.pad(hidden, (0, 0, 0, length - kept)))  # (b, T, d)
-    return torch.cat(states)[order.argsort()]  # in the batch's order again
-
-
-def token_jsd(
-    policy, teacher, teacher_states, input_ids, attention_mask, prompt_len, temperature, beta, chunk_values=2**24
-):
-    """At each completion token's prefix, (B, T) each: generalized_jsd between the policy's and the teacher's next-token
-    distributions at temperature, with gradient; and without gradient the reverse KL's sampled estimate
-    log pi(o_t) - log pi_T(o_t) and the reverse KL itself, sum over the vocabulary of pi log(pi / pi_T).
-
-    teacher_states (B, T, d_T): decoder_states' of the teacher. input_ids, attention_mask and prompt_len as
-    token_logprobs takes them. chunk_values logits of each model at a time, computed again in the backward pass
-    (token_logprobs' way): no (B, T, vocab) tensor is held. A teacher's output layer larger than the student's (padding
-    rows: Qwen2.5-7B's against 0.5B's) is cut to the student's rows."""
-    length = input_ids.shape[1] - prompt_len
-    input_ids, attention_mask, prompt_len, kept = attended(input_ids, attention_mask, prompt_len)
-    hidden = hidden_states(policy, input_ids, attention_mask)[:, -kept - 1 : -1].flatten(0, 1)  # (B T', d)
-    teacher_hidden = teacher_states[:, :kept].flatten(0, 1)  # (B T', d_T)
-    targets = input_ids[:, prompt_len:].flatten()  # (B T',)
-    head, teacher_head = unwrap(policy).get_output_embeddings(), unwrap(teacher).get_output_embeddings()
-    teacher_weight, teacher_bias = (
-        w.full_tensor() if hasattr(w, "full_tensor") else w for w in (teacher_head.weight, teacher_head.bias)
-    )  # FSDP2 may hold them as sharded DTensors: gathered once for the micro-batch
-    vocab = head.weight.shape[0]
-
-    def chunk(hidden, teacher_hidden, targets, weight, bias):  # (n,) each, at n positions
-        with torch.autocast(hidden.device.type, enabled=False):
-            logits = torch.nn.functional.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
-            teacher_logits = torch.nn.functional.linear(
-                teacher_hidden.float(), teacher_weight.float(), None if teacher_bias is None else teacher_bias.float()
-            )
-        logits, teacher_logits = logits / temperature, teacher_logits.detach()[:, :vocab] / temperature  # (n, vocab)
-        jsd = generalized_jsd(logits, teacher_logits, beta)
-        with torch.no_grad():
-            s, t = logits.log_softmax(dim=-1), teacher_logits.log_softmax(dim=-1)
-            sampled = (s - t).gather(-1, targets[:, None]).squeeze(-1)
-            return jsd, sampled, generalized_jsd(logits, teacher_logits, 1.0)
-
-    span, chunks = max(1, chunk_values // vocab), []
-    recompute = torch.is_grad_enabled() and len(targets) > span  # in the backward pass (one chunk: no need)
-    for i in range(0, len(targets), span):
-        part = hidden[i : i + span], teacher_hidden[i : i + span], targets[i : i + span], head.weight, head.bias
-        if recompute:
-            chunks.append(
-                torch.utils.checkpoint.checkpoint(chunk, *part, use_reentrant=False, preserve_rng_state=False)
-            )
-        else:
-            chunks.append(chunk(*part))
-    cut = (0, length - kept)  # (B, T') then 0 on the columns cut off: (B, T)
-    return [torch.nn.functional.pad(torch.cat(c).view(-1, kept), cut) for c in zip(*chunks)]
 
 
 def main(args):
@@ -408,9 +364,9 @@ def main(args):
         texts = decode_completions(tokenizer, completion_ids, mask)
         rewards = torch.tensor([reward_fn(t, r) for t, r in zip(texts, group)], device=device)  # (B,)
 
-        # 3. the teacher scores every sampled token, once per batch, without gradient: log pi_T(o_t | o_<t) (B, T),
-        # or with --loss jsd its last hidden states (B, T, d), whose logits the update makes a chunk at a time. With
-        # one update per batch, pi_old is the policy being updated: its log-probs are the new ones, detached.
+        # 3. the teacher scores every sampled token, once per batch, without gradient (teacher_pass): log pi_T(o_t)
+        # (B, T), or with --loss jsd its last hidden states (B, T, d). With one update per batch, pi_old is the policy
+        # being updated: its log-probs are the new ones, detached, and need no pass here.
         timer.lap()  # the rewards: no phase
         old_logprobs = None
         if args.loss == "reverse-kl" and (args.num_iterations > 1 or args.num_minibatches > 1):
@@ -418,38 +374,35 @@ def main(args):
                 policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
             )
         timer.lap("logprob")
-        if args.loss == "jsd":
-            teacher_states = decoder_states(teacher, input_ids, attention_mask, prompt_len, args.micro_batch_size)
-        else:
-            teacher_logprobs = batched_logprobs(
-                teacher, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
-            )
+        teacher_scores = teacher_pass(teacher, input_ids, attention_mask, prompt_len, args)
         timer.lap("teacher")
 
-        # 4. num_iterations passes over the batch, each num_minibatches optimizer steps; a micro-batch's loss weighs
-        # its share of the minibatch's completions, or with DAPO's token mean, of its tokens
+        # 4. num_iterations passes over the batch, each num_minibatches optimizer steps. A micro-batch's advantages
+        # A_t = log pi_T(o_t) - log pi_old(o_t) and clipped surrogate; or with --loss jsd its JSD at each prefix. Its
+        # loss weighs its share of the minibatch's completions, or with DAPO's token mean, of its tokens
         policy.train()
         step_stats, rollout_stats, grad_norms = [], [], []
-        sampled_kl = torch.zeros_like(mask, dtype=torch.float32)  # (B, T): log pi_old(o_t) - log pi_T(o_t)
+        sampled_kl = torch.zeros_like(mask, dtype=torch.float32)  # (B, T): log pi_old(o_t) - log pi_T(o_t), logged
         token_mask = mask if args.loss_agg == "token-mean" else None
         for minibatch in minibatches(attention_mask, minibatch_size, args.num_iterations, shuffle_gen):
             optimizer.zero_grad()
             for i, share in micro_batches(minibatch, args.micro_batch_size, [policy], token_mask):
-                if args.loss == "jsd":  # at each sampled prefix, over the whole vocabulary: no ratio, no clipping
-                    jsd, sampled_kl[i], reverse_kl = token_jsd(
-                        policy, teacher, teacher_states[i], input_ids[i], attention_mask[i], prompt_len, **jsd_args
+                if args.loss == "jsd":  # over the whole vocabulary: no ratio, no clipping (token_jsd, below the banner)
+                    jsd, sampled, reverse_kl = token_jsd(
+                        policy, teacher, teacher_scores[i], input_ids[i], attention_mask[i], prompt_len, **jsd_args
                     )
                     loss, stats = jsd_loss(jsd, reverse_kl, mask[i], args.loss_agg, args.max_new_tokens)
-                    is_stats = {}  # --vllm: no importance weight; the loss sums over tokens, samples none
-                else:  # the policy gradient, each token's advantage its sampled reverse KL negated
+                    is_stats = {}  # --vllm: no importance weight; the loss samples no token
+                else:
                     logprobs = token_logprobs(policy, input_ids[i], attention_mask[i], prompt_len, args.temperature)
                     old = logprobs.detach() if old_logprobs is None else old_logprobs[i]
+                    advantages = teacher_advantages(teacher_scores[i], old, mask[i])  # (b, T)
                     is_weights, is_stats = truncated_is_weights(
                         old, rows(engine_logprobs, i), mask[i], args.vllm_is_cap
                     )
-                    advantages = teacher_advantages(teacher_logprobs[i], old, mask[i])  # (b, T)
                     loss, stats = pg_loss(logprobs, old, advantages, mask[i], **loss_args, is_weights=is_weights)
-                    sampled_kl[i] = -advantages
+                    sampled = -advantages
+                sampled_kl[i] = sampled
                 check_finite(loss, step, "--teacher-path's log-probs")
                 (loss * share).backward()
                 # the loss as the optimizer weighed it; the token means (clip_frac, ratio, reverse_kl_exact) by tokens
@@ -488,6 +441,58 @@ def main(args):
 
 
 # ==== The algorithm ends here. Below: machinery, this file's own, then (second banner) the part every file shares ====
+@torch.no_grad()
+def last_states(model, input_ids, attention_mask, prompt_len, batch_size):
+    """The decoder's last hidden states (B, T, d) at the positions that predict the completion tokens, as the output
+    layer takes them, without gradient, in batches of batch_size rows of like length (batched_logprobs' way); 0 on
+    the columns that no row of a batch attends to."""
+    model.eval()
+    order, length, states = attention_mask.sum(dim=1).argsort(stable=True), input_ids.shape[1] - prompt_len, []
+    for b in order.split(batch_size):
+        ids, mask, _, kept = attended(input_ids[b], attention_mask[b], prompt_len)
+        hidden = hidden_states(model, ids, mask)[:, -kept - 1 : -1]  # (b, T', d): the state at P - 1 + t predicts t
+        states.append(torch.nn.functional.pad(hidden, (0, 0, 0, length - kept)))  # (b, T, d)
+    return torch.cat(states)[order.argsort()]  # in the batch's order again
+
+
+def over_vocabulary(terms, policy, teacher, teacher_states, input_ids, attention_mask, prompt_len, temperature, chunk):
+    """terms(logits, teacher_logits, targets) at each completion token's prefix, (B, T) each of what it returns (0 on
+    padding): both models' float32 logits over the vocabulary (n, vocab), divided by temperature, the teacher's
+    without gradient, made `chunk` values at a time from the policy's last hidden states and the teacher's
+    (teacher_states (B, T, d_T), last_states'), and computed again in the backward pass (token_logprobs' way): no
+    (B, T, vocab) tensor is held. A teacher's output layer larger than the student's (padding rows: Qwen2.5-7B's
+    against 0.5B's) is cut to the student's rows."""
+    length = input_ids.shape[1] - prompt_len
+    input_ids, attention_mask, prompt_len, kept = attended(input_ids, attention_mask, prompt_len)
+    hidden = hidden_states(policy, input_ids, attention_mask)[:, -kept - 1 : -1].flatten(0, 1)  # (B T', d)
+    teacher_hidden = teacher_states[:, :kept].flatten(0, 1)  # (B T', d_T)
+    targets = input_ids[:, prompt_len:].flatten()  # (B T',)
+    head, teacher_head = unwrap(policy).get_output_embeddings(), unwrap(teacher).get_output_embeddings()
+    teacher_weight, teacher_bias = (
+        w.full_tensor() if hasattr(w, "full_tensor") else w for w in (teacher_head.weight, teacher_head.bias)
+    )  # FSDP2 may hold them as sharded DTensors: gathered once for the micro-batch
+    vocab = head.weight.shape[0]
+
+    def part(hidden, teacher_hidden, targets, weight, bias):  # at n positions
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits = torch.nn.functional.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
+            teacher_logits = torch.nn.functional.linear(
+                teacher_hidden.float(), teacher_weight.float(), None if teacher_bias is None else teacher_bias.float()
+            )
+        return terms(logits / temperature, teacher_logits.detach()[:, :vocab] / temperature, targets)
+
+    span, chunks = max(1, chunk // vocab), []
+    recompute = torch.is_grad_enabled() and len(targets) > span  # in the backward pass (one chunk: no need)
+    for i in range(0, len(targets), span):
+        args = hidden[i : i + span], teacher_hidden[i : i + span], targets[i : i + span], head.weight, head.bias
+        if recompute:
+            chunks.append(torch.utils.checkpoint.checkpoint(part, *args, use_reentrant=False, preserve_rng_state=False))
+        else:
+            chunks.append(part(*args))
+    cut = (0, length - kept)  # (B, T') then 0 on the columns cut off: (B, T)
+    return [torch.nn.functional.pad(torch.cat(c).view(-1, kept), cut) for c in zip(*chunks)]
+
+
 def check_args(args):
     """Stops at a flag outside its range, or at options that cannot run together, before anything loads."""
     ranges = {

@@ -11,7 +11,7 @@ import torch
 from conftest import ROOT, read_metrics, run_here, run_script
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from distill import aggregate, decoder_states, generalized_jsd, pg_loss, teacher_advantages, token_jsd
+from distill import aggregate, generalized_jsd, last_states, pg_loss, teacher_advantages, token_jsd
 
 SENTINEL = 1e6  # a padded position holds this; it must not reach the loss, the stats or the gradient
 L = math.log
@@ -193,7 +193,7 @@ def test_token_jsd_equals_the_models_own_logits_in_any_chunks():
     input_ids = torch.tensor([[5, 6, 7, 8, 9, 2, 0], [0, 5, 6, 10, 2, 0, 0]])
     attention_mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 0, 0]])
     prompt_len, mask = 3, attention_mask[:, 3:]
-    states = decoder_states(teacher, input_ids, attention_mask, prompt_len, batch_size=1)  # (2, 4, 48)
+    states = last_states(teacher, input_ids, attention_mask, prompt_len, batch_size=1)  # (2, 4, 48)
     assert states.shape == (2, 4, 48) and not states.requires_grad
 
     positions = (attention_mask.cumsum(1) - 1).clamp(0)
@@ -232,7 +232,7 @@ def test_token_jsd_keeps_no_logits_beyond_one_chunk_for_the_backward_pass():
     chunk is computed again in the backward pass; the JSD of the models' full logits keeps all 10 positions'."""
     student, teacher = tiny_llama(32, 300, 0), tiny_llama(32, 300, 1).requires_grad_(False)
     input_ids, attention_mask = torch.randint(3, 300, (2, 9)), torch.ones(2, 9, dtype=torch.long)
-    states = decoder_states(teacher, input_ids, attention_mask, 4, batch_size=2)
+    states = last_states(teacher, input_ids, attention_mask, 4, batch_size=2)
     weights = {p.untyped_storage().data_ptr() for p in [*student.parameters(), *teacher.parameters()]}
 
     def saved_vocabulary_values(compute):
