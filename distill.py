@@ -17,7 +17,7 @@ divergence over the whole vocabulary, as TRL's generalized_jsd_loss does (GKD eq
     beta = 0: KL(T || S), the forward KL;  beta = 1: KL(S || T), the reverse KL, exact at each prefix
 
 No ratio and no clipping there; the cost is both models' logits over the vocabulary at every token, made a chunk at a
-time (token_jsd, below the banner).
+time (over_vocabulary, below the banner).
 
 Where this file departs from the references: no KL to a reference model (the teacher is the anchor); the teacher's
 log-probs at --temperature, as the student's (TRL's way); `--loss-agg` as grpo.py's. With `--vllm` the engine samples
@@ -387,7 +387,7 @@ def main(args):
         for minibatch in minibatches(attention_mask, minibatch_size, args.num_iterations, shuffle_gen):
             optimizer.zero_grad()
             for i, share in micro_batches(minibatch, args.micro_batch_size, [policy], token_mask):
-                if args.loss == "jsd":  # over the whole vocabulary: no ratio, no clipping (token_jsd, below the banner)
+                if args.loss == "jsd":  # over the whole vocabulary: no ratio, no clipping (token_jsd)
                     jsd, sampled, reverse_kl = token_jsd(
                         policy, teacher, teacher_scores[i], input_ids[i], attention_mask[i], prompt_len, **jsd_args
                     )

@@ -393,28 +393,19 @@ def patching(**functions):
         vars(grpo).update(saved)
 
 
-class no_signal:
+def no_signal(temperature=None):
     """Inside: every reward of grpo.py is 0 (no signal: every advantage is 0, only the KL penalty trains), and with a
     temperature grpo.py samples its rollouts at it while it scores them at --temperature, as a sampler set apart from
     the loss may. grpo.py has a flag for neither (it samples and scores at --temperature); the row patches the module
     it runs."""
+    original = grpo.sample
 
-    def __init__(self, temperature=None):
-        self.temperature = temperature
+    def sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids):
+        if temperature is not None:
+            args = dataclasses.replace(args, temperature=temperature)
+        return original(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids)
 
-    def __enter__(self):
-        self.saved = grpo.reward_fn, grpo.sample
-        original, temperature = grpo.sample, self.temperature
-
-        def sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids):
-            if temperature is not None:
-                args = dataclasses.replace(args, temperature=temperature)
-            return original(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids)
-
-        grpo.reward_fn, grpo.sample = (lambda completion, record: 0.0), sample
-
-    def __exit__(self, *exc):
-        grpo.reward_fn, grpo.sample = self.saved
+    return patching(reward_fn=lambda completion, record: 0.0, sample=sample)
 
 
 def cispo_clipped(args):

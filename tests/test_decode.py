@@ -271,9 +271,8 @@ def test_the_loop_stops_at_the_longest_completion():
     model = tiny("llama")
     prompt_ids = torch.tensor([[0, 0, 0, 11, 12], [0, 21, 22, 23, 24], [31, 32, 33, 34, 35]])
     prompt_mask, pad = (prompt_ids != 0).long(), SimpleNamespace(pad_token_id=0)
-    stops = sorted(
-        set(generate(model, pad, prompt_ids, prompt_mask, 20, None, [-1])[:, 2].tolist())
-    )  # the same rollout
+    unstopped = generate(model, pad, prompt_ids, prompt_mask, 20, None, [-1])  # the same rollout, run to its end
+    stops = sorted(set(unstopped[:, 2].tolist()))
     forwards = []
     hook = model.get_decoder().register_forward_hook(lambda *_: forwards.append(1))
     tokens = generate(model, pad, prompt_ids, prompt_mask, 20, None, stops)
@@ -308,7 +307,7 @@ def forcing(patch, tokens):
     seen = []
 
     def forced(logits, heat, u):
-        token = pad_rows(tokens[:, len(seen)], len(logits))
+        token = grpo.pad_rows(tokens, len(logits))[:, len(seen)]  # the cache's rows past the batch's too
         seen.append((logits, heat, u))
         if heat is None:
             return token, torch.zeros(len(logits))
@@ -316,10 +315,6 @@ def forcing(patch, tokens):
 
     patch.setattr(grpo, "draw", forced)
     return seen
-
-
-def pad_rows(x, rows):
-    return torch.cat([x, x[:1].expand(rows - len(x), *x.shape[1:])]) if rows > len(x) else x
 
 
 def assert_draws(seen, tokens, tolerance):
