@@ -1019,18 +1019,18 @@ def token_logprobs(
     input_ids, attention_mask, prompt_len, kept = attended(input_ids, attention_mask, prompt_len)
     if own_logits(model):  # its own logits, under autocast
         hidden = forward(model, input_ids, attention_mask, logits_to_keep=kept + 1).logits[:, :-1]  # (B, T', vocab)
-        weight, bias, vocab = None, None, hidden.shape[-1]
-    else:  # the output layer's weight and bias, multiplied in float32 below
+        weight, bias, vocab, parts = None, None, hidden.shape[-1], None
+    else:  # the output layer's weight and bias, multiplied below (head_product)
         hidden = hidden_states(model, input_ids, attention_mask)[:, -kept - 1 : -1]  # (B, T', d)
         head = unwrap(model).get_output_embeddings()
         weight, bias, vocab = head.weight, head.bias, head.weight.shape[0]
+        parts = head_parts(model)  # made once for every chunk
     hidden, targets = hidden.flatten(0, 1), input_ids[:, prompt_len:].flatten()  # (B T, d or vocab), (B T,)
 
     def chunk(hidden, targets, weight, bias):  # log-probs (n,) and entropies (n,) at n positions
-        with torch.autocast(hidden.device.type, enabled=False):
-            logits = hidden.float()
-            if weight is not None:
-                logits = torch.nn.functional.linear(logits, weight.float(), None if bias is None else bias.float())
+        logits = hidden.float()  # the model's own logits, or the decoder's states
+        if weight is not None:
+            logits = head_product(hidden, weight, bias, parts)
         logits = logits / temperature  # (n, vocab)
         logsumexp = torch.logsumexp(logits, dim=-1)
         entropy = None
@@ -1377,7 +1377,7 @@ def next_logits(model, ids, positions, inputs, own, weights):
     """float32 logits (B, vocab) of the token after ids (B, n) at positions (B, n); inputs: the attention mask (B,
     cache length), 1 on the prompts' tokens and the new ones, and the cache, which keeps their keys and values
     (rollout_inputs); own: the model's own logits (own_logits), else its decoder's state times the output layer;
-    weights: the decoder's, by name, to use in place of its own (rollout_weights)."""
+    weights: the decoder's, by name, to use in place of its own, and the output layer's parts (rollout_weights)."""
     causal_lm, inputs = unwrap(model), {"input_ids": ids, "position_ids": positions, **inputs}
     if own:
         return causal_lm(**inputs, logits_to_keep=1).logits[:, -1].float()
@@ -1390,12 +1390,12 @@ def next_logits(model, ids, positions, inputs, own, weights):
             hook.remove()
         hidden = states[0][:, -1]
     elif weights:
-        hidden = torch.func.functional_call(causal_lm.get_decoder(), weights, (), inputs).last_hidden_state[:, -1]
+        decoder = {name: w for name, w in weights.items() if name != "head"}
+        hidden = torch.func.functional_call(causal_lm.get_decoder(), decoder, (), inputs).last_hidden_state[:, -1]
     else:
         hidden = causal_lm.get_decoder()(**inputs).last_hidden_state[:, -1]  # (B, d)
     head = causal_lm.get_output_embeddings()
-    with torch.autocast(ids.device.type, enabled=False):
-        return torch.nn.functional.linear(hidden.float(), head.weight.float(), head.bias)
+    return head_product(hidden, head.weight, head.bias, weights.get("head"))
 
 
 def compiles(model):
@@ -1484,8 +1484,9 @@ def rollout_weights(model, compiled):
     """For a compiled step in bfloat16 (or float16): the decoder's linear layers' weights and biases in it, by name,
     kept on the model, where a CUDA graph finds them at the same address every time: a copy made once a rollout of
     a float32 master, the tensor itself where it is in that dtype already (LoRA's frozen base layers, async_grpo.py's
-    generator); else {} (the model's own weights: an eager step's autocast casts each once a rollout by itself, a
-    compiled step's at every token, which reads 3 bytes a parameter more)."""
+    generator), and under "head" the output layer's weight's bfloat16 parts for head_product; else {} (the model's own
+    weights: an eager step's autocast casts each once a rollout by itself, a compiled step's at every token, which
+    reads 3 bytes a parameter more)."""
     dtype = getattr(unwrap(model), "compute_dtype", torch.float32)
     if not compiled or dtype == torch.float32:
         return {}
@@ -1500,6 +1501,13 @@ def rollout_weights(model, compiled):
                 weights[key] = torch.empty_like(master, dtype=dtype)
                 torch._dynamo.mark_static_address(weights[key])
             weights[key].copy_(master)
+    head = unwrap(model).get_output_embeddings().weight.detach()
+    if "head" not in weights:
+        weights["head"] = tuple(torch.empty_like(head, dtype=torch.bfloat16) for _ in range(2))
+        for part in weights["head"]:
+            torch._dynamo.mark_static_address(part)
+    for kept, part in zip(weights["head"], bf16_parts(head)):
+        kept.copy_(part)
     return weights
 
 
@@ -1626,6 +1634,66 @@ def first_past(probs, u, block=1024):
     within = blocks.gather(1, k[..., None].expand(rows, 1, block)).squeeze(1).double().cumsum(dim=-1)  # (B, block)
     j = torch.searchsorted(within, share * within[:, -1:], right=True).clamp_(max=block - 1)
     return (k * block + j).clamp_(max=n - 1)
+
+
+def head_parts(model):
+    """The output layer's weight's bfloat16 parts (bf16_parts) for head_product's tensor-core products, where the
+    model computes in bfloat16 or float16 and compiles() (a GPU); else None: float32's product (docs/gpu.md)."""
+    if not compiles(model) or getattr(unwrap(model), "compute_dtype", torch.float32) == torch.float32:
+        return None
+    return bf16_parts(unwrap(model).get_output_embeddings().weight.detach())
+
+
+def head_product(hidden, weight, bias, parts=None):
+    """float32 logits (n, vocab): the states hidden (n, d) times the output layer's weight (vocab, d), plus bias; with
+    the weight's parts (head_parts), from bfloat16 tensor-core products (SplitProduct), else float32's product."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        if parts is None:
+            logits = torch.nn.functional.linear(hidden.float(), weight.float())
+        else:
+            logits = SplitProduct.apply(hidden.float(), weight, *parts)
+        if bias is not None:
+            logits = logits + bias.float()
+        return logits
+
+
+class SplitProduct(torch.autograd.Function):
+    """hidden (n, d) times weight (vocab, d) transposed, given as its parts high + low (vocab, d), by split_product;
+    the gradients by split_product too."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, high, low):
+        ctx.save_for_backward(hidden, high, low)
+        return split_product(hidden, high.T, low.T)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad (n, vocab): hidden's is grad @ weight, the weight's grad.T @ hidden
+        hidden, high, low = ctx.saved_tensors
+        grad_hidden = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = split_product(grad, high, low)
+        if ctx.needs_input_grad[1]:
+            grad_weight = split_product(grad.T, *bf16_parts(hidden))
+        return grad_hidden, grad_weight, None, None
+
+
+def split_product(a, b_high, b_low):
+    """a (n, k) times b (k, m) = b_high + b_low (bf16_parts), float32, from three bfloat16 products summed in float32
+    (tensor_core_mm): a's high part times both of b's, a's low part times b's high part; float32's product to about
+    2^-16 of the sum of the products' sizes (a's low part times b's, and each part's rounding, left out)."""
+    a_high, a_low = bf16_parts(a)
+    both = tensor_core_mm(torch.cat([a_high, a_low]), b_high)  # (2n, m): b's high part read once for both
+    return both[: len(a)] + both[len(a) :] + tensor_core_mm(a_high, b_low)
+
+
+def bf16_parts(x):
+    """float32 x as two bfloat16 tensors high + low: x rounded to bfloat16, and the rest rounded (x to about 2^-16)."""
+    high = x.bfloat16()
+    return high, (x.float() - high.float()).bfloat16()
+
+
+def tensor_core_mm(a, b):  # a (n, k) @ b (k, m), bfloat16, summed and returned in float32: the one CUDA-only part
+    return torch.mm(a, b, out_dtype=torch.float32)
 
 
 def masked_mean(x, mask, dim=None):

@@ -14,7 +14,8 @@ update), generation's decoded tokens/s and ms a decoded token (a token of every 
 parameters x tokens with activation checkpointing, 6 x without), the peak GPU memory, and, where trl is installed,
 TRL's GRPOTrainer at equal work (--trl). The decode loop: generate()'s ms a token and host synchronisations a token
 (a TorchDispatchMode counting the operations that read a value back), and with --vs another file's generate()
-timed in turn with it, the same prompts and seed.
+timed in turn with it, the same prompts and seed. --trl-vllm: TRL's GRPOTrainer with vLLM colocated too (a GPU, with
+vllm installed). --profile: in place of the steps, torch.profiler's tables of one rollout and one update.
 """
 
 import argparse
@@ -129,7 +130,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-model_dir, data, steps, micro, new_tokens, prompts, group, checkpointing, out, rate = json.loads(sys.argv[1])
+model_dir, data, steps, micro, new_tokens, prompts, group, checkpointing, out, rate, vllm = json.loads(sys.argv[1])
 with open(data) as f:
     records = [json.loads(line) for line in f]
 rows = [{"prompt": [{"role": "user", "content": r["question"]}], "answer": r["answer"].split("####")[-1].strip()}
@@ -154,7 +155,8 @@ config = GRPOConfig(output_dir=out, per_device_train_batch_size=micro, num_gener
                     learning_rate=rate, beta=0.04,
                     max_steps=steps, logging_steps=1, report_to="none", use_cpu=not cuda, bf16=cuda,
                     gradient_checkpointing=checkpointing, save_strategy="no", temperature=1.0, top_p=1.0, top_k=0,
-                    seed=1, num_iterations=1)
+                    seed=1, num_iterations=1,
+                    **(dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3) if vllm else {}))
 trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), reward_funcs=reward,
                       args=config, train_dataset=Dataset.from_list(rows),
                       processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[Seconds()])
@@ -162,10 +164,11 @@ trainer.train()
 """
 
 
-def run_trl(args, model_dir, workdir):
-    """TRL's GRPOTrainer at equal work, in a process of its own; the mean of its steps 2 on."""
+def run_trl(args, model_dir, workdir, vllm=False):
+    """TRL's GRPOTrainer at equal work, in a process of its own (vllm: sampling with vLLM colocated, in 0.3 of the
+    GPU's memory, TRL's default); the mean of its steps 2 on."""
     spec = [model_dir, trl_data(args, workdir), args.steps, args.micro_batch_size, args.max_new_tokens, args.prompts]
-    spec += [args.group_size, args.gradient_checkpointing, os.path.join(workdir, "trl"), args.learning_rate]
+    spec += [args.group_size, args.gradient_checkpointing, os.path.join(workdir, "trl"), args.learning_rate, vllm]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
     result = subprocess.run(
         [sys.executable, "-c", TRL, json.dumps(spec)], capture_output=True, text=True, env=env, check=False
@@ -176,8 +179,46 @@ def run_trl(args, model_dir, workdir):
     if result.returncode or not seconds:
         raise SystemExit(f"error: TRL's run failed:\n{result.stderr[-2000:]}")
     for i, s in enumerate(seconds, 1):
-        print(f"TRL step {i}: {s:.2f} s")
+        print(f"TRL{' with vLLM' if vllm else ''} step {i}: {s:.2f} s")
     return statistics.mean(seconds[1:] or seconds)
+
+
+def profile(args, model_dir):
+    """One rollout and one update (its micro-batches' log-probs and backward passes) at the step's shape, each under
+    torch.profiler after a run that warms up: the operations that take the most GPU time (CPU time on a CPU)."""
+    import torch
+
+    sys.path.insert(0, ROOT)
+    import grpo
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    flags = grpo.Args(dtype=dtype, gradient_checkpointing=args.gradient_checkpointing)
+    model, tokenizer = grpo.load_model(model_dir, flags, device), grpo.load_tokenizer(model_dir, False)
+    rows, width = args.prompts * args.group_size, args.prompt_tokens
+    prompts = torch.randint(3, len(tokenizer), (rows, width), generator=torch.Generator().manual_seed(0)).to(device)
+    never = [model.config.vocab_size + 7]  # no id stops a row: every rollout decodes all its tokens
+    sequences = []
+
+    def rollout():
+        out = grpo.generate(model.eval(), tokenizer, prompts, torch.ones_like(prompts), args.max_new_tokens, 1.0, never)
+        sequences[:] = [torch.cat([prompts, out], dim=1)]
+
+    def update():
+        model.train()
+        for part in sequences[0].split(args.micro_batch_size):
+            grpo.token_logprobs(model, part, torch.ones_like(part), width).mean().backward()
+        model.zero_grad(set_to_none=True)
+
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    for name, work in (("rollout", rollout), ("update", update)):
+        work()  # warms up (and compiles)
+        with torch.profiler.profile() as table:
+            work()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        print(f"one {name}: {rows} rows, {width} + {args.max_new_tokens} tokens, {dtype}, on {device}")
+        print(table.key_averages().table(sort_by=sort, row_limit=20))
 
 
 def random_model(shape, vocab_size, device, dtype):
@@ -371,6 +412,7 @@ def check(args):
     if not cuda:  # the compiled path as a GPU takes it, through dynamo's eager backend (no kernels of its own)
         grpo.compiles = lambda model: True
         grpo.compile_step = lambda function: torch.compile(function, backend="eager", fullgraph=True)
+        grpo.tensor_core_mm = lambda a, b: a.float() @ b.float()  # a tensor core's sums, on the CPU
     for batch in (rows, rows // 2):  # the second: a smaller batch after a larger one, as evaluation and training
 
         def rollout():
@@ -395,13 +437,34 @@ def check(args):
             print(f"   peak memory {peak / 2**30:.2f} GiB, growth {growth / 2**30:.2f} GiB")
         held = [c for c in model.__dict__.values() if isinstance(c, transformers.StaticCache)]
         held_bytes = sum(t.nbytes for c in held for layer in c.layers for t in (layer.keys, layer.values))
-        copies = sum(t.nbytes for t in model.__dict__.get("rollout_weights", {}).values())
+        kept = model.__dict__.get("rollout_weights", {})  # the decoder's copies, and the output layer's two parts
+        copies = sum(t.nbytes for key, v in kept.items() for t in (v if key == "head" else (v,)))
         print(f"   caches held: {len(held)}, {held_bytes / 2**30:.3f} GiB; weight copies {copies / 2**30:.3f} GiB")
         if batch == rows:
             with torch.profiler.profile() as profile:
                 rollout()
             sort = "cuda_time_total" if cuda else "cpu_time_total"
             print(profile.key_averages().table(sort_by=sort, row_limit=15))
+
+    weight, parts = model.get_output_embeddings().weight, grpo.head_parts(model)
+    for n, what in ((rows, "a decoded token's"), (2**26 // config.vocab_size, "a chunk of the update's log-probs")):
+        scale = 10 / weight.detach().norm(dim=1).mean()  # logits of std 10, a trained model's scale
+        hidden = (scale * torch.randn(n, config.hidden_size, device=device)).requires_grad_()
+
+        def product(parts):
+            weight.grad = hidden.grad = None
+            logits = grpo.head_product(hidden, weight, None, parts)
+            logits.logsumexp(-1).sum().backward()
+            return logits.detach(), hidden.grad, weight.grad
+
+        (exact, *grads), (split, *split_grads) = product(None), product(parts)
+        ms = [timed(torch, device, lambda: product(p), 5) for p in (None, parts)]
+        gaps = [((a - b).norm() / b.norm()).item() for a, b in zip(split_grads, grads)]
+        print(
+            f"7. the output layer, {what} {n} rows x {config.vocab_size}, forward and backward: float32 {ms[0]:.2f} "
+            f"ms, tensor cores {ms[1]:.2f} ms; logits {(split - exact).abs().max().item():.1e} apart (largest "
+            f"{exact.abs().max().item():.0f}), gradients {max(gaps):.1e} apart (relative)"
+        )
 
 
 def main(argv=None):
@@ -422,6 +485,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--trl", action="store_true", help="time TRL's GRPOTrainer at equal work too")
+    parser.add_argument("--trl-vllm", action="store_true", help="and TRL's with vLLM colocated (use_vllm=True)")
+    parser.add_argument("--profile", action="store_true", help="profile one rollout and one update, not the steps")
     args = parser.parse_args(argv)
     if args.decode or args.check:
         gpu = importlib.util.find_spec("torch") and __import__("torch").cuda.is_available()
@@ -447,10 +512,12 @@ def main(argv=None):
             parameters = build_model(model_dir, SMALL if args.small else QWEN_05B, smollm2_tokenizer())
             shape = "small" if args.small else "Qwen2.5-0.5B"
             print(f"a random Qwen2 of {parameters / 1e6:.1f} M parameters ({shape}'s shape)")
+        if args.profile:
+            return profile(args, model_dir)
         ours = run_steps(args, model_dir, parameters, workdir)
-        if args.trl:
-            theirs = run_trl(args, model_dir, workdir)
-            print(f"steps 2 on: grpo.py {ours:.2f} s, TRL {theirs:.2f} s: {ours / theirs:.2f}x TRL's")
+        for vllm in [False] * args.trl + [True] * args.trl_vllm:
+            theirs, name = run_trl(args, model_dir, workdir, vllm), "TRL with vLLM" if vllm else "TRL"
+            print(f"steps 2 on: grpo.py {ours:.2f} s, {name} {theirs:.2f} s: {ours / theirs:.2f}x {name}'s")
 
 
 if __name__ == "__main__":

@@ -281,12 +281,19 @@ def test_the_loop_stops_at_the_longest_completion():
     assert longest <= 3 and tokens.shape[1] == longest and len(forwards) == longest
 
 
+def cpu_tensor_cores(a, b):
+    """tensor_core_mm as a GPU computes it: bfloat16 operands, their products (exact in float32) summed in float32."""
+    assert a.dtype == b.dtype == torch.bfloat16
+    return a.float() @ b.float()
+
+
 def eager_compile(monkeypatch, backend="eager"):
     """compiles() says yes, as on a GPU, and compile_step compiles with `backend` (fullgraph=True: a graph break
-    fails); dynamo's counters cleared."""
+    fails); the output layer's tensor-core products as cpu_tensor_cores; dynamo's counters cleared."""
     import torch._dynamo
 
     monkeypatch.setattr(grpo, "compiles", lambda model: True)
+    monkeypatch.setattr(grpo, "tensor_core_mm", cpu_tensor_cores)
     monkeypatch.setattr(grpo, "compile_step", lambda f: torch.compile(f, backend=backend, fullgraph=True))
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -383,13 +390,63 @@ def test_the_compiled_step_has_no_graph_break_and_compiles_once_for_every_rollou
             assert copies == [{}] * 4
             continue
         linears = [n for n, m in model.model.named_modules() if isinstance(m, torch.nn.Linear)]
-        assert sorted(copies[0]) == sorted(f"{n}.weight" for n in linears)  # the tiny llama's layers have no bias
+        assert sorted(copies[0]) == sorted([*(f"{n}.weight" for n in linears), "head"])  # no bias in the tiny llama
+        heads = [c.pop("head") for c in (copies[0], copies[-1])]  # the output layer's two bfloat16 parts
         for name, copy in copies[-1].items():  # the same tensors every rollout, equal to the masters cast
             assert copy.dtype == torch.bfloat16 and copy.data_ptr() == copies[0][name].data_ptr()
             assert torch.equal(copy, model.model.get_parameter(name).to(torch.bfloat16)), name
         params = sum(model.model.get_parameter(n).numel() for n in copies[-1])
         assert sum(t.nbytes for t in copies[-1].values()) == 2 * params  # one bfloat16 copy of each, no more
+        assert [p.data_ptr() for p in heads[0]] == [p.data_ptr() for p in heads[1]]
+        assert torch.equal(heads[1][0], model.lm_head.weight.to(torch.bfloat16))
+        assert torch.equal(heads[1][1], (model.lm_head.weight - heads[1][0].float()).to(torch.bfloat16))
     torch._dynamo.reset()
+
+
+def test_the_output_layer_on_tensor_cores_gives_float32s_log_probs_and_gradients(real_model_dir, monkeypatch):
+    """On a GPU in bfloat16 the output layer's product is three bfloat16 tensor-core products summed in float32
+    (head_product; here as cpu_tensor_cores computes them), on the bundled model, a random Qwen2 with Qwen's
+    vocabulary of 151,936 and SmolLM2 (logits up to 32): token_logprobs' log-probs within 3e-5, 1e-5 and 3e-4 of
+    float32's product's, and its logits at least 30 times closer than one bfloat16 product's; the gradients of the
+    output layer's weight (tied to the embedding) and of the decoder's last norm within 1e-4 of float32's, relative.
+    The forward pass is float32's in both: only the output layer differs."""
+    monkeypatch.setattr(grpo, "compiles", lambda model: True)
+    monkeypatch.setattr(grpo, "tensor_core_mm", cpu_tensor_cores)
+    torch.manual_seed(0)
+    qwen_vocab = transformers.Qwen2Config(
+        vocab_size=151_936,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    for name, model, bound in (
+        ("tiny-adder", AutoModelForCausalLM.from_pretrained(TINY_ADDER), 3e-5),
+        ("qwen vocabulary", AutoModelForCausalLM.from_config(qwen_vocab), 1e-5),
+        ("smollm2", AutoModelForCausalLM.from_pretrained(real_model_dir), 3e-4),
+    ):
+        ids = torch.randint(3, model.config.vocab_size, (4, 40))
+        mask = torch.ones_like(ids)
+        runs = []
+        for dtype in (torch.float32, torch.bfloat16):  # the model's --dtype: bfloat16 takes the tensor cores
+            model.compute_dtype = dtype
+            model.zero_grad()
+            logprobs = token_logprobs(model, ids, mask, 8)
+            logprobs.sum().backward()
+            grads = [p.grad.clone() for p in (model.lm_head.weight, model.model.norm.weight)]
+            runs.append((logprobs.detach(), grads))
+        (exact, exact_grads), (split, split_grads) = runs
+        assert (split - exact).abs().max() <= bound, name
+        for got, expected in zip(split_grads, exact_grads):
+            assert (got - expected).norm() <= 1e-4 * expected.norm(), name
+        with torch.no_grad():
+            hidden = grpo.hidden_states(model, ids, mask).flatten(0, 1)
+            weight = model.lm_head.weight
+            logits = hidden @ weight.T
+            three = grpo.head_product(hidden, weight, None, grpo.head_parts(model)) - logits
+            one = cpu_tensor_cores(hidden.bfloat16(), weight.bfloat16().T) - logits
+        assert three.abs().max() * 30 <= one.abs().max(), (name, three.abs().max(), one.abs().max())
 
 
 @pytest.mark.parametrize("lora_r", [0, 4])
@@ -433,7 +490,8 @@ def test_the_weights_held_in_the_compute_dtype_are_read_as_they_are(monkeypatch)
     weights = grpo.rollout_weights(model, True)
     assert weights["layers.0.self_attn.q_proj.weight"] is base.weight
     held = {k for k, v in weights.items() if any(v is p for p in model.parameters())}
-    assert held == {"layers.0.self_attn.q_proj.weight"} and all(v.dtype == torch.bfloat16 for v in weights.values())
+    made = [v for k, v in weights.items() if k != "head"] + list(weights["head"])
+    assert held == {"layers.0.self_attn.q_proj.weight"} and all(v.dtype == torch.bfloat16 for v in made)
     assert grpo.rollout_weights(model, False) == {}
 
 
@@ -583,7 +641,8 @@ def test_inductor_compiles_the_step_and_it_samples_the_eager_steps_tokens(monkey
 
 def test_the_gpu_benchmark_runs_on_the_cpu(real_model_dir):
     """benchmarks/gpu_benchmark.py at its small shape (a random 2-layer Qwen2 with Qwen's 151,936-token vocabulary
-    and SmolLM2's tokenizer) prints each step's split, and its decode mode the loop's ms and waits a token."""
+    and SmolLM2's tokenizer) prints each step's split, its decode mode the loop's ms and waits a token, and --profile
+    the profiler's tables of one rollout and one update."""
     out = run_script("benchmarks/gpu_benchmark.py", "--small", "--steps", "2", "--max-new-tokens", "8").stdout
     assert "a random Qwen2 of 9.8 M parameters (small's shape)" in out, out
     steps = re.findall(r"step (\d): ([\d.]+) s: generation ([\d.]+) s .* log-probs ([\d.]+) s, update ([\d.]+) s", out)
@@ -592,3 +651,6 @@ def test_the_gpu_benchmark_runs_on_the_cpu(real_model_dir):
     out = run_script("benchmarks/gpu_benchmark.py", "--decode", "--batch", "4", "--max-new-tokens", "8").stdout
     waits = re.search(r"this: [\d.]+ ms a token .* ([\d.]+) host waits a token", out)
     assert waits and float(waits.group(1)) == 9 / 8, out  # the prompts' mask, a CPU's 7 stop checks, the length
+    out = run_script("benchmarks/gpu_benchmark.py", "--small", "--profile", "--max-new-tokens", "8").stdout
+    heads = re.findall(r"one (rollout|update): 16 rows, 95 \+ 8 tokens, float32, on cpu", out)
+    assert heads == ["rollout", "update"] and out.count("Self CPU time total") == 2, out

@@ -2,6 +2,7 @@
 numbers another thread draws during a checkpointed backward pass, the output layer under bfloat16 autocast, the
 reference against the policy at step 0, and the forward passes that are not generation (docs/gpu.md)."""
 
+import re
 import threading
 import time
 from types import SimpleNamespace
@@ -297,16 +298,20 @@ def test_the_lora_cast_benchmark_counts_the_casts_both_ways():
 
 def test_the_gpu_check_runs_every_step_on_the_cpu():
     """benchmarks/gpu_benchmark.py --check, the decode loop's GPU half step by step (issue 63), at a small shape on
-    the CPU (nothing compiled, no GPU memory): its six steps in order, the eager bfloat16 rollout's tokens, the grouped
-    attention level with transformers' to bfloat16's rounding, one cache held after a smaller batch followed a larger
-    one, and the profile's table."""
+    the CPU (nothing compiled, no GPU memory): its seven steps in order, the eager bfloat16 rollout's tokens, the
+    grouped attention level with transformers' to bfloat16's rounding, one cache held after a smaller batch followed
+    a larger one, the profile's table, and the output layer's three tensor-core products (as a CPU computes them)
+    within 1e-3 of float32's logits (of std 10) and 1e-4 of its gradients, relative."""
     from conftest import run_script
 
     out = run_script(
         "benchmarks/gpu_benchmark.py", "--check", "--small", "--batch", "4", "--max-new-tokens", "4"
     ).stdout
-    steps = [line.split(".")[0] for line in out.splitlines() if line[:2] in {f"{i}." for i in range(1, 7)}]
-    assert steps == ["1", "2", "3", "4", "5", "5", "6", "6"], out
+    steps = [line.split(".")[0] for line in out.splitlines() if line[:2] in {f"{i}." for i in range(1, 8)}]
+    assert steps == ["1", "2", "3", "4", "5", "5", "6", "6", "7", "7"], out
+    for line in [line for line in out.splitlines() if line.startswith("7.")]:  # the three products against float32's
+        logits, grads = (float(x) for x in re.findall(r"(\S+) apart", line))
+        assert logits < 1e-3 and grads < 1e-4, line
     assert "a 4-token bfloat16 eager generate(), 4 prompts: (4, 4) tokens" in out, out
     gap = float(out.split("outputs ")[1].split(" apart")[0])
     assert gap < 1e-2, out  # bfloat16 inputs, summed in another order
