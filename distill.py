@@ -112,15 +112,15 @@ class Args:
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])  # layers with adapters
 
     # Algorithm specific arguments
-    prompts_per_step: int = 32  # prompts per batch of rollouts
-    group_size: int = 8  # completions sampled per prompt
+    prompts_per_step: int = 256  # prompts per batch of rollouts
+    group_size: int = 1  # completions sampled per prompt (distillation needs no group: GRPO's 32 x 8 learned slower)
     temperature: float = 1.0  # sampling temperature; log-probs are computed at the same temperature
     num_iterations: int = 1  # passes over each batch of rollouts (GRPO's mu)
     num_minibatches: int = 1  # optimizer steps per pass over a batch of rollouts
     teacher_path: str = "tiny-teacher"  # the frozen teacher: a local folder or a hub id, with the student's tokenizer
-    loss: Literal["reverse-kl", "jsd"] = "reverse-kl"
-    """the policy gradient with A_t = log pi_T(o_t) - log pi_old(o_t), or the generalized JSD over the vocabulary"""
-    jsd_beta: float = 0.5  # --loss jsd: M = beta T + (1 - beta) S; 0 the forward KL(T || S), 1 the reverse (TRL's beta)
+    loss: Literal["jsd", "reverse-kl"] = "jsd"
+    """the generalized JSD over the vocabulary, or the policy gradient with A_t = log pi_T(o_t) - log pi_old(o_t)"""
+    jsd_beta: float = 0.0  # --loss jsd: M = beta T + (1 - beta) S; 0 the forward KL(T || S), 1 the reverse (TRL's beta)
     clip_eps_low: float = 0.2  # the ratio is clipped below at 1 - clip_eps_low (--loss reverse-kl)
     clip_eps_high: float = 0.2  # the ratio is clipped above at 1 + clip_eps_high (--loss reverse-kl)
     loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"

@@ -1,14 +1,14 @@
 """distill.py against grpo.py from the same student, tiny-adder/, on the bundled task, over several seeds.
 
 Each run is `python <file> --seed S [flags] --output-dir ...`, one at a time, as a user runs it: both files' defaults,
-so the same student, the same prompts a step (32) and completions a prompt (8), and the same steps; distill.py's
-teacher is tiny-teacher/ (docs/distill.md says how it is made). The script reads every run's metrics.jsonl and writes,
+so the same student, the same rollouts a step (grpo.py's 32 prompts x 8, distill.py's 256 x 1) and the same steps;
+distill.py's teacher is tiny-teacher/ (docs/distill.md says how it is made). The script reads every run's metrics.jsonl and writes,
 from nothing, the block between the two `distill` marker lines of docs/distill.md and of docs/results.md (the table:
 steps, rollouts and wall time to reach 95% of the teacher's held-out accuracy; accuracy at equal steps; whether
 distillation ends above grpo.py's best) and docs/distill.png (held-out accuracy against the step and wall time).
 
     pip install -r requirements.txt -r benchmarks/requirements.txt
-    python benchmarks/distill_benchmark.py                     # 3 rows x 3 seeds
+    python benchmarks/distill_benchmark.py                     # 4 rows x 3 seeds
     python benchmarks/distill_benchmark.py --seeds 1 --rows grpo distill --runs-dir /tmp/d --out-dir /tmp/d \
         --flags="--num-steps 4 --prompts-per-step 4 --num-eval 16"
 
@@ -30,8 +30,9 @@ from async_benchmark import fail, machine_line, mean_std, run_once, write_block 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = {  # name: (file, flags)
     "grpo": ("grpo.py", []),
-    "distill": ("distill.py", []),  # the reverse KL's policy gradient, the default
-    "distill-jsd": ("distill.py", ["--loss", "jsd"]),  # the generalized JSD over the vocabulary (beta 0.5)
+    "distill": ("distill.py", []),  # the default: 256 prompts x 1, the forward KL over the vocabulary
+    "distill-reverse-kl": ("distill.py", ["--loss", "reverse-kl"]),  # the sampled reverse KL's policy gradient
+    "distill-exact-reverse-kl": ("distill.py", ["--jsd-beta", "1"]),  # the reverse KL over the vocabulary
 }
 SHARE = 0.95  # the target: this share of the teacher's held-out accuracy
 MARK_START, MARK_END = "<!-- distill: written by benchmarks/distill_benchmark.py -->", "<!-- end of distill -->"
