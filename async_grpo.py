@@ -163,7 +163,8 @@ def grpo_loss(
     loss_agg: "seq-mean-token-mean"     1/B sum_i 1/|o_i| sum_t l_it   (the paper)
               "token-mean"              1/sum_i |o_i| sum_i sum_t l_it (DAPO)
               "seq-mean-token-sum-norm" 1/B sum_i sum_t l_it / max_completion_length (Dr. GRPO)
-    is_weights (B, T), with --vllm: the clipped term of token t is multiplied by w_t (truncated_is_weights).
+    is_weights (B, T) or None (--rollout-correction): the clipped term of token t is multiplied by w_t
+    (rollout_correction).
     """
     m = mask.bool()
     log_ratio = torch.where(m, logprobs - old_logprobs, 0.0)  # padding never reaches exp()
@@ -567,17 +568,10 @@ def main(args):
         scheduler.step()
         # a checkpoint waits for the batches in flight and keeps them: a resumed run trains on the same rollouts
         rollouts = generator.finished() if args.save_every and step % args.save_every == 0 else []
+        models, generators = {"policy": policy}, [data_rng, shuffle_gen]
         save_checkpoint(
-            args,
-            output_dir,
-            step,
-            tokenizer,
-            {"policy": policy},
-            optimizer,
-            [data_rng, shuffle_gen],
-            signal=signal,
-            rollouts=rollouts,
-        )  # every --save-every steps
+            args, output_dir, step, tokenizer, models, optimizer, generators, signal=signal, rollouts=rollouts
+        )  # --save-every
         generator.publish(step, policy)  # version `step`: the generator may now start batch step + 1 + eta
 
     save(policy, tokenizer, output_dir)

@@ -109,7 +109,10 @@ class Args:
     scale_rewards: bool = True  # divide by the group's std (`--no-scale-rewards`: Dr. GRPO)
     vllm: bool = False  # sample the rollouts with a vLLM engine in this process (docs/vllm.md)
     vllm_kv_cache_gib: float = 1.0  # the engine's KV cache, in GiB (beside its copy of the weights)
-    vllm_is_cap: float = 2.0  # truncate the pi_old / engine importance weights at this (TIS)
+    rollout_correction: Literal["auto", "none", "token-tis", "token-mis", "seq-tis", "seq-mis", "icepop"] = "auto"
+    """how the loss weighs tokens the sampler drew with other log-probs than pi_old's (rollout_correction); auto:
+    token-tis with --vllm, none with the file's own decode loop"""
+    rollout_cap: float = 2.0  # the cap of --rollout-correction's weights (IcePop's band: [1 / cap, cap])
 
     # to be filled in at runtime (not flags: the command line cannot set them)
     batch_size: tyro.conf.Suppress[int] = 0  # completions per batch of rollouts (prompts_per_step * group_size)
@@ -139,8 +142,8 @@ def cispo_loss(logprobs, old_logprobs, advantages, mask, clip_eps_low, clip_eps_
         w_it = sg(clip(exp(logprobs_it - old_logprobs_it), 1 - eps_low, 1 + eps_high))
         loss = -1/sum_i |o_i| sum_i sum_t w_it A_i logprobs_it
     d loss / d logprobs_it = -w_it A_i / sum_i |o_i|, also where the ratio is clipped.
-    is_weights (B, T), with --vllm: w_it is multiplied by the token's truncated importance weight
-    (truncated_is_weights).
+    is_weights (B, T) or None (--rollout-correction): w_it is multiplied by the token's weight
+    (rollout_correction).
     """
     m = mask.bool()
     ratio = torch.exp(torch.where(m, logprobs - old_logprobs, 0.0))  # (B, T), padding never reaches exp()
@@ -152,25 +155,46 @@ def cispo_loss(logprobs, old_logprobs, advantages, mask, clip_eps_low, clip_eps_
     return loss, {"clip_frac": masked_mean(clipped.float(), m).detach(), "ratio": masked_mean(ratio, m).detach()}
 
 
-def truncated_is_weights(old_logprobs, engine_logprobs, mask, cap):
-    """Truncated importance sampling (TIS): the engine sampled the tokens, the loss assumes pi_old did, so each
-    token's policy-gradient term is weighed by w_t = min(pi_old(o_t) / pi_engine(o_t), cap), a constant.
+def rollout_correction(old_logprobs, rollout_logprobs, mask, mode, cap):
+    """The sampler's policy against the trainer's: the tokens were drawn with log-probs rollout_logprobs (the decode
+    loop's own, or vLLM's), the loss takes old_logprobs as pi_old's, so each token's policy-gradient term is weighed by
+    a constant w_t made from r_t = pi_old(o_t) / pi_rollout(o_t) (Yao et al. 2025, TIS; verl's rollout_corr; IcePop,
+    arXiv 2510.18855; docs/mismatch.md says which to pick):
 
-    old_logprobs, engine_logprobs, mask: (B, T); 0 at padding.
-    old = log [0.5, 0.3, 0.1], engine = log [0.5, 0.6, 0.01], cap = 2 -> w = [1, 0.5, 2 (10, truncated)]
-    Also the step's statistics: logprob_diff, the mean |old - engine| over the tokens, and the weights' mean.
-    Without an engine (engine_logprobs None), no weights and no statistics.
+        none        no weight (w_t = 1)
+        token-tis   w_t = min(r_t, cap)                          truncated
+        token-mis   w_t = r_t if r_t <= cap, else 0              masked
+        seq-tis     w_t = min(g, cap),  g = exp(mean_t log r_t)  the row's geometric mean, truncated
+        seq-mis     w_t = g if g <= cap, else 0                  the row's, masked
+        icepop      w_t = r_t if 1/cap <= r_t <= cap, else 0     masked on both sides
+
+    old_logprobs, rollout_logprobs, mask: (B, T); 0 at padding. One row, cap = 2:
+    old = log [0.5, 0.3, 0.1, 0.1], rollout = log [0.5, 0.5, 0.01, 0.4]: r = [1, 0.6, 10, 0.25], g = 1.5^(1/4) = 1.107
+    -> token-tis [1, 0.6, 2, 0.25], token-mis [1, 0.6, 0, 0.25], seq-tis and seq-mis [1.107] * 4, icepop [1, 0.6, 0, 0]
+    Also the mismatch's statistics, in every mode: logprob_diff, the mean |log r_t| over the tokens; beyond_2, the
+    share of them with r_t outside [1/2, 2]; with weights, is_weight (their mean) and is_capped (the share the cap
+    truncated or masked).
     """
-    if engine_logprobs is None:  # generate() sampled from pi_old itself
-        return None, {}
     m = mask.bool()
-    log_ratio = torch.where(m, old_logprobs - engine_logprobs, 0.0).detach()  # padding never reaches exp()
-    weights = torch.where(m, torch.exp(log_ratio).clamp(max=cap), 0.0)
-    return weights, {
+    log_ratio = torch.where(m, old_logprobs - rollout_logprobs, 0.0).detach()  # padding never reaches exp()
+    stats = {
         "logprob_diff": masked_mean(log_ratio.abs(), m),
-        "is_weight": masked_mean(weights, m),
-        "is_truncated": masked_mean((log_ratio > math.log(cap)).float(), m),
+        "beyond_2": masked_mean((log_ratio.abs() > math.log(2)).float(), m),
     }
+    if mode == "none":
+        return None, stats
+    if mode.startswith("seq"):  # the mean log-ratio of the row, on each of its tokens
+        log_ratio = (log_ratio.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)).expand_as(log_ratio)
+    ratio = torch.exp(log_ratio)
+    capped = ratio > cap
+    if mode == "icepop":
+        capped = capped | (ratio < 1 / cap)
+    if mode.endswith("tis"):
+        weights = ratio.clamp(max=cap)
+    else:
+        weights = torch.where(capped, 0.0, ratio)
+    weights = torch.where(m, weights, 0.0)
+    return weights, {**stats, "is_weight": masked_mean(weights, m), "is_capped": masked_mean(capped.float(), m)}
 
 
 # ---- The task and its reward: what a user edits for a task of their own (docs/your_own_task.md)
@@ -230,6 +254,7 @@ def main(args):
     scheduler = lr_scheduler(optimizer, args, first_step)
     signal = saved.get("signal", 0)  # groups whose rewards differed in the first steps (no_signal_note)
     print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
+    correction = dict(mode=args.rollout_correction, cap=args.rollout_cap)  # rollout_correction's
     start = time.time()
     if first_step == 1:
         samples = []  # a few held-out prompts with their completions, for samples.jsonl
@@ -243,7 +268,7 @@ def main(args):
         group = [r for r in prompts for _ in range(args.group_size)]
         policy.eval()
         prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device, args)  # (B, P)
-        completion_ids, engine_logprobs = sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids)
+        completion_ids, rollout_logprobs = sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids)
         timer.lap("generation")
         mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
@@ -275,7 +300,7 @@ def main(args):
             for i, share in micro_batches(minibatch, args.micro_batch_size, [policy], token_mask):
                 logprobs = token_logprobs(policy, input_ids[i], attention_mask[i], prompt_len, args.temperature)
                 old = logprobs.detach() if old_logprobs is None else old_logprobs[i]
-                is_weights, is_stats = truncated_is_weights(old, rows(engine_logprobs, i), mask[i], args.vllm_is_cap)
+                is_weights, is_stats = rollout_correction(old, rollout_logprobs[i], mask[i], **correction)
                 loss, stats = cispo_loss(
                     logprobs, old, advantages[i], mask[i], args.clip_eps_low, args.clip_eps_high, is_weights
                 )
@@ -308,9 +333,7 @@ def main(args):
             reduce_and_log(output_dir, step, metrics, samples)
         scheduler.step()
         models, generators = {"policy": policy}, [data_rng, shuffle_gen]
-        save_checkpoint(
-            args, output_dir, step, tokenizer, models, optimizer, generators, signal=signal
-        )  # every --save-every steps
+        save_checkpoint(args, output_dir, step, tokenizer, models, optimizer, generators, signal=signal)  # --save-every
 
     save(policy, tokenizer, output_dir)
     print(f"saved to {output_dir} in {time.time() - start:.0f} s")
@@ -335,16 +358,19 @@ def check_args(args):
 
 
 # ---- vLLM (--vllm): an engine in this process samples the rollouts (docs/vllm.md)
-VLLM_RANGES = {"vllm_kv_cache_gib": "> 0", "vllm_is_cap": "> 0"}
+VLLM_RANGES = {"vllm_kv_cache_gib": "> 0", "rollout_cap": ">= 1"}
 
 
 def check_vllm(args):
-    """Stops before anything loads if --vllm cannot run: vLLM is not installed."""
+    """Stops before anything loads if --vllm cannot run: vLLM is not installed; settles --rollout-correction auto:
+    token-tis where vLLM samples (another computation than the trainer's), none where the file's decode loop does."""
     if args.vllm and importlib.util.find_spec("vllm") is None:
         fail(
             "--vllm: vLLM is not installed; install requirements-vllm.txt (CUDA) or requirements-vllm-cpu.txt (CPU), "
             "each in an environment of its own (docs/vllm.md)"
         )
+    if args.rollout_correction == "auto":
+        args.rollout_correction = "token-tis" if args.vllm else "none"
 
 
 def batch_sizes(args):
@@ -422,12 +448,12 @@ def load_task(args, answers=True):
 
 
 def sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids):
-    """Completion ids (B, T) sampled at --temperature; with --vllm by the engine, once it has the policy's weights,
-    and then also its log-prob of each sampled token (B, T), 0 after the completion."""
+    """Completion ids (B, T) sampled at --temperature, and the sampler's log-prob of each sampled token (B, T), 0
+    after the completion: the decode loop's, or with --vllm the engine's, once it has the policy's weights."""
     if engine is None:
         return generate(
-            policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature, stop_ids
-        ), None
+            policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature, stop_ids, True
+        )
     import vllm
 
     sync_engine(engine, policy)

@@ -130,7 +130,10 @@ class Args:
     overlong_filter: bool = False  # a completion cut at --max-new-tokens without its stop token carries no loss
     vllm: bool = False  # sample the rollouts with a vLLM engine in this process (docs/vllm.md)
     vllm_kv_cache_gib: float = 1.0  # the engine's KV cache, in GiB (beside its copy of the weights)
-    vllm_is_cap: float = 2.0  # truncate the pi_old / engine importance weights at this (TIS)
+    rollout_correction: Literal["auto", "none", "token-tis", "token-mis", "seq-tis", "seq-mis", "icepop"] = "auto"
+    """how the loss weighs tokens the sampler drew with other log-probs than pi_old's (rollout_correction); auto:
+    token-tis with --vllm, none with the file's own decode loop"""
+    rollout_cap: float = 2.0  # the cap of --rollout-correction's weights (IcePop's band: [1 / cap, cap])
 
     # to be filled in at runtime (not flags: the command line cannot set them)
     batch_size: tyro.conf.Suppress[int] = 0  # completions per batch of rollouts (prompts_per_step * group_size)
@@ -174,7 +177,8 @@ def grpo_loss(
     loss_agg: "seq-mean-token-mean"     1/B sum_i 1/|o_i| sum_t l_it   (the paper)
               "token-mean"              1/sum_i |o_i| sum_i sum_t l_it (DAPO)
               "seq-mean-token-sum-norm" 1/B sum_i sum_t l_it / max_completion_length (Dr. GRPO)
-    is_weights (B, T), with --vllm: the clipped term of token t is multiplied by w_t (truncated_is_weights).
+    is_weights (B, T) or None (--rollout-correction): the clipped term of token t is multiplied by w_t
+    (rollout_correction).
     """
     m = mask.bool()
     log_ratio = torch.where(m, logprobs - old_logprobs, 0.0)  # padding never reaches exp()
@@ -214,25 +218,46 @@ def overlong_penalty(lengths, max_length, cache_length):
     return ((max_length - cache_length - lengths.float()) / cache_length).clamp(min=-1.0, max=0.0)
 
 
-def truncated_is_weights(old_logprobs, engine_logprobs, mask, cap):
-    """Truncated importance sampling (TIS): the engine sampled the tokens, the loss assumes pi_old did, so each
-    token's policy-gradient term is weighed by w_t = min(pi_old(o_t) / pi_engine(o_t), cap), a constant.
+def rollout_correction(old_logprobs, rollout_logprobs, mask, mode, cap):
+    """The sampler's policy against the trainer's: the tokens were drawn with log-probs rollout_logprobs (the decode
+    loop's own, or vLLM's), the loss takes old_logprobs as pi_old's, so each token's policy-gradient term is weighed by
+    a constant w_t made from r_t = pi_old(o_t) / pi_rollout(o_t) (Yao et al. 2025, TIS; verl's rollout_corr; IcePop,
+    arXiv 2510.18855; docs/mismatch.md says which to pick):
 
-    old_logprobs, engine_logprobs, mask: (B, T); 0 at padding.
-    old = log [0.5, 0.3, 0.1], engine = log [0.5, 0.6, 0.01], cap = 2 -> w = [1, 0.5, 2 (10, truncated)]
-    Also the step's statistics: logprob_diff, the mean |old - engine| over the tokens, and the weights' mean.
-    Without an engine (engine_logprobs None), no weights and no statistics.
+        none        no weight (w_t = 1)
+        token-tis   w_t = min(r_t, cap)                          truncated
+        token-mis   w_t = r_t if r_t <= cap, else 0              masked
+        seq-tis     w_t = min(g, cap),  g = exp(mean_t log r_t)  the row's geometric mean, truncated
+        seq-mis     w_t = g if g <= cap, else 0                  the row's, masked
+        icepop      w_t = r_t if 1/cap <= r_t <= cap, else 0     masked on both sides
+
+    old_logprobs, rollout_logprobs, mask: (B, T); 0 at padding. One row, cap = 2:
+    old = log [0.5, 0.3, 0.1, 0.1], rollout = log [0.5, 0.5, 0.01, 0.4]: r = [1, 0.6, 10, 0.25], g = 1.5^(1/4) = 1.107
+    -> token-tis [1, 0.6, 2, 0.25], token-mis [1, 0.6, 0, 0.25], seq-tis and seq-mis [1.107] * 4, icepop [1, 0.6, 0, 0]
+    Also the mismatch's statistics, in every mode: logprob_diff, the mean |log r_t| over the tokens; beyond_2, the
+    share of them with r_t outside [1/2, 2]; with weights, is_weight (their mean) and is_capped (the share the cap
+    truncated or masked).
     """
-    if engine_logprobs is None:  # generate() sampled from pi_old itself
-        return None, {}
     m = mask.bool()
-    log_ratio = torch.where(m, old_logprobs - engine_logprobs, 0.0).detach()  # padding never reaches exp()
-    weights = torch.where(m, torch.exp(log_ratio).clamp(max=cap), 0.0)
-    return weights, {
+    log_ratio = torch.where(m, old_logprobs - rollout_logprobs, 0.0).detach()  # padding never reaches exp()
+    stats = {
         "logprob_diff": masked_mean(log_ratio.abs(), m),
-        "is_weight": masked_mean(weights, m),
-        "is_truncated": masked_mean((log_ratio > math.log(cap)).float(), m),
+        "beyond_2": masked_mean((log_ratio.abs() > math.log(2)).float(), m),
     }
+    if mode == "none":
+        return None, stats
+    if mode.startswith("seq"):  # the mean log-ratio of the row, on each of its tokens
+        log_ratio = (log_ratio.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)).expand_as(log_ratio)
+    ratio = torch.exp(log_ratio)
+    capped = ratio > cap
+    if mode == "icepop":
+        capped = capped | (ratio < 1 / cap)
+    if mode.endswith("tis"):
+        weights = ratio.clamp(max=cap)
+    else:
+        weights = torch.where(capped, 0.0, ratio)
+    weights = torch.where(m, weights, 0.0)
+    return weights, {**stats, "is_weight": masked_mean(weights, m), "is_capped": masked_mean(capped.float(), m)}
 
 
 # ---- The task and its reward: what a user edits for a task of their own (docs/your_own_task.md)
@@ -322,7 +347,7 @@ def sample_batch(policy, engine, tokenizer, records, data_rng, args, stop_ids):
     prompts = prompts[rank * num_prompts : (rank + 1) * num_prompts]  # and takes its share
     group = [r for r in prompts for _ in range(args.group_size)]
     prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device, args)  # (B, P)
-    completion_ids, engine_logprobs = sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids)
+    completion_ids, rollout_logprobs = sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids)
     mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
     texts = decode_completions(tokenizer, completion_ids, mask)
     rewards = torch.tensor([reward_fn(t, r) for t, r in zip(texts, group)], device=device)  # (B,)
@@ -338,7 +363,7 @@ def sample_batch(policy, engine, tokenizer, records, data_rng, args, stop_ids):
         "prompt_mask": prompt_mask,
         "completion_ids": completion_ids,
         "mask": mask,
-        "engine_logprobs": engine_logprobs,  # None without --vllm
+        "rollout_logprobs": rollout_logprobs,  # the sampler's log-probs
     }
 
 
@@ -349,8 +374,6 @@ def join_groups(chosen, group_size, pad_id):
     rows = [(sampled, slice(g * group_size, (g + 1) * group_size)) for sampled, g in chosen]
 
     def join(key, pad, left=False):
-        if rows[0][0][key] is None:  # no engine: no engine log-probs
-            return None
         parts = [sampled[key][r] for sampled, r in rows]
         width = max(p.shape[1] for p in parts)
         sides = [(width - p.shape[1], 0) if left else (0, width - p.shape[1]) for p in parts]
@@ -365,7 +388,7 @@ def join_groups(chosen, group_size, pad_id):
         "prompt_mask": join("prompt_mask", 0, left=True),
         "completion_ids": join("completion_ids", pad_id),
         "mask": join("mask", False),
-        "engine_logprobs": join("engine_logprobs", 0.0),
+        "rollout_logprobs": join("rollout_logprobs", 0.0),
     }
 
 
@@ -412,6 +435,7 @@ def main(args):
         loss_agg=args.loss_agg,
         max_completion_length=args.max_new_tokens,
     )  # grpo_loss's constants
+    correction = dict(mode=args.rollout_correction, cap=args.rollout_cap)  # rollout_correction's
     start = time.time()
     if first_step == 1:
         samples = []  # a few held-out prompts with their completions, for samples.jsonl
@@ -425,7 +449,7 @@ def main(args):
         batch, sampling = dynamic_sample(policy, engine, tokenizer, train_records, data_rng, args, stop_ids)
         group, texts, rewards = batch["group"], batch["texts"], batch["rewards"]  # group-contiguous, (B,) rewards
         prompt_ids, prompt_mask, completion_ids = batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"]
-        mask, engine_logprobs = batch["mask"], batch["engine_logprobs"]  # (B, T): up to and including the first EOS
+        mask, rollout_logprobs = batch["mask"], batch["rollout_logprobs"]  # (B, T): up to and including the first EOS
         rollouts_sampled += sampling["charts/sample_batches"] * args.batch_size
         timer.lap("generation")
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
@@ -463,7 +487,7 @@ def main(args):
             for i, share in micro_batches(minibatch, args.micro_batch_size, [policy], token_mask):
                 logprobs = token_logprobs(policy, input_ids[i], attention_mask[i], prompt_len, args.temperature)
                 old = logprobs.detach() if old_logprobs is None else old_logprobs[i]
-                is_weights, is_stats = truncated_is_weights(old, rows(engine_logprobs, i), mask[i], args.vllm_is_cap)
+                is_weights, is_stats = rollout_correction(old, rollout_logprobs[i], mask[i], **correction)
                 loss, stats = grpo_loss(
                     logprobs, old, rows(ref_logprobs, i), advantages[i], mask[i], **loss_args, is_weights=is_weights
                 )
@@ -532,16 +556,19 @@ def check_args(args):
 
 
 # ---- vLLM (--vllm): an engine in this process samples the rollouts (docs/vllm.md)
-VLLM_RANGES = {"vllm_kv_cache_gib": "> 0", "vllm_is_cap": "> 0"}
+VLLM_RANGES = {"vllm_kv_cache_gib": "> 0", "rollout_cap": ">= 1"}
 
 
 def check_vllm(args):
-    """Stops before anything loads if --vllm cannot run: vLLM is not installed."""
+    """Stops before anything loads if --vllm cannot run: vLLM is not installed; settles --rollout-correction auto:
+    token-tis where vLLM samples (another computation than the trainer's), none where the file's decode loop does."""
     if args.vllm and importlib.util.find_spec("vllm") is None:
         fail(
             "--vllm: vLLM is not installed; install requirements-vllm.txt (CUDA) or requirements-vllm-cpu.txt (CPU), "
             "each in an environment of its own (docs/vllm.md)"
         )
+    if args.rollout_correction == "auto":
+        args.rollout_correction = "token-tis" if args.vllm else "none"
 
 
 def batch_sizes(args):
@@ -619,12 +646,12 @@ def load_task(args, answers=True):
 
 
 def sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids):
-    """Completion ids (B, T) sampled at --temperature; with --vllm by the engine, once it has the policy's weights,
-    and then also its log-prob of each sampled token (B, T), 0 after the completion."""
+    """Completion ids (B, T) sampled at --temperature, and the sampler's log-prob of each sampled token (B, T), 0
+    after the completion: the decode loop's, or with --vllm the engine's, once it has the policy's weights."""
     if engine is None:
         return generate(
-            policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature, stop_ids
-        ), None
+            policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature, stop_ids, True
+        )
     import vllm
 
     sync_engine(engine, policy)

@@ -1,34 +1,36 @@
 """On-policy distillation, in one file.
 
-The student samples completions from its current policy, as grpo.py's rollout does; a frozen teacher that shares its
-tokenizer scores every sampled token; each token's advantage is the teacher's log-prob of it minus the student's, the
-reverse KL's sampled estimate at its prefix, negated: no reward, no value model, no discount. The update is PPO's
-clipped surrogate over those tokens (Agarwal et al. 2024, GKD, https://arxiv.org/abs/2306.13649; Thinking Machines
-2025, On-Policy Distillation; tinker-cookbook's incorporate_kl_penalty):
+The student samples completions from its current policy, as grpo.py's rollout does, one a prompt (no group); a frozen
+teacher that shares its tokenizer scores every prefix the student reached, and the student is moved toward the
+teacher there: no reward, no value model. The default loss is, at each sampled prefix, the generalized Jensen-Shannon
+divergence over the whole vocabulary at beta = 0, the forward KL (Agarwal et al. 2024, GKD,
+https://arxiv.org/abs/2306.13649, eq. 1; TRL's generalized_jsd_loss), with S = pi, T = pi_T:
+
+    loss = aggregate over tokens of JSD_beta = beta KL(T || M) + (1 - beta) KL(S || M),   M = beta T + (1 - beta) S
+    beta = 0 (the default): KL(T || S), the forward KL;  beta = 1: KL(S || T), the reverse KL, exact at each prefix
+
+No ratio and no clipping there; the cost is both models' logits over the vocabulary at every token, made a chunk at a
+time (over_vocabulary, below the banner). `--loss reverse-kl` is the sampled form instead (Thinking Machines 2025,
+On-Policy Distillation; tinker-cookbook's incorporate_kl_penalty): each sampled token's advantage is the teacher's
+log-prob of it minus the student's, the reverse KL's sampled estimate at its prefix, negated, and the update is PPO's
+clipped surrogate over those tokens:
 
     loss = -1/B sum_i 1/|o_i| sum_t min(r_it A_it, clip(r_it, 1-eps, 1+eps) A_it)
     r_it = pi(o_it) / pi_old(o_it),   A_it = log pi_T(o_it) - log pi_old(o_it)
 
 At r = 1 a token's gradient, averaged over o_t ~ pi, is that of the reverse KL(pi || pi_T) at its prefix
-(docs/distill.md works it out). `--loss jsd` computes instead, at each sampled prefix, the generalized Jensen-Shannon
-divergence over the whole vocabulary, as TRL's generalized_jsd_loss does (GKD eq. 1), with S = pi, T = pi_T:
-
-    loss = aggregate over tokens of JSD_beta = beta KL(T || M) + (1 - beta) KL(S || M),   M = beta T + (1 - beta) S
-    beta = 0: KL(T || S), the forward KL;  beta = 1: KL(S || T), the reverse KL, exact at each prefix
-
-No ratio and no clipping there; the cost is both models' logits over the vocabulary at every token, made a chunk at a
-time (over_vocabulary, below the banner).
+(docs/distill.md works it out). The defaults are what learned fastest on the bundled task (docs/distill.md, "Measured").
 
 Where this file departs from the references: no KL to a reference model (the teacher is the anchor); the teacher's
-log-probs at --temperature, as the student's (TRL's way); `--loss-agg` as grpo.py's. With `--vllm` the engine samples
-and the default loss weighs each token as grpo.py does (TIS); `--loss jsd` needs no weight (it samples no token),
-though its prefixes are the engine's. A teacher whose stop token is not the student's scores the student's stop token
-low (or high), and the student learns to stop late or never (or at once): a note at the start names stop tokens that
-differ, and charts/completion_length and charts/stopped show the drift. See docs/distill.md.
+log-probs at --temperature, as the student's (TRL's way); `--loss-agg` as grpo.py's. With `--vllm` the engine samples;
+`--loss reverse-kl` weighs each token as grpo.py does (TIS), the JSD needs no weight (it samples no token), though its
+prefixes are the engine's. A teacher whose stop token is not the student's scores the student's stop token low (or
+high), and the student learns to stop late or never (or at once): a note at the start names stop tokens that differ,
+and charts/completion_length and charts/stopped show the drift. See docs/distill.md.
 
     python distill.py                                # bundled student, tiny-teacher/ as teacher, addition task, CPU
     python distill.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --teacher-path Qwen/Qwen2.5-1.5B-Instruct \
-        --dataset openai/gsm8k --dataset-config main --max-new-tokens 512 --prompts-per-step 16 \
+        --dataset openai/gsm8k --dataset-config main --max-new-tokens 512 --prompts-per-step 128 \
         --micro-batch-size 8 --learning-rate 1e-6 --num-eval 200 --eval-every 50 --gradient-checkpointing  # a GPU
 """
 
@@ -127,7 +129,10 @@ class Args:
     """how token losses are averaged: GRPO's, DAPO's, or Dr. GRPO's (docs/grpo.md), with either --loss"""
     vllm: bool = False  # sample the rollouts with a vLLM engine in this process (docs/vllm.md)
     vllm_kv_cache_gib: float = 1.0  # the engine's KV cache, in GiB (beside its copy of the weights)
-    vllm_is_cap: float = 2.0  # truncate the pi_old / engine importance weights at this (TIS)
+    rollout_correction: Literal["auto", "none", "token-tis", "token-mis", "seq-tis", "seq-mis", "icepop"] = "auto"
+    """how the loss weighs tokens the sampler drew with other log-probs than pi_old's (rollout_correction); auto:
+    token-tis with --vllm, none with the file's own decode loop"""
+    rollout_cap: float = 2.0  # the cap of --rollout-correction's weights (IcePop's band: [1 / cap, cap])
 
     # to be filled in at runtime (not flags: the command line cannot set them)
     batch_size: tyro.conf.Suppress[int] = 0  # completions per batch of rollouts (prompts_per_step * group_size)
@@ -163,7 +168,7 @@ def pg_loss(
     logprobs (B, T) carries the gradient; old_logprobs and advantages (B, T) (teacher_advantages) are constants;
     mask (B, T) marks completion tokens. Per token, averaged as loss_agg says (aggregate):
         l_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t),   r_t = exp(logprobs_t - old_logprobs_t)
-    is_weights (B, T), with --vllm: the term of token t is multiplied by w_t (truncated_is_weights).
+    is_weights (B, T) or None (--rollout-correction): the term of token t is multiplied by w_t (rollout_correction).
     """
     m = mask.bool()
     log_ratio = torch.where(m, logprobs - old_logprobs, 0.0)  # padding never reaches exp()
@@ -253,25 +258,46 @@ def teacher_pass(teacher, input_ids, attention_mask, prompt_len, args):
     return batched_logprobs(teacher, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size)
 
 
-def truncated_is_weights(old_logprobs, engine_logprobs, mask, cap):
-    """Truncated importance sampling (TIS): the engine sampled the tokens, the loss assumes pi_old did, so each
-    token's policy-gradient term is weighed by w_t = min(pi_old(o_t) / pi_engine(o_t), cap), a constant.
+def rollout_correction(old_logprobs, rollout_logprobs, mask, mode, cap):
+    """The sampler's policy against the trainer's: the tokens were drawn with log-probs rollout_logprobs (the decode
+    loop's own, or vLLM's), the loss takes old_logprobs as pi_old's, so each token's policy-gradient term is weighed by
+    a constant w_t made from r_t = pi_old(o_t) / pi_rollout(o_t) (Yao et al. 2025, TIS; verl's rollout_corr; IcePop,
+    arXiv 2510.18855; docs/mismatch.md says which to pick):
 
-    old_logprobs, engine_logprobs, mask: (B, T); 0 at padding.
-    old = log [0.5, 0.3, 0.1], engine = log [0.5, 0.6, 0.01], cap = 2 -> w = [1, 0.5, 2 (10, truncated)]
-    Also the step's statistics: logprob_diff, the mean |old - engine| over the tokens, and the weights' mean.
-    Without an engine (engine_logprobs None), no weights and no statistics.
+        none        no weight (w_t = 1)
+        token-tis   w_t = min(r_t, cap)                          truncated
+        token-mis   w_t = r_t if r_t <= cap, else 0              masked
+        seq-tis     w_t = min(g, cap),  g = exp(mean_t log r_t)  the row's geometric mean, truncated
+        seq-mis     w_t = g if g <= cap, else 0                  the row's, masked
+        icepop      w_t = r_t if 1/cap <= r_t <= cap, else 0     masked on both sides
+
+    old_logprobs, rollout_logprobs, mask: (B, T); 0 at padding. One row, cap = 2:
+    old = log [0.5, 0.3, 0.1, 0.1], rollout = log [0.5, 0.5, 0.01, 0.4]: r = [1, 0.6, 10, 0.25], g = 1.5^(1/4) = 1.107
+    -> token-tis [1, 0.6, 2, 0.25], token-mis [1, 0.6, 0, 0.25], seq-tis and seq-mis [1.107] * 4, icepop [1, 0.6, 0, 0]
+    Also the mismatch's statistics, in every mode: logprob_diff, the mean |log r_t| over the tokens; beyond_2, the
+    share of them with r_t outside [1/2, 2]; with weights, is_weight (their mean) and is_capped (the share the cap
+    truncated or masked).
     """
-    if engine_logprobs is None:  # generate() sampled from pi_old itself
-        return None, {}
     m = mask.bool()
-    log_ratio = torch.where(m, old_logprobs - engine_logprobs, 0.0).detach()  # padding never reaches exp()
-    weights = torch.where(m, torch.exp(log_ratio).clamp(max=cap), 0.0)
-    return weights, {
+    log_ratio = torch.where(m, old_logprobs - rollout_logprobs, 0.0).detach()  # padding never reaches exp()
+    stats = {
         "logprob_diff": masked_mean(log_ratio.abs(), m),
-        "is_weight": masked_mean(weights, m),
-        "is_truncated": masked_mean((log_ratio > math.log(cap)).float(), m),
+        "beyond_2": masked_mean((log_ratio.abs() > math.log(2)).float(), m),
     }
+    if mode == "none":
+        return None, stats
+    if mode.startswith("seq"):  # the mean log-ratio of the row, on each of its tokens
+        log_ratio = (log_ratio.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)).expand_as(log_ratio)
+    ratio = torch.exp(log_ratio)
+    capped = ratio > cap
+    if mode == "icepop":
+        capped = capped | (ratio < 1 / cap)
+    if mode.endswith("tis"):
+        weights = ratio.clamp(max=cap)
+    else:
+        weights = torch.where(capped, 0.0, ratio)
+    weights = torch.where(m, weights, 0.0)
+    return weights, {**stats, "is_weight": masked_mean(weights, m), "is_capped": masked_mean(capped.float(), m)}
 
 
 # ---- The task and its reward: what a user edits for a task of their own (docs/your_own_task.md)
@@ -338,6 +364,7 @@ def main(args):
         max_completion_length=args.max_new_tokens,
     )  # pg_loss's constants
     jsd_args = dict(temperature=args.temperature, beta=args.jsd_beta)  # token_jsd's, with --loss jsd
+    correction = dict(mode=args.rollout_correction, cap=args.rollout_cap)  # rollout_correction's
     start = time.time()
     if first_step == 1:
         samples = []  # a few held-out prompts with their completions, for samples.jsonl
@@ -353,7 +380,7 @@ def main(args):
         group = [r for r in prompts for _ in range(args.group_size)]
         policy.eval()
         prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device, args)  # (B, P)
-        completion_ids, engine_logprobs = sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids)
+        completion_ids, rollout_logprobs = sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids)
         timer.lap("generation")
         mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
@@ -397,9 +424,7 @@ def main(args):
                     logprobs = token_logprobs(policy, input_ids[i], attention_mask[i], prompt_len, args.temperature)
                     old = logprobs.detach() if old_logprobs is None else old_logprobs[i]
                     advantages = teacher_advantages(teacher_scores[i], old, mask[i])  # (b, T)
-                    is_weights, is_stats = truncated_is_weights(
-                        old, rows(engine_logprobs, i), mask[i], args.vllm_is_cap
-                    )
+                    is_weights, is_stats = rollout_correction(old, rollout_logprobs[i], mask[i], **correction)
                     loss, stats = pg_loss(logprobs, old, advantages, mask[i], **loss_args, is_weights=is_weights)
                     sampled = -advantages
                 sampled_kl[i] = sampled
@@ -508,16 +533,19 @@ def check_args(args):
 
 
 # ---- vLLM (--vllm): an engine in this process samples the rollouts (docs/vllm.md)
-VLLM_RANGES = {"vllm_kv_cache_gib": "> 0", "vllm_is_cap": "> 0"}
+VLLM_RANGES = {"vllm_kv_cache_gib": "> 0", "rollout_cap": ">= 1"}
 
 
 def check_vllm(args):
-    """Stops before anything loads if --vllm cannot run: vLLM is not installed."""
+    """Stops before anything loads if --vllm cannot run: vLLM is not installed; settles --rollout-correction auto:
+    token-tis where vLLM samples (another computation than the trainer's), none where the file's decode loop does."""
     if args.vllm and importlib.util.find_spec("vllm") is None:
         fail(
             "--vllm: vLLM is not installed; install requirements-vllm.txt (CUDA) or requirements-vllm-cpu.txt (CPU), "
             "each in an environment of its own (docs/vllm.md)"
         )
+    if args.rollout_correction == "auto":
+        args.rollout_correction = "token-tis" if args.vllm else "none"
 
 
 def batch_sizes(args):
@@ -636,12 +664,12 @@ def load_task(args, answers=True):
 
 
 def sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids):
-    """Completion ids (B, T) sampled at --temperature; with --vllm by the engine, once it has the policy's weights,
-    and then also its log-prob of each sampled token (B, T), 0 after the completion."""
+    """Completion ids (B, T) sampled at --temperature, and the sampler's log-prob of each sampled token (B, T), 0
+    after the completion: the decode loop's, or with --vllm the engine's, once it has the policy's weights."""
     if engine is None:
         return generate(
-            policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature, stop_ids
-        ), None
+            policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature, stop_ids, True
+        )
     import vllm
 
     sync_engine(engine, policy)

@@ -161,7 +161,8 @@ def grpo_loss(
     loss_agg: "seq-mean-token-mean"     1/B sum_i 1/|o_i| sum_t l_it   (the paper)
               "token-mean"              1/sum_i |o_i| sum_i sum_t l_it (DAPO)
               "seq-mean-token-sum-norm" 1/B sum_i sum_t l_it / max_completion_length (Dr. GRPO)
-    is_weights (B, T), with --vllm: the clipped term of token t is multiplied by w_t (truncated_is_weights).
+    is_weights (B, T) or None (--rollout-correction): the clipped term of token t is multiplied by w_t
+    (rollout_correction).
     """
     m = mask.bool()
     log_ratio = torch.where(m, logprobs - old_logprobs, 0.0)  # padding never reaches exp()
@@ -600,9 +601,7 @@ def main(args):
             reduce_and_log(output_dir, step, metrics, samples)
         scheduler.step()
         models, generators = {"policy": policy}, [data_rng, shuffle_gen]
-        save_checkpoint(
-            args, output_dir, step, tokenizer, models, optimizer, generators, signal=signal
-        )  # every --save-every steps
+        save_checkpoint(args, output_dir, step, tokenizer, models, optimizer, generators, signal=signal)  # --save-every
 
     save(policy, tokenizer, output_dir)
     print(f"saved to {output_dir} in {time.time() - start:.0f} s")

@@ -2,10 +2,11 @@
 
 Each run is `python <file> --seed S [flags] --output-dir ...`, one at a time, as a user runs it: both files' defaults,
 so the same student, the same rollouts a step (grpo.py's 32 prompts x 8, distill.py's 256 x 1) and the same steps;
-distill.py's teacher is tiny-teacher/ (docs/distill.md says how it is made). The script reads every run's metrics.jsonl and writes,
-from nothing, the block between the two `distill` marker lines of docs/distill.md and of docs/results.md (the table:
-steps, rollouts and wall time to reach 95% of the teacher's held-out accuracy; accuracy at equal steps; whether
-distillation ends above grpo.py's best) and docs/distill.png (held-out accuracy against the step and wall time).
+distill.py's teacher is tiny-teacher/ (docs/distill.md says how it is made). The script reads every run's
+metrics.jsonl and writes, from nothing, the block between the two `distill` marker lines of docs/distill.md and of
+docs/results.md (the table: steps, rollouts and wall time to reach 95% of the teacher's held-out accuracy; accuracy at
+equal steps; whether distillation ends above grpo.py's best) and docs/distill.png (held-out accuracy against the step
+and wall time).
 
     pip install -r requirements.txt -r benchmarks/requirements.txt
     python benchmarks/distill_benchmark.py                     # 4 rows x 3 seeds

@@ -1,7 +1,7 @@
 """The papers' headline effects in miniature, one row an effect (docs/effects.md): what each change in the files was
 made for, on the bundled task and the CPU.
 
-    python benchmarks/effects.py                               # every row: 3 seeds where a row trains, 56 runs
+    python benchmarks/effects.py                               # every row: 3 seeds where a row trains, 92 runs
     python benchmarks/effects.py --rows length-bias kl-estimators
     python benchmarks/effects.py --quick --runs-dir /tmp/effects   # the suite's form: 1 seed, 2 steps a run
 
@@ -18,6 +18,8 @@ Rows (docs/effects.md gives each claim, its source and what was seen):
     rloo-vs-ppo        the three-seed runs of docs/results.md, read per rollout and per second
     areal-staleness    docs/async_grpo.md's runs: the decoupled objective against the coupled one as staleness grows;
                        then both at eta 16 and ten times the learning rate, against synchronous training at that rate
+    sampler-mismatch   grpo.py's rollouts sampled at temperature 0.7, and at 1.5, while the loss takes pi_old at 1
+                       (mismatched), with --rollout-correction none, token-tis and icepop, against the matched default
 
 Runs go to --runs-dir, each in its own folder, run in this process as `python FILE.py FLAGS` runs it; a folder whose
 run finished with the same flags is read again, not run. grpo.py has no flag for the rows' knobs (noise on the
@@ -45,13 +47,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import grpo  # noqa: E402  (the loss, the advantage and the sampler the rows look into)
 
-ROWS = ("length-bias", "std-amplification", "kl-estimators", "cispo-clipped", "rloo-vs-ppo", "areal-staleness")
+ROWS = (
+    "length-bias",
+    "std-amplification",
+    "kl-estimators",
+    "cispo-clipped",
+    "rloo-vs-ppo",
+    "areal-staleness",
+    "sampler-mismatch",
+)
 DR_GRPO = ["--loss-agg", "seq-mean-token-sum-norm", "--no-scale-rewards"]
 SAMPLED = 500  # the held-out prompts (a default run's): one completion each, for the lengths and the KL estimators
 SPACES, ROOM = 4, 12  # the length-bias tasks: 0 to 4 spaces before or after an answer; completions of 12 tokens
 SPACED = ("spaced", "trailing")  # the spaces before the answer, or after it
 NOISE = 0.01  # the std-amplification row's noise on the rewards
-MISMATCH = 0.7  # the kl-estimators row's sampling temperature where it scores at 1
+MISMATCH = 0.7  # the kl-estimators row's sampling temperature where it scores at 1 (and the sampler-mismatch row's)
+FLATTER = 1.5  # the sampler-mismatch row's other sampling temperature: flatter than the loss's
 
 
 def train(args, file, flags, name, seed, in_module=False):
@@ -259,14 +270,27 @@ def std_amplification(args):
                 runs = [train(args, "grpo.py", flags + extra, folder, seed, in_module=True) for seed in args.seeds]
         else:
             runs = [train(args, "grpo.py", flags + extra, folder, seed) for seed in args.seeds]
-        accuracy = [last(run, "eval/accuracy") for run in runs]
-        signal = [statistics.mean(1 - m["charts/zero_std_groups"] for m in run if "charts/reward" in m) for run in runs]
-        result["learning"][name] = {"accuracy": accuracy, "groups with signal": signal}
-        print(
-            f"  {name}: held-out accuracy {spread(accuracy, 1, 100)}% after {len(runs[0]) - 1} steps "
-            f"({spread(signal, 1, 100)}% of groups with rewards that differ)"
-        )
+        result["learning"][name] = std_row(name, runs)
+    pairs = ["--group-size", "2", "--prompts-per-step", "128"]  # most groups tie: the division meets noise alone
+    result["pairs"] = {}
+    for name in ("scaled", "scaled, noise", "unscaled", "unscaled, noise"):
+        extra = pairs + (["--no-scale-rewards"] if name.startswith("unscaled") else [])
+        folder = f"std-pairs-{name.replace(', ', '-')}"
+        with patching(main=noisy_rewards(NOISE)) if "noise" in name else contextlib.nullcontext():
+            runs = [train(args, "grpo.py", flags + extra, folder, seed, in_module=True) for seed in args.seeds]
+        result["pairs"][name] = std_row(f"groups of 2, {name}", runs)
     return result
+
+
+def std_row(name, runs):
+    """The held-out accuracy at the runs' end and the share of groups whose rewards differ, printed and returned."""
+    accuracy = [last(run, "eval/accuracy") for run in runs]
+    signal = [statistics.mean(1 - m["charts/zero_std_groups"] for m in run if "charts/reward" in m) for run in runs]
+    print(
+        f"  {name}: held-out accuracy {spread(accuracy, 1, 100)}% after {len(runs[0]) - 1} steps "
+        f"({spread(signal, 1, 100)}% of groups with rewards that differ)"
+    )
+    return {"accuracy": accuracy, "groups with signal": signal}
 
 
 def kl_estimates(logp, logq, tokens):
@@ -424,6 +448,18 @@ def cispo_clipped(args):
             f"  {file}: clipped tokens {spread(clipped, 2, 100)}% on average (max {spread(peak, 2, 100)}%), "
             f"held-out accuracy {spread(accuracy, 1, 100)}%"
         )
+    # the paper's comparison: DAPO at CISPO's learning rate and beta (0), both 4 passes a batch
+    import cispo
+
+    rate = cispo.Args().learning_rate
+    runs = [train(args, "dapo.py", flags + ["--learning-rate", str(rate)], "passes4-dapo", seed) for seed in args.seeds]
+    accuracy = [last(run, "eval/accuracy") for run in runs]
+    sampled = [last(run, "charts/rollouts_sampled") for run in runs]  # dynamic sampling draws more than it trains on
+    result["dapo.py"] = {"accuracy": accuracy, "learning_rate": rate, "rollouts_sampled": sampled}
+    print(
+        f"  dapo.py at cispo.py's learning rate ({rate}) and beta (0): held-out accuracy {spread(accuracy, 1, 100)}%, "
+        f"{spread(sampled, 0)} rollouts sampled"
+    )
     return result
 
 
@@ -453,6 +489,17 @@ def rloo_vs_ppo(args):
         accuracy, seconds = mean_of(cells[1]), mean_of(cells[4])
         result[name] = {"rollouts": rollouts, "accuracy": accuracy, "seconds": seconds}
         print(f"  {name}: {accuracy}% held-out after {rollouts:,} rollouts in {seconds:.0f} s")
+    # the paper's k = 2 at PPO's rollouts a step (128): 64 prompts x 2, as many steps as ppo.py's default
+    flags, _ = steps_flags(args, ppo.Args().num_steps)
+    flags += ["--group-size", "2", "--prompts-per-step", "64"]
+    runs = [train(args, "rloo.py", flags, "rloo-k2", seed) for seed in args.seeds]
+    accuracy, seconds = [last(run, "eval/accuracy") for run in runs], [last(run, "charts/elapsed_time") for run in runs]
+    steps = int(flags[flags.index("--num-steps") + 1])
+    result["rloo k=2"] = {"rollouts": steps * 128, "accuracy": accuracy, "seconds": seconds}
+    print(
+        f"  rloo.py, 64 prompts x 2: {spread(accuracy, 1, 100)}% held-out after {steps * 128:,} rollouts in "
+        f"{spread(seconds, 0)} s"
+    )
     return result
 
 
@@ -478,6 +525,52 @@ def areal_staleness(args):
             f"  lr 1e-3, {name}: held-out accuracy {spread(accuracy, 1, 100)}%, pi_prox / pi_behav "
             f"{spread(weight, 4)} on average, clipped tokens {spread(clipped, 2, 100)}%"
         )
+    return result
+
+
+def mismatched(temperature):
+    """Inside: grpo.py samples its rollouts at `temperature`, and returns their log-probs there, while its loss takes
+    pi_old at --temperature: a sampler that computes otherwise than the trainer, by an amount set here."""
+    original = grpo.sample
+
+    def sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids):
+        return original(
+            policy,
+            engine,
+            tokenizer,
+            prompt_ids,
+            prompt_mask,
+            dataclasses.replace(args, temperature=temperature),
+            stop_ids,
+        )
+
+    return patching(sample=sample)
+
+
+def sampler_mismatch(args):
+    """grpo.py with its sampler at MISMATCH and its loss at 1, uncorrected and with two corrections, against the
+    matched default: held-out accuracy, the mismatch (mean |log r| and the share of tokens beyond a ratio of 2) and
+    the weights the correction gave."""
+    flags, _ = steps_flags(args, 150)
+    result = {"matched": std_row("matched (the default)", [default_grpo(args, seed) for seed in args.seeds])}
+    for temperature, name in ((MISMATCH, "mismatch"), (FLATTER, "mismatch15")):
+        for mode in ("none", "token-tis", "icepop"):
+            with mismatched(temperature):
+                runs = [
+                    train(args, "grpo.py", flags + ["--rollout-correction", mode], f"{name}-{mode}", seed, True)
+                    for seed in args.seeds
+                ]
+            accuracy = [last(run, "eval/accuracy") for run in runs]
+            mean = lambda key: [statistics.mean(m[key] for m in run if key in m) for run in runs]  # noqa: E731
+            diff, beyond = mean("rollout/logprob_diff"), mean("rollout/beyond_2")
+            weights = mean("rollout/is_weight") if mode != "none" else [1.0] * len(runs)
+            record = {"accuracy": accuracy, "logprob_diff": diff, "beyond_2": beyond, "is_weight": weights}
+            result[f"{temperature} {mode}"] = record
+            print(
+                f"  sampled at {temperature}, --rollout-correction {mode}: held-out accuracy "
+                f"{spread(accuracy, 1, 100)}%, |log r| {spread(diff, 3)}, beyond 2 {spread(beyond, 1, 100)}%, "
+                f"weight {spread(weights, 3)}"
+            )
     return result
 
 

@@ -90,8 +90,24 @@ START_WALK = {
 # the functions a sibling lacks because it samples without vLLM (async_grpo.py, tool_grpo.py): listed apart
 # from the algorithm's lines in its diff with grpo.py
 NOT_ALGORITHM = {
-    "async_grpo.py": ["VLLM_RANGES", "check_vllm", "load_engine", "sample", "sync_engine", "truncated_is_weights"],
-    "tool_grpo.py": ["VLLM_RANGES", "check_vllm", "load_engine", "sample", "sync_engine", "truncated_is_weights"],
+    "async_grpo.py": [
+        "VLLM_RANGES",
+        "check_vllm",
+        "load_engine",
+        "sample",
+        "sync_engine",
+        "rollout_correction",
+        "settle_correction",
+    ],
+    "tool_grpo.py": [
+        "VLLM_RANGES",
+        "check_vllm",
+        "load_engine",
+        "sample",
+        "sync_engine",
+        "rollout_correction",
+        "settle_correction",
+    ],
 }
 BOOLEAN_CALLS = {
     "isinstance",

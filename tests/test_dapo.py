@@ -40,7 +40,8 @@ class StandIn:
         texts = [str(sum(map(int, p.rstrip("=").split("+")))) if ok else "9999999" for p, ok in zip(prompts, pattern)]
         rows = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
         width = max(len(r) for r in rows)
-        return torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows]), None
+        ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+        return ids, torch.zeros(ids.shape)  # the sampler's log-probs (these rows were not sampled)
 
 
 def sample_once(monkeypatch, right, **flags):

@@ -129,11 +129,11 @@ def test_the_gradient_of_each_end_by_hand():
         assert teacher_logits.grad is None
 
 
-def test_the_default_loss_estimates_the_reverse_kl_gradient_and_k3_the_forward():
+def test_the_sampled_loss_estimates_the_reverse_kl_gradient_and_k3_the_forward():
     """At one prefix of a 4-entry vocabulary, the expectation over the sampled token o ~ S (summed exactly, weight
-    S(o)) of the gradient of the default loss at ratio 1 is the gradient of KL(S || T) (the docstring's claim); the
-    k3 estimate exp(d) - d - 1, d = log T(o) - log S(o), back-propagated directly (verl's default) has the gradient
-    of KL(T || S) instead, and the two differ."""
+    S(o)) of the gradient of --loss reverse-kl's loss at ratio 1 is the gradient of KL(S || T) (the docstring's
+    claim); the k3 estimate exp(d) - d - 1, d = log T(o) - log S(o), back-propagated directly (verl with
+    use_policy_gradient false, its YAML's default) has the gradient of KL(T || S) instead, and the two differ."""
     torch.manual_seed(0)
     z, teacher_logits = torch.randn(1, 4, requires_grad=True), torch.randn(1, 4)
     s, t = z.log_softmax(-1)[0], teacher_logits.log_softmax(-1)[0]

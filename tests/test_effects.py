@@ -118,6 +118,11 @@ def test_every_rows_quick_form(tmp_path):
     learning = std["learning"]
     assert set(learning) == {"scaled", "unscaled", "scaled, noise", "unscaled, noise"}
     assert all(0 < r["accuracy"][0] < 1 and 0 < r["groups with signal"][0] <= 1 for r in learning.values())
+    pairs = std["pairs"]  # groups of 2: more of them tie than groups of 8 do
+    assert (
+        set(pairs) == set(learning)
+        and pairs["scaled"]["groups with signal"][0] < learning["scaled"]["groups with signal"][0]
+    )
     kl = results["kl-estimators"]
     assert set(kl) == {"step 1", "final", "as a loss"}
     # no reward signal: only the KL penalty trains. k2's and k3's gradients vanish where pi = ref (the start), so the
@@ -134,11 +139,17 @@ def test_every_rows_quick_form(tmp_path):
         assert policy["k1"]["negative"] > 0 and policy["k2"]["negative"] == policy["k3"]["negative"] == 0
     clipped = results["cispo-clipped"]
     assert clipped["grpo.py"]["clip_frac_max"][0] > 0  # the later passes move the ratio past the clip
-    assert all(0 <= f <= 1 for row in clipped.values() for f in row["clip_frac"])
+    assert all(0 <= f <= 1 for name, row in clipped.items() if name != "dapo.py" for f in row["clip_frac"])
+    assert clipped["dapo.py"]["learning_rate"] == 5e-5 and clipped["dapo.py"]["rollouts_sampled"][0] >= 2 * 256
     # the files' defaults: 300 steps of 32 prompts x 8 completions (rloo.py), of 128 prompts x 1 (ppo.py)
     ppo_rloo = results["rloo-vs-ppo"]
     assert (ppo_rloo["rloo"]["rollouts"], ppo_rloo["ppo"]["rollouts"]) == (76_800, 38_400)
     assert 0 < ppo_rloo["ppo"]["accuracy"] < 100 and ppo_rloo["rloo"]["seconds"] > 0
+    assert ppo_rloo["rloo k=2"]["rollouts"] == 2 * 128 and 0 < ppo_rloo["rloo k=2"]["accuracy"][0] < 1
+    mismatch = results["sampler-mismatch"]  # sampled at 0.7 or 1.5, scored at 1: the logged mismatch is far from 0
+    assert set(mismatch) == {"matched"} | {f"{t} {m}" for t in (0.7, 1.5) for m in ("none", "token-tis", "icepop")}
+    assert all(mismatch[f"{t} none"]["logprob_diff"][0] > 0.01 for t in (0.7, 1.5))
+    assert mismatch["0.7 token-tis"]["is_weight"][0] != 1.0 and mismatch["0.7 none"]["is_weight"] == [1.0]
     areal = results["areal-staleness"]
     assert set(areal) >= {"sync", "eta4", "eta4-coupled", "lr 1e-3 sync", "lr 1e-3 eta16", "lr 1e-3 eta16-coupled"}
     # the second step trains on version 0's rollouts from version 1: pi_prox / pi_behav moves off 1, unless coupled

@@ -64,7 +64,7 @@ GROUP = {"prompts_per_step": POSITIVE, "group_size": (2, True, None, False), "te
 CLIPPED = {"num_iterations": POSITIVE, "num_minibatches": POSITIVE, "clip_eps_low": UNIT, "clip_eps_high": NON_NEGATIVE}
 PAIRS = {"num_train_prompts": POSITIVE, "pair_samples": POSITIVE, "pair_temperature": POSITIVE, "batch_size": POSITIVE}
 LENGTH = {"max_length": (2, True, None, False)}  # with --max-prompt-length below it
-VLLM = {"vllm_kv_cache_gib": POSITIVE, "vllm_is_cap": POSITIVE}  # the files that sample
+VLLM = {"vllm_kv_cache_gib": POSITIVE, "rollout_cap": (1, True, None, False)}  # the files that sample
 RANGES = {
     "grpo.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM, "beta": NON_NEGATIVE},
     "process_grpo.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM, "beta": NON_NEGATIVE},

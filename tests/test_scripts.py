@@ -386,16 +386,17 @@ def test_a_model_whose_config_has_no_pad_token_id(small_run):
 
 
 def table_metrics(page):
-    """The metric names in a docs page's table rows (`charts/...`, `losses/...`, `eval/...`)."""
+    """The metric names in a docs page's table rows (`charts/...`, `losses/...`, `eval/...`, `rollout/...`)."""
     with open(os.path.join(ROOT, "docs", page)) as f:
         rows = [line for line in f if line.startswith("| `")]
-    return {name for row in rows for name in re.findall(r"`((?:charts|losses|eval)/\w+)`", row)}
+    return {name for row in rows for name in re.findall(r"`((?:charts|losses|eval|rollout)/\w+)`", row)}
 
 
 def test_each_docs_page_names_every_metric_its_file_logs_and_no_other(small_run):
     """Every key of the run's metrics.jsonl is in the file's docs page (or in grpo.md, for the pages that say they
     keep its names), and every metric the page's own tables name is one the file logs: in this run, or under other
-    flags (PPO's eval/score with a reward model), written out in the file."""
+    flags (PPO's eval/score with a reward model), written out in the file (a key, or a stats dict's key that
+    weighted_means prefixes)."""
     script, out = small_run
     page = script.replace(".py", ".md")
     logged = {k for m in read_metrics(str(out)) for k in m} - {"step"}
@@ -405,7 +406,10 @@ def test_each_docs_page_names_every_metric_its_file_logs_and_no_other(small_run)
     missing = logged - named - (table_metrics("grpo.md") if inherits else set())
     assert not missing, f"{page} leaves out {sorted(missing)}"
     with open(os.path.join(ROOT, script)) as f:
-        written = set(re.findall(r'"((?:charts|losses|eval)/\w+)"', f.read()))
+        source = f.read()
+    written = set(re.findall(r'"((?:charts|losses|eval)/\w+)"', source))
+    # and the keys of the stats dicts that weighted_means prefixes (rollout_correction's, with a correction on)
+    written |= {f"{prefix}/{key}" for key in re.findall(r'"(\w+)": ', source) for prefix in ("losses", "rollout")}
     assert named <= logged | written, f"{page} names {sorted(named - logged - written)}, which {script} does not log"
 
 

@@ -55,7 +55,10 @@ def fixed(real_generate):  # the file's own generate() for greedy decoding, fixe
     def generate(model, tokenizer, input_ids, prompt_mask, max_new_tokens, temperature, *args, **kwargs):
         if temperature is None:
             return real_generate(model, tokenizer, input_ids, prompt_mask, max_new_tokens, temperature, *args, **kwargs)
-        return fixed_rows(input_ids)
+        rows = fixed_rows(input_ids)
+        if kwargs.get("with_logprobs", args[1] if len(args) > 1 else False):  # the sampler's log-probs: 0, as the
+            return rows, torch.zeros(rows.shape, device=rows.device)  # rows were not sampled (logged, not corrected)
+        return rows
     return generate
 
 

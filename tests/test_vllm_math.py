@@ -1,5 +1,6 @@
-"""--vllm's correction against numbers worked out by hand: the truncated importance weights, and each sampling
-file's loss with them. Needs no vLLM: the weights and the losses are plain torch."""
+"""--vllm's default correction (token-tis) against numbers worked out by hand: the truncated importance weights, and
+each sampling file's loss with them (tests/test_mismatch.py: the other corrections). Needs no vLLM: the weights and
+the losses are plain torch."""
 
 import math
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from cispo import cispo_loss
-from grpo import grpo_loss, truncated_is_weights
+from grpo import grpo_loss, rollout_correction
 from gspo import gspo_loss
 from ppo import ppo_policy_loss
 from rloo import rloo_loss
@@ -17,25 +18,25 @@ WEIGHTS = torch.tensor([[2.0, 0.5, 0.0]])  # two real tokens, then padding
 MASK = torch.tensor([[1, 1, 0]])
 
 
-def test_truncated_is_weights_by_hand():
+def test_token_tis_weights_by_hand():
     # pi_old / pi_engine per token: 0.5/0.5 = 1, 0.3/0.6 = 0.5, 0.1/0.01 = 10 -> truncated at 2; padding 0
     old = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.2]]))
     engine = torch.log(torch.tensor([[0.5, 0.6, 0.01, 1.0]]))
     old[0, 3], engine[0, 3] = SENTINEL, -SENTINEL  # exp(2e6) would be inf
-    weights, stats = truncated_is_weights(old, engine, torch.tensor([[1, 1, 1, 0]]), cap=2.0)
+    weights, stats = rollout_correction(old, engine, torch.tensor([[1, 1, 1, 0]]), "token-tis", cap=2.0)
     torch.testing.assert_close(weights, torch.tensor([[1.0, 0.5, 2.0, 0.0]]))
     # |log ratio|: 0, log 2, log 10 over three tokens; the weights' mean 3.5 / 3; one token of three truncated
     assert stats["logprob_diff"].item() == pytest.approx((math.log(2) + math.log(10)) / 3, rel=1e-6)
     assert stats["is_weight"].item() == pytest.approx(3.5 / 3, rel=1e-6)
-    assert stats["is_truncated"].item() == pytest.approx(1 / 3)
+    assert stats["is_capped"].item() == pytest.approx(1 / 3)
     # a higher cap keeps the 10
-    weights, _ = truncated_is_weights(old, engine, torch.tensor([[1, 1, 1, 0]]), cap=20.0)
+    weights, _ = rollout_correction(old, engine, torch.tensor([[1, 1, 1, 0]]), "token-tis", cap=20.0)
     torch.testing.assert_close(weights, torch.tensor([[1.0, 0.5, 10.0, 0.0]]))
 
 
 def test_the_weights_are_constants():
     old = torch.tensor([[-1.0, -2.0]], requires_grad=True)
-    weights, _ = truncated_is_weights(old, torch.tensor([[-1.5, -1.0]]), torch.ones(1, 2), cap=2.0)
+    weights, _ = rollout_correction(old, torch.tensor([[-1.5, -1.0]]), torch.ones(1, 2), "token-tis", cap=2.0)
     assert not weights.requires_grad
 
 
