@@ -4,13 +4,18 @@
 #
 #   carry: wheels/ (tyro and its dependencies; trl 1.16 and datasets for --trl; vllm matching the image's torch for
 #   --trl-vllm) and SmolLM2-135M-Instruct/ (benchmarks/smollm2.py builds its tokenizer)
-#   run:   bash benchmarks/gpu_check.sh              on the device (OUT is set there)
-#          OUT=/tmp/check bash benchmarks/gpu_check.sh --small    on a CPU: the same commands at the small shape
+#   run:   bash benchmarks/gpu_check.sh 1, then bash benchmarks/gpu_check.sh 2   on the device, two calls (each
+#          within the tool's 10 minutes; OUT is set there): 1 the check and the profile, 2 the step against TRL's
+#          and the learning tests
+#          OUT=/tmp/check bash benchmarks/gpu_check.sh 1 --small    on a CPU: part 1's commands at a small shape
 #
 # Then copy $OUT into benchmarks/gpu_runs/<date>-<device>/ with the wheels' list and a README (gpu_runs/README.md).
 set -u
 OUT=${OUT:?set OUT to the folder the logs go to}
-SMALL=${1:-}
+PART=${1:?give the part: 1 or 2}
+SMALL=${2:-}
+CHECK=""
+if [ -n "$SMALL" ]; then CHECK="--batch 4 --max-new-tokens 4"; fi  # the suite's size (tests/test_gpu_paths.py)
 mkdir -p "$OUT"
 if [ -d wheels ]; then
     python -m pip install --no-index --no-deps -q wheels/*.whl > "$OUT/install.log" 2>&1
@@ -23,13 +28,16 @@ step() {  # step NAME SECONDS COMMAND...: the command's output in $OUT/NAME.log,
     timeout "$seconds" "$@" > "$OUT/$name.log" 2>&1
     echo "$name: exit $? after $((SECONDS - start)) s" | tee -a "$OUT/steps.log"
 }
-step check 240 python benchmarks/gpu_benchmark.py --check $SMALL
-step profile 120 python benchmarks/gpu_benchmark.py --profile $SMALL
+if [ "$PART" = 1 ]; then
+    step check 420 python benchmarks/gpu_benchmark.py --check $SMALL $CHECK
+    step profile 150 python benchmarks/gpu_benchmark.py --profile $SMALL
+    exit 0
+fi
 if python -c "import trl" 2> /dev/null; then
     TRL=--trl
     if python -c "import vllm" 2> /dev/null; then TRL="--trl --trl-vllm"; fi
-    step trl 300 python benchmarks/gpu_benchmark.py $TRL $SMALL
+    step trl 360 python benchmarks/gpu_benchmark.py $TRL $SMALL
 fi
 if [ -z "$SMALL" ]; then  # every file's learning test on CUDA: the files pick CUDA and bfloat16 by themselves
-    step learns 240 python -m pytest -q -p no:cacheprovider tests/test_scripts.py -k "learns"
+    step learns 200 python -m pytest -q -p no:cacheprovider tests/test_scripts.py -k "learns"
 fi
