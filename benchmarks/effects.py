@@ -417,19 +417,25 @@ def patching(**functions):
         vars(grpo).update(saved)
 
 
-def no_signal(temperature=None):
-    """Inside: every reward of grpo.py is 0 (no signal: every advantage is 0, only the KL penalty trains), and with a
-    temperature grpo.py samples its rollouts at it while it scores them at --temperature, as a sampler set apart from
-    the loss may. grpo.py has a flag for neither (it samples and scores at --temperature); the row patches the module
-    it runs."""
+def sampled_at(temperature):
+    """grpo.py's sample(), drawing its rollouts at `temperature` (and returning their log-probs there) whatever
+    --temperature the loss scores them at, as a sampler set apart from the loss may; None: grpo.py's own."""
     original = grpo.sample
+    if temperature is None:
+        return original
 
     def sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids):
-        if temperature is not None:
-            args = dataclasses.replace(args, temperature=temperature)
+        args = dataclasses.replace(args, temperature=temperature)
         return original(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids)
 
-    return patching(reward_fn=lambda completion, record: 0.0, sample=sample)
+    return sample
+
+
+def no_signal(temperature=None):
+    """Inside: every reward of grpo.py is 0 (no signal: every advantage is 0, only the KL penalty trains), and with a
+    temperature grpo.py samples its rollouts at it (sampled_at). grpo.py has a flag for neither (it samples and scores
+    at --temperature); the row patches the module it runs."""
+    return patching(reward_fn=lambda completion, record: 0.0, sample=sampled_at(temperature))
 
 
 def cispo_clipped(args):
@@ -528,25 +534,6 @@ def areal_staleness(args):
     return result
 
 
-def mismatched(temperature):
-    """Inside: grpo.py samples its rollouts at `temperature`, and returns their log-probs there, while its loss takes
-    pi_old at --temperature: a sampler that computes otherwise than the trainer, by an amount set here."""
-    original = grpo.sample
-
-    def sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids):
-        return original(
-            policy,
-            engine,
-            tokenizer,
-            prompt_ids,
-            prompt_mask,
-            dataclasses.replace(args, temperature=temperature),
-            stop_ids,
-        )
-
-    return patching(sample=sample)
-
-
 def sampler_mismatch(args):
     """grpo.py with its sampler at MISMATCH and its loss at 1, uncorrected and with two corrections, against the
     matched default: held-out accuracy, the mismatch (mean |log r| and the share of tokens beyond a ratio of 2) and
@@ -555,7 +542,7 @@ def sampler_mismatch(args):
     result = {"matched": std_row("matched (the default)", [default_grpo(args, seed) for seed in args.seeds])}
     for temperature, name in ((MISMATCH, "mismatch"), (FLATTER, "mismatch15")):
         for mode in ("none", "token-tis", "icepop"):
-            with mismatched(temperature):
+            with patching(sample=sampled_at(temperature)):
                 runs = [
                     train(args, "grpo.py", flags + ["--rollout-correction", mode], f"{name}-{mode}", seed, True)
                     for seed in args.seeds
