@@ -131,7 +131,7 @@ class Args:
     vllm_kv_cache_gib: float = 1.0  # the engine's KV cache, in GiB (beside its copy of the weights)
     rollout_correction: Literal["auto", "none", "token-tis", "token-mis", "seq-tis", "seq-mis", "icepop"] = "auto"
     """how the loss weighs tokens the sampler drew with other log-probs than pi_old's (rollout_correction); auto:
-    token-tis with --vllm, none with the file's own decode loop"""
+    token-tis with --vllm, none with the file's own decode loop; --loss jsd weighs none and only logs the mismatch"""
     rollout_cap: float = 2.0  # the cap of --rollout-correction's weights (IcePop's band: [1 / cap, cap])
 
     # to be filled in at runtime (not flags: the command line cannot set them)
@@ -234,7 +234,7 @@ def token_jsd(
 ):
     """At each completion token's prefix, (B, T) each: generalized_jsd between the policy's and the teacher's next-token
     distributions at temperature, with gradient; and without gradient the reverse KL's sampled estimate
-    log pi(o_t) - log pi_T(o_t) and the reverse KL itself, sum over the vocabulary of pi log(pi / pi_T).
+    log pi(o_t) - log pi_T(o_t), the reverse KL itself, sum over the vocabulary of pi log(pi / pi_T), and log pi(o_t).
     teacher_states (B, T, d_T): the teacher's last hidden states (teacher_pass); input_ids, attention_mask and
     prompt_len as token_logprobs takes them. Both models' logits a chunk_values at a time (over_vocabulary)."""
 
@@ -242,8 +242,8 @@ def token_jsd(
         jsd = generalized_jsd(logits, teacher_logits, beta)
         with torch.no_grad():
             s, t = logits.log_softmax(dim=-1), teacher_logits.log_softmax(dim=-1)
-            sampled = (s - t).gather(-1, targets[:, None]).squeeze(-1)
-            return jsd, sampled, generalized_jsd(logits, teacher_logits, 1.0)
+            logprob, sampled = (x.gather(-1, targets[:, None]).squeeze(-1) for x in (s, s - t))
+            return jsd, sampled, generalized_jsd(logits, teacher_logits, 1.0), logprob
 
     state = (policy, teacher, teacher_states, input_ids, attention_mask, prompt_len, temperature, chunk_values)
     return over_vocabulary(terms, *state)
@@ -415,11 +415,11 @@ def main(args):
             optimizer.zero_grad()
             for i, share in micro_batches(minibatch, args.micro_batch_size, [policy], token_mask):
                 if args.loss == "jsd":  # over the whole vocabulary: no ratio, no clipping (token_jsd)
-                    jsd, sampled, reverse_kl = token_jsd(
+                    jsd, sampled, reverse_kl, old = token_jsd(
                         policy, teacher, teacher_scores[i], input_ids[i], attention_mask[i], prompt_len, **jsd_args
                     )
                     loss, stats = jsd_loss(jsd, reverse_kl, mask[i], args.loss_agg, args.max_new_tokens)
-                    is_stats = {}  # --vllm: no importance weight; the loss samples no token
+                    _, is_stats = rollout_correction(old, rollout_logprobs[i], mask[i], "none", 1.0)  # logged only
                 else:
                     logprobs = token_logprobs(policy, input_ids[i], attention_mask[i], prompt_len, args.temperature)
                     old = logprobs.detach() if old_logprobs is None else old_logprobs[i]
@@ -528,6 +528,8 @@ def check_args(args):
         "clip_eps_high": ">= 0",
     }
     check_ranges(args, {**COMMON_RANGES, **VLLM_RANGES, **ranges})
+    if args.loss == "jsd" and args.rollout_correction not in ("auto", "none"):
+        fail("--rollout-correction: --loss jsd samples no token for its loss to weigh; use --loss reverse-kl")
     check_lora(args)
     check_vllm(args)
 

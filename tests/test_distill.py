@@ -211,15 +211,16 @@ def test_token_jsd_equals_the_models_own_logits_in_any_chunks():
 
     for chunk_values in (18 * 3, 2**24):
         student.zero_grad()
-        jsd, sampled_kl, reverse_kl = token_jsd(
+        jsd, sampled_kl, reverse_kl, logprobs = token_jsd(
             student, teacher, states, input_ids, attention_mask, prompt_len, 0.7, 0.3, chunk_values=chunk_values
         )
         m = mask.bool()
         torch.testing.assert_close(jsd[m], expected[m])
         torch.testing.assert_close(sampled_kl[m], sampled[m].detach())
         torch.testing.assert_close(reverse_kl[m], exact[m].detach())
+        torch.testing.assert_close(logprobs[m], s.gather(-1, targets).squeeze(-1)[m].detach())  # the mismatch's pi_old
         assert (jsd[:, 3] == 0).all() and (reverse_kl[:, 3] == 0).all()  # the column cut off
-        assert not sampled_kl.requires_grad and not reverse_kl.requires_grad
+        assert not any(x.requires_grad for x in (sampled_kl, reverse_kl, logprobs))
         (jsd * mask).sum().backward()
         for p, g in zip(student.parameters(), grads):
             torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)

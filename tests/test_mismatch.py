@@ -65,7 +65,8 @@ def test_every_sampling_file_offers_the_corrections_with_the_same_default(monkey
         monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # as if vLLM were installed
         assert module.Args().rollout_correction == "auto" and module.Args().rollout_cap == 2.0, name
         for vllm, mode, settled in ((False, "auto", "none"), (True, "auto", "token-tis"), (True, "icepop", "icepop")):
-            args = module.Args(vllm=vllm, rollout_correction=mode)
+            sampled_loss = {"loss": "reverse-kl"} if name == "distill" else {}  # distill's jsd weighs no token
+            args = module.Args(vllm=vllm, rollout_correction=mode, **sampled_loss)
             module.check_args(args)
             assert args.rollout_correction == settled, name
 
@@ -98,3 +99,20 @@ def test_a_run_measures_its_own_decode_loops_mismatch(name, tmp_path):
             assert all(abs(m["rollout/is_weight"] - 1) < 1e-4 for m in steps), steps
         else:  # auto without --vllm: none, so no weights
             assert not any("rollout/is_weight" in m for m in steps), steps
+
+
+def test_distillation_over_the_vocabulary_measures_the_mismatch_and_refuses_a_correction(tmp_path):
+    """distill.py's default loss (jsd) samples no token for its loss, so it weighs none; it still logs its rollouts'
+    mismatch to the student's log-probs, and a correction asked for with it stops the run in one line."""
+    small = ["--num-steps", "2", "--prompts-per-step", "8", "--num-eval", "8", "--log-every", "1"]
+    out = tmp_path / "run"
+    run_script("distill.py", *small, "--output-dir", str(out))
+    steps = [m for m in read_metrics(out) if m["step"] > 0]
+    assert len(steps) == 2 and all(m["rollout/logprob_diff"] < 1e-4 and m["rollout/beyond_2"] == 0 for m in steps)
+    assert not any("rollout/is_weight" in m for m in steps), steps
+    refused = run_script(
+        "distill.py", *small, "--rollout-correction", "icepop", "--output-dir", str(tmp_path / "no"), expect_ok=False
+    )
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: --rollout-correction:"), lines
+    assert not (tmp_path / "no").exists()
