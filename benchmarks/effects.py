@@ -1,17 +1,18 @@
 """The papers' headline effects in miniature, one row an effect (docs/effects.md): what each change in the files was
 made for, on the bundled task and the CPU.
 
-    python benchmarks/effects.py                               # every row: 3 seeds where a row trains, 92 runs
+    python benchmarks/effects.py                               # every row: 3 seeds where a row trains, 100 runs
     python benchmarks/effects.py --rows length-bias kl-estimators
     python benchmarks/effects.py --quick --runs-dir /tmp/effects   # the suite's form: 1 seed, 2 steps a run
 
 Rows (docs/effects.md gives each claim, its source and what was seen):
     length-bias        grpo.py's default objective against Dr. GRPO's: the gradient a wrong completion's tokens get as
                        it grows, exactly, and the length of right and of wrong completions sampled over training, on
-                       tasks whose answers 0 to 4 spaces precede or follow (the bundled model fine-tuned to write them)
+                       tasks whose answers 0 to 4 spaces precede or follow, or follow a mark that gives up (the
+                       bundled model fine-tuned to write them)
     std-amplification  what dividing by the group's standard deviation does to rewards that differ by a little, and
                        to learning when every reward carries noise of 0.01 (noisy_rewards)
-    kl-estimators      k1, k2 and k3 against the exact KL of a trained policy to the bundled model, token by token;
+    kl-estimators      k1, k2 and k3 against the exact KL of a policy to the bundled model after 1, 5, 25 and 150 steps;
                        then each as grpo.py's KL penalty (kl_penalty) with a reward without signal (no_signal),
                        sampled at the temperature it is scored at, and (k1, k3) sampled at 0.7 and scored at 1
     cispo-clipped      the share of tokens PPO's clip (grpo.py) and CISPO's leave without gradient, 4 passes a batch
@@ -33,6 +34,7 @@ import dataclasses
 import inspect
 import json
 import linecache
+import math
 import os
 import random
 import re
@@ -59,7 +61,8 @@ ROWS = (
 DR_GRPO = ["--loss-agg", "seq-mean-token-sum-norm", "--no-scale-rewards"]
 SAMPLED = 500  # the held-out prompts (a default run's): one completion each, for the lengths and the KL estimators
 SPACES, ROOM = 4, 12  # the length-bias tasks: 0 to 4 spaces before or after an answer; completions of 12 tokens
-SPACED = ("spaced", "trailing")  # the spaces before the answer, or after it
+SPACED = ("spaced", "trailing", "give-up")  # the spaces before the answer, after it, or after a mark that gives up
+GIVE_UP, MARK = 1 / 3, "="  # the give-up task's share of completions that give up, and their mark (no number: reward 0)
 NOISE = 0.01  # the std-amplification row's noise on the rewards
 MISMATCH = 0.7  # the kl-estimators row's sampling temperature where it scores at 1 (and the sampler-mismatch row's)
 FLATTER = 1.5  # the sampler-mismatch row's other sampling temperature: flatter than the loss's
@@ -103,7 +106,10 @@ def last(metrics, key):
 
 
 def spread(values, digits=1, scale=1.0):
-    values = [v * scale for v in values]
+    """'mean ± std' of the values that are numbers (a length of no completion is nan), 'none' if none is."""
+    values = [v * scale for v in values if not math.isnan(v)]
+    if not values:
+        return "none"
     std = statistics.stdev(values) if len(values) > 1 else 0.0
     return f"{statistics.mean(values):.{digits}f} ± {std:.{digits}f}"
 
@@ -128,14 +134,23 @@ def sample(folder, tokenizer, ids, mask, max_new_tokens=grpo.Args().max_new_toke
 
 
 def sample_lengths(folder, prompts):
-    """(mean length of the right completions, of the wrong ones, share right) of the model in folder, sampled on
-    prompts = held_out(num) (tokens up to and including the stop token, at most ROOM)."""
+    """(mean length of the right completions, of the wrong ones, share right, mean length of those that give up with
+    MARK, their share) of the model in folder, sampled on prompts = held_out(num) (tokens up to and including the
+    stop token, at most ROOM); nan for a mean of none."""
     tokenizer, records, ids, mask = prompts
     _, completions, keep = sample(folder, tokenizer, ids, mask, ROOM)
     texts = grpo.decode_completions(tokenizer, completions, keep)
     right = torch.tensor([grpo.reward_fn(t, r) == 1.0 for t, r in zip(texts, records)])
+    gave_up = torch.tensor([t.strip().startswith(MARK) for t in texts])
     lengths = keep.sum(dim=1).float()
-    return lengths[right].mean().item(), lengths[~right].mean().item(), right.float().mean().item()
+    shares = right.float().mean().item(), gave_up.float().mean().item()
+    return (
+        lengths[right].mean().item(),
+        lengths[~right].mean().item(),
+        shares[0],
+        lengths[gave_up].mean().item(),
+        shares[1],
+    )
 
 
 def token_weights(loss_agg, right_length=3, wrong_length=12, max_completion_length=16):
@@ -178,7 +193,7 @@ def length_bias(args):
                     curves[task][name][step].append(sample_lengths(path, prompts))
     result["curves"] = {
         task: {
-            name: {step: [statistics.mean(v[i] for v in runs) for i in range(3)] for step, runs in by_step.items()}
+            name: {step: [statistics.mean(v[i] for v in runs) for i in range(5)] for step, runs in by_step.items()}
             for name, by_step in by_name.items()
         }
         for task, by_name in curves.items()
@@ -186,10 +201,15 @@ def length_bias(args):
     for task, by_name in curves.items():
         for name, by_step in by_name.items():
             for step, runs in sorted(by_step.items()):
-                right, wrong, share = ([v[i] for v in runs] for i in range(3))
+                right, wrong, share, given_up, share_given_up = ([v[i] for v in runs] for i in range(5))
                 print(
                     f"  {task} {name} step {step}: right {spread(right, 2)} tokens, wrong {spread(wrong, 2)}, "
                     f"{spread(share, 2)}"
+                    + (
+                        f"; gave up {spread(given_up, 2)} tokens, {spread(share_given_up, 2)}"
+                        if task == "give-up"
+                        else ""
+                    )
                 )
     if args.figure:
         plot_lengths(curves, args.figure)
@@ -200,14 +220,18 @@ def spaced_model(args, task):
     """The folder of the bundled model fine-tuned (sft.py, 200 steps) on the bundled task's training records with 0
     to SPACES spaces, drawn at random, before each answer (task "spaced") or after it ("trailing"): a completion that
     can grow without changing its answer (reward_fn reads the last number). Before, the length is chosen before the
-    answer; after, once the answer is written. sft.py holds out the file's last records; grpo.py's are the task's."""
+    answer; after, once the answer is written. "give-up": after it, but a GIVE_UP share of the answers is MARK
+    (reward 0 whatever follows; '?' is no token of the bundled tokenizer's): the spaces after it know the completion
+    failed. sft.py holds out the file's last records; grpo.py's are the task's."""
     os.makedirs(args.runs_dir, exist_ok=True)
     path = os.path.join(args.runs_dir, f"{task}.jsonl")
-    rng, records = random.Random(0), grpo.addition_task(SAMPLED)[0]
+    rng, gives_up, records = random.Random(0), random.Random(1), grpo.addition_task(SAMPLED)[0]
     with open(path, "w") as f:
         for r in records:
             spaces = " " * rng.randint(0, SPACES)
             completion = spaces + r["answer"] if task == "spaced" else r["answer"] + spaces
+            if task == "give-up" and gives_up.random() < GIVE_UP:
+                completion = MARK + spaces
             f.write(json.dumps({"prompt": r["prompt"], "completion": completion}) + "\n")
     steps = "2" if args.quick else "200"
     flags = ["--model-name-or-path", os.path.join(ROOT, "tiny-adder"), "--dataset", path, "--num-steps", steps]
@@ -222,7 +246,7 @@ def plot_lengths(curves, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(SPACED), figsize=(10, 3.6), sharey=True)
+    fig, axes = plt.subplots(1, len(SPACED), figsize=(14, 3.6), sharey=True)
     for ax, task in zip(axes, SPACED):
         for name, color in (("grpo", "tab:blue"), ("dr-grpo", "tab:orange")):
             steps = sorted(curves[task][name])
@@ -230,19 +254,29 @@ def plot_lengths(curves, path):
                 ys = [statistics.mean(v[i] for v in curves[task][name][s]) for s in steps]
                 label = f"{'GRPO (seq-mean-token-mean)' if name == 'grpo' else 'Dr. GRPO'}: {kind}"
                 ax.plot(steps, ys, style, color=color, label=label)
-        ax.set_title(f"0-{SPACES} spaces {'before' if task == 'spaced' else 'after'} the answer", fontsize=10)
+        where = {
+            "spaced": "before the answer",
+            "trailing": "after the answer",
+            "give-up": f"after the answer or a '{MARK}'",
+        }
+        ax.set_title(f"0-{SPACES} spaces {where[task]}", fontsize=10)
+        if task == "give-up":  # the completions that gave up, the ones whose spaces know they failed
+            for name, color in (("grpo", "tab:blue"), ("dr-grpo", "tab:orange")):
+                steps = sorted(curves[task][name])
+                ys = [statistics.mean(v[3] for v in curves[task][name][s]) for s in steps]
+                ax.plot(steps, ys, ":", color=color, label=f"{'GRPO' if name == 'grpo' else 'Dr. GRPO'}: gave up")
         ax.set_xlabel("step")
         ax.set_ylim(0, ROOM)  # the room a completion has
     axes[0].set_ylabel("mean completion length (tokens)")
     axes[0].legend(fontsize=8)
+    axes[-1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def default_grpo(args, seed):
-    """grpo.py's default run of 150 steps, with checkpoints: the std row's baseline and the KL row's policies."""
-    flags, every = steps_flags(args, 150)
-    return train(args, "grpo.py", flags + ["--save-every", str(every), "--keep-checkpoints", "100"], "grpo", seed)
+    """grpo.py's default run of 150 steps: the std row's and the sampler row's baseline."""
+    return train(args, "grpo.py", steps_flags(args, 150)[0], "grpo", seed)
 
 
 def std_amplification(args):
@@ -319,15 +353,22 @@ def against_reference(folder, reference, tokenizer, ids, mask):
 
 
 def kl_estimators(args):
-    """k1, k2, k3 of KL(pi || ref) at tokens sampled from pi, against the exact KL at the same positions, for two
-    policies of grpo.py's default run of the first seed (trained here if missing): its first checkpoint, near the
-    reference, and its final model; ref: the bundled model. The bias's standard error is the estimator's std over the
-    square root of the tokens. Then each estimator as grpo.py's KL penalty under a reward without signal, sampled at
-    the temperature it is scored at, and (k1, k3) sampled at MISMATCH, scored at 1."""
-    every = steps_flags(args, 150)[1]
-    default_grpo(args, 1)
-    run = os.path.join(args.runs_dir, "grpo-1")
-    policies = {f"step {every}": os.path.join(run, "checkpoints", f"step_{every:06d}", "policy"), "final": run}
+    """k1, k2, k3 of KL(pi || ref) at tokens sampled from pi, against the exact KL at the same positions, for the
+    policies of grpo.py's default run of the first seed (run again here, saved after every step) after steps 1, 5 and
+    25, from near the reference outwards (Schulman's claim of a lower variance is for nearby distributions), and at its
+    end; ref: the bundled model. The bias's standard error is the estimator's std over the square root of the tokens.
+    Then each estimator as grpo.py's KL penalty under a reward without signal, sampled at the temperature it is scored
+    at, and (k1, k3) sampled at MISMATCH, scored at 1."""
+    flags, every = steps_flags(args, 150)
+    saved = [*flags, "--save-every", "1", "--keep-checkpoints", "1000"]
+    train(args, "grpo.py", saved, "grpo-each-step", 1)
+    run, last_step = os.path.join(args.runs_dir, "grpo-each-step-1"), int(flags[1])
+    policies = {
+        f"step {s}": os.path.join(run, "checkpoints", f"step_{s:06d}", "policy")
+        for s in sorted({1, 5, every})
+        if s < last_step
+    }
+    policies["final"] = run
     reference = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "tiny-adder")).eval()
     tokenizer, _, ids, mask = held_out(args.sampled)
     prompts, result = (tokenizer, ids, mask), {}

@@ -99,16 +99,23 @@ def test_every_rows_quick_form(tmp_path):
     assert (sys.argv, torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()) == settings  # put back
     assert list(results) == list(effects.ROWS)
     tasks = results["length-bias"]["curves"]
-    assert set(tasks) == {"spaced", "trailing"}
+    assert set(tasks) == {"spaced", "trailing", "give-up"}
     for curves in tasks.values():
         assert set(curves) == {"grpo", "dr-grpo"} and all(sorted(c) == [0, 1, 2] for c in curves.values())
-        for right, wrong, share in (v for c in curves.values() for v in c.values()):
+        for right, wrong, share, gave_up, share_gave_up in (v for c in curves.values() for v in c.values()):
             assert 1 <= right <= 12 and 1 <= wrong <= 12 and 0 < share < 1  # a stop token included, at most 12
-        assert curves["grpo"][0] == pytest.approx(curves["dr-grpo"][0])  # the fine-tuned model, the same samples
-    for task, pattern in (("spaced", r" {0,4}[0-9]+"), ("trailing", r"[0-9]+ {0,4}")):  # the answer read alike
+            assert 0 <= share_gave_up < 1 and (math.isnan(gave_up) if share_gave_up == 0 else 2 <= gave_up <= 12)
+        assert curves["grpo"][0] == pytest.approx(curves["dr-grpo"][0], nan_ok=True)  # the fine-tuned model's samples
+    patterns = {"spaced": r" {0,4}[0-9]+", "trailing": r"[0-9]+ {0,4}", "give-up": r"([0-9]+|=) {0,4}"}
+    for task, pattern in patterns.items():  # the answer read alike
         completions = [json.loads(line)["completion"] for line in open(tmp_path / f"{task}.jsonl")]
         assert all(re.fullmatch(pattern, c) for c in completions)
         assert {len(c) - len(c.strip()) for c in completions} == {0, 1, 2, 3, 4}
+    read = {task: [json.loads(line)["completion"] for line in open(tmp_path / f"{task}.jsonl")] for task in patterns}
+    spaces = [t[len(t.rstrip()) :] for t in read["trailing"]]
+    gave_up = [c == effects.MARK + s for c, s in zip(read["give-up"], spaces)]  # the same spaces
+    assert all(g or c == t for g, c, t in zip(gave_up, read["give-up"], read["trailing"]))  # else the same answer
+    assert abs(sum(gave_up) / len(gave_up) - effects.GIVE_UP) < 0.03  # a third of the answers replaced by the mark
     assert os.path.getsize(tmp_path / "lengths.png") > 0
     # rewards [1 + d, 1, 1, 1]: deviations 3d/4 and -d/4, the group's std d/2; scaled by d/2 + 1e-4, or not
     std = results["std-amplification"]

@@ -115,3 +115,19 @@ def test_distillation_over_the_vocabulary_measures_the_mismatch_and_refuses_a_co
     lines = refused.stderr.strip().splitlines()
     assert refused.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: --rollout-correction:"), lines
     assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("mode, threshold", [("token-tis", 2.0), ("token-mis", "1e-9_2.0"), ("icepop", "0.5_2.0")])
+def test_the_token_corrections_weigh_as_verls_do(mode, threshold):
+    """verl's rollout_corr_helper (0.9.1; not a requirement here: skipped without it) on the same rows: its token
+    level with a cap truncates as token-tis does, and with a band "lo_hi" zeroes the tokens outside it, as icepop does
+    and, with a lower end too small to act, as token-mis does. Its sequence level weighs a row by the product of its
+    ratios, not their geometric mean (docs/mismatch.md), so it is not compared. TRL computes its modes inside
+    GRPOTrainer, with no function to call."""
+    helper = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper")
+    old, rollout, mask = rows()
+    theirs, _ = helper.compute_rollout_correction_weights(
+        old - rollout, mask.float(), rollout_is="token", rollout_is_threshold=threshold
+    )
+    ours, _ = grpo.rollout_correction(old, rollout, mask, mode, 2.0)
+    torch.testing.assert_close(ours, theirs.float(), atol=1e-6, rtol=0)
