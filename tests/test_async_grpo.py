@@ -73,6 +73,9 @@ def test_behaviour_weights_by_hand():
     assert torch.allclose(weights, torch.tensor([[1.0, 0.5, 0.0, 0.0]]), atol=1e-6)
     assert stats["behav_weight"].item() == pytest.approx(0.5, rel=1e-6)
     assert stats["behav_capped"].item() == pytest.approx(1 / 3, rel=1e-6)
+    # |log w| = [0, log 2, log 6]: their mean, and 1 of 3 beyond [1/2, 2] (w = 1/2 itself is not)
+    assert stats["behav_logprob_diff"].item() == pytest.approx(math.log(12) / 3, rel=1e-6)
+    assert stats["behav_beyond_2"].item() == pytest.approx(1 / 3, rel=1e-6)
 
 
 RL = ["--prompts-per-step", "8", "--group-size", "4", "--num-eval", "50", "--log-every", "1", "--eval-every", "2"]
@@ -97,6 +100,7 @@ def test_eta_0_is_grpo(tmp_path):
     assert all(
         m["losses/behav_weight"] == pytest.approx(1.0, abs=1e-5) and m["losses/behav_capped"] == 0.0 for m in steps
     )
+    assert all(m["losses/behav_logprob_diff"] < 1e-4 and m["losses/behav_beyond_2"] == 0 for m in steps)
     shared = [{k: v for k, v in m.items() if k in s} for m, s in zip(untimed(asynchronous), untimed(synchronous))]
     assert_same_records(shared[:2], untimed(synchronous)[:2])  # evaluation at step 0, then step 1
     assert len(shared[1]) >= 10  # rewards, losses, accuracy ...

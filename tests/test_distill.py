@@ -390,3 +390,24 @@ def test_the_benchmark_writes_its_table_from_the_runs(tmp_path):
     assert rows["grpo"][-1] == "— |" and rows["distill"][-1] in {"0/1 |", "1/1 |"}
     assert "## On-policy distillation against GRPO" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "distill.png").stat().st_size > 0
+
+
+def test_the_chain_rows_quick_form(tmp_path):
+    """benchmarks/distill_chain.py's suite form: a teacher of 2 steps more, each row 2 steps of 8 completions, 16
+    held-out chain prompts. Both rows start from the same student on the same prompts (the same accuracy at step 0);
+    the off-policy row trains on the teacher's samples of training prompts; the block names both rows."""
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import distill_chain
+
+    results = distill_chain.main(["--quick", "--seeds", "1", "--runs-dir", str(tmp_path), "--out-dir", str(tmp_path)])
+    assert set(results["rows"]) == {"on-policy", "off-policy"}
+    curves = {name: runs[0][0] for name, runs in results["rows"].items()}
+    assert all([s for s, _ in c] == [0, 1, 2] and all(0 <= a <= 100 for _, a in c) for c in curves.values())
+    assert curves["on-policy"][0] == curves["off-policy"][0] and results["student"] == curves["on-policy"][0][1]
+    samples = [json.loads(line) for line in open(tmp_path / "teacher_samples_1_16.jsonl")]
+    train = {json.loads(line)["prompt"] for line in open(tmp_path / "chain_train.jsonl")}
+    assert len(samples) == 2 * 8 and all(s["prompt"] in train and s["completion"] for s in samples)
+    page = (tmp_path / "distill.md").read_text()
+    assert page.count("| on-policy |") == 1 and page.count("| off-policy |") == 1
