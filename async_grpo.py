@@ -201,22 +201,18 @@ def behaviour_weights(prox_logprobs, behav_logprobs, mask, cap):
     prox_logprobs, behav_logprobs, mask: (B, T). The cap is AReaL's code's (eq. 5 has none): a token above it is
     left out of the loss, and still counts in the token means.
     prox = log [0.5, 0.3, 0.6], behav = log [0.5, 0.6, 0.1], cap 5 -> w = [1, 0.5, 0 (6 > 5: left out)]
-    Also behav_weight, the mean weight (0 for a token left out), and behav_capped, the share left out; and the
-    sampler's distance from pi_prox, as the sampling files log theirs (rollout_correction in grpo.py): its staleness
-    and its computation's mismatch together, behav_logprob_diff, the mean |log w_t| (above: (log 2 + log 6) / 3), and
-    behav_beyond_2, the share of tokens with w_t outside [1/2, 2] (above: 1/3).
+    Also behav_weight, the mean weight (0 for a token left out), behav_capped, the share left out, and the sampler's
+    distance from pi_prox (its staleness and its mismatch together): behav_logprob_diff, the mean |log w_t| (above:
+    log(12) / 3), and behav_beyond_2, the share of tokens with w_t outside [1/2, 2] (above: 1/3).
     """
     m = mask.bool()
-    log_ratio = torch.where(m, prox_logprobs - behav_logprobs, 0.0).detach()  # padding never reaches exp()
-    weights = torch.exp(log_ratio)
+    log_w = torch.where(m, prox_logprobs - behav_logprobs, 0.0).detach()  # padding never reaches exp()
+    weights = torch.exp(log_w)
     kept = m & (weights <= cap)
     weights = torch.where(kept, weights, 0.0)
-    return weights, {
-        "behav_weight": masked_mean(weights, m),
-        "behav_capped": masked_mean((m & ~kept).float(), m),
-        "behav_logprob_diff": masked_mean(log_ratio.abs(), m),
-        "behav_beyond_2": masked_mean((log_ratio.abs() > math.log(2)).float(), m),
-    }
+    far = masked_mean((log_w.abs() > math.log(2)).float(), m)
+    stats = {"behav_weight": masked_mean(weights, m), "behav_capped": masked_mean((m & ~kept).float(), m)}
+    return weights, {**stats, "behav_logprob_diff": masked_mean(log_w.abs(), m), "behav_beyond_2": far}
 
 
 def decoupled_loss(

@@ -23,14 +23,16 @@ Rows (docs/effects.md gives each claim, its source and what was seen):
                        (mismatched), with --rollout-correction none, token-tis and icepop, against the matched default
 
 Runs go to --runs-dir, each in its own folder, run in this process as `python FILE.py FLAGS` runs it; a folder whose
-run finished with the same flags is read again, not run. grpo.py has no flag for the rows' knobs (noise on the
-rewards, another KL estimator, no reward signal, a sampler at another temperature): nobody trains with them, so each
-is a patch of the grpo module a row runs, made here (docs/reading.md, "Flags and knobs").
+run finished with the same flags and the same data (the .jsonl files they name) is read again, not run. grpo.py has
+no flag for the rows' knobs (noise on the rewards, another KL estimator, no reward signal, a sampler at another
+temperature): nobody trains with them, so each is a patch of the grpo module a row runs, made here (docs/reading.md,
+"Flags and knobs").
 """
 
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import inspect
 import json
 import linecache
@@ -39,6 +41,7 @@ import os
 import random
 import re
 import runpy
+import shutil
 import statistics
 import sys
 
@@ -73,8 +76,12 @@ def train(args, file, flags, name, seed, in_module=False):
     in_module, grpo.py's main in the module imported above, which a row may patch)."""
     out = os.path.join(args.runs_dir, f"{name}-{seed}")
     argv = [*flags, "--seed", str(seed), "--output-dir", out]
+    # the record of a finished run: its flags, and the content of the .jsonl files they name (a data set written
+    # again with other records is another run)
+    record = argv + [hashlib.sha256(open(a, "rb").read()).hexdigest() for a in argv if a.endswith(".jsonl")]
     done = os.path.join(out, "effects_argv.json")
-    if not (os.path.exists(done) and json.load(open(done)) == argv):
+    if not (os.path.exists(done) and json.load(open(done)) == record):
+        shutil.rmtree(out, ignore_errors=True)  # another run's, or one that did not finish
         print(f"python {file} {' '.join(argv)}", flush=True)
         saved = sys.argv, torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
         sys.argv = [os.path.join(ROOT, file), *argv]
@@ -88,7 +95,7 @@ def train(args, file, flags, name, seed, in_module=False):
             torch.use_deterministic_algorithms(saved[1])
             torch.set_num_threads(saved[2])
         with open(done, "w") as f:
-            json.dump(argv, f)
+            json.dump(record, f)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 

@@ -7,6 +7,7 @@ import math
 import os
 import re
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -163,3 +164,20 @@ def test_every_rows_quick_form(tmp_path):
     assert areal["lr 1e-3 eta16"]["behav_weight"][0] != pytest.approx(1, abs=1e-3)
     assert areal["lr 1e-3 eta16-coupled"]["behav_weight"] == [1.0]  # w = 1: the clip centred on pi_behav
     assert areal["lr 1e-3 sync"]["behav_weight"][0] == pytest.approx(1, abs=1e-3)  # no lag: rounding only
+
+
+def test_a_run_is_read_again_only_with_the_same_flags_and_data(tmp_path):
+    """train() runs a command once and reads its folder after; a data set the flags name, written again with other
+    records, makes it another run (the length rows write theirs before each fine-tuning)."""
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1=", "completion": "2"}\n' * 40)
+    flags = ["--model-name-or-path", os.path.join(ROOT, "tiny-adder"), "--dataset", str(data), "--num-steps", "1"]
+    flags += ["--num-eval", "4", "--eval-every", "1"]
+    args, metrics = SimpleNamespace(runs_dir=str(tmp_path)), tmp_path / "sft-1" / "metrics.jsonl"
+    effects.train(args, "sft.py", flags, "sft", 1)
+    first = metrics.stat().st_mtime_ns
+    effects.train(args, "sft.py", flags, "sft", 1)
+    assert metrics.stat().st_mtime_ns == first  # read again
+    data.write_text('{"prompt": "1+1=", "completion": "3"}\n' * 40)
+    effects.train(args, "sft.py", flags, "sft", 1)
+    assert metrics.stat().st_mtime_ns != first  # run again, in a fresh folder
