@@ -16,6 +16,7 @@ A run that already finished in --runs-dir with the same command is read, not run
 run it again).
 """
 
+import hashlib
 import json
 import os
 import platform
@@ -70,12 +71,14 @@ def run(name, seed, args):
 
 def run_once(label, command, out):
     """`python *command` from the repository root, its output in out.log, unless out.json says that it finished with
-    this command; then (the run's metrics, its wall seconds). process_, tool_ and dapo_benchmark.py use it too."""
+    this command and the same data (the content of the .jsonl files it names); then (the run's metrics, its wall
+    seconds). process_, tool_, dapo_, distill_benchmark.py and distill_chain.py use it too."""
     record_path = out + ".json"
+    data = {a: hashlib.sha256(open(a, "rb").read()).hexdigest() for a in command if a.endswith(".jsonl")}
     if os.path.exists(record_path):
         with open(record_path) as f:
             record = json.load(f)
-        if record["command"] == command:
+        if record["command"] == command and record.get("data") == data:
             print(f"{label}: read from {out}", flush=True)
             return read_metrics(out), record["wall_seconds"]
     if os.path.exists(out):
@@ -88,7 +91,7 @@ def run_once(label, command, out):
     if proc.returncode != 0:
         fail(f"{label} failed (exit {proc.returncode}); see {out}.log")
     with open(record_path, "w") as f:
-        json.dump({"command": command, "wall_seconds": wall}, f)
+        json.dump({"command": command, "data": data, "wall_seconds": wall}, f)
     return read_metrics(out), wall
 
 

@@ -352,3 +352,23 @@ def test_the_readme_real_model_commands_are_the_benchmark_runs():
         if name.endswith("-vllm")
     ]
     assert readme == expected
+
+
+def test_a_benchmark_run_is_read_again_only_with_the_same_command_and_data(tmp_path):
+    """async_benchmark.run_once, which the benchmarks share: a run that finished is read again for the same command,
+    and run again, in a fresh folder, once a .jsonl the command names holds other records."""
+    import async_benchmark
+
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1=", "completion": "2"}\n' * 40)
+    out = str(tmp_path / "run")
+    command = ["sft.py", "--model-name-or-path", "tiny-adder", "--dataset", str(data), "--num-steps", "1"]
+    command += ["--num-eval", "4", "--eval-every", "1", "--output-dir", out]
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    async_benchmark.run_once("sft", command, out)
+    first = metrics.stat().st_mtime_ns
+    async_benchmark.run_once("sft", command, out)
+    assert metrics.stat().st_mtime_ns == first  # read again
+    data.write_text('{"prompt": "1+1=", "completion": "3"}\n' * 40)
+    async_benchmark.run_once("sft", command, out)
+    assert metrics.stat().st_mtime_ns != first  # run again
