@@ -59,8 +59,7 @@ def sizes(args):
 def write_records(args):
     """chain_train.jsonl (prompt, answer) and chain_eval.jsonl (prompt, completion: the steps, answer): the task's
     records as process_grpo.py holds them out, so every row and the teacher are scored on the same prompts."""
-    teacher_steps, steps, batch, num_eval, _ = sizes(args)
-    train, held_out = process_grpo.chain_task(num_eval)
+    train, held_out = process_grpo.chain_task(sizes(args)[3])  # held out: the first --num-eval, as every row's
     paths = [os.path.join(args.runs_dir, f"chain_{name}.jsonl") for name in ("train", "eval")]
     with open(paths[0], "w") as f:
         for r in train:
