@@ -814,9 +814,7 @@ def make_output_dir(args, checkpoint):
     back to the checkpoint's step (the resumed run logs the later steps again). With --track, the wandb run."""
     path = args.resume_from
     if checkpoint is None:
-        path = args.output_dir
-        if path is None:
-            path = os.path.join("runs", args.run_name)
+        path = os.path.join("runs", args.run_name) if args.output_dir is None else args.output_dir
         if os.path.exists(path):
             fail(f"--output-dir {path} already exists; choose a new folder")
     barrier()  # every process has checked before rank 0 writes
@@ -921,11 +919,9 @@ def load_model(path, args, device, frozen=False, model=None):
 def stop_token_ids(tokenizer, model):
     """Every id that ends a completion: the tokenizer's EOS and the generation config's."""
     ids = model.generation_config.eos_token_id  # None, an id, or a list of ids
-    if ids is None:
-        ids = []
-    if isinstance(ids, int):
+    if ids is None or isinstance(ids, int):
         ids = [ids]
-    return sorted({tokenizer.eos_token_id, *ids})
+    return sorted({tokenizer.eos_token_id, *ids} - {None})
 
 
 def distribute(model, fsdp):
@@ -957,13 +953,10 @@ def resume(checkpoint, models, optimizer, generators):
         return 1, {}
     modules, state = checkpoint_state(models, optimizer)  # what to load into
     dcp.load(state, checkpoint_id=os.path.join(checkpoint, "state"))
+    options = StateDictOptions(strict=False)  # the frozen weights stay as loaded
     set_state_dict(
-        modules,
-        optimizer,
-        model_state_dict=state["models"],
-        optim_state_dict=state["optimizer"],
-        options=StateDictOptions(strict=False),
-    )  # the frozen weights stay as loaded
+        modules, optimizer, model_state_dict=state["models"], optim_state_dict=state["optimizer"], options=options
+    )
     rng = torch.load(os.path.join(checkpoint, f"rng_{rank_and_world()[0]}.pt"))
     random.setstate(rng["python"])
     torch.set_rng_state(rng["torch"])
@@ -1273,12 +1266,19 @@ def forward(model, input_ids, attention_mask, **kwargs):
     return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, **kwargs)
 
 
-def hidden_states(model, input_ids, attention_mask):
-    """The decoder's last hidden states (B, L, d), as the output layer (or a score head) takes them."""
+def hidden_states(model, input_ids, attention_mask, rolled_on=("cuda",)):
+    """The decoder's last hidden states (B, L, d), as the output layer (or a score head) takes them. On a GPU (on the
+    devices rolled_on) each row runs rolled left to its first attended token, its padding after it: the causal mask
+    alone is then exact while a row's attended tokens are one run, as here (flash attention, K and V read once)."""
     states, causal_lm = [], unwrap(model).get_output_embeddings() is not None
     hook = unwrap(model).get_decoder().register_forward_hook(lambda module, inputs, out: states.append(out[0]))
+    logits, width = {"logits_to_keep": no_logits(input_ids)} if causal_lm else {}, input_ids.shape[1]
+    roll = (torch.arange(width, device=input_ids.device) + attention_mask.argmax(dim=1, keepdim=True)) % width
     try:
-        forward(model, input_ids, attention_mask, **({"logits_to_keep": no_logits(input_ids)} if causal_lm else {}))
+        if input_ids.device.type in rolled_on:  # positions 0, 1, ... in each row
+            model(input_ids=input_ids.gather(1, roll), use_cache=False, **logits)
+            return torch.empty_like(states[0]).scatter(1, roll[..., None].expand_as(states[0]), states[0])  # back
+        forward(model, input_ids, attention_mask, **logits)
     finally:
         hook.remove()
     return states[0]

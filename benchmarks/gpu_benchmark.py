@@ -466,6 +466,45 @@ def check(args):
             f"{exact.abs().max().item():.0f}), gradients {max(gaps):.1e} apart (relative)"
         )
 
+    update_pass(grpo, torch, device, model, args)
+
+
+def update_pass(grpo, torch, device, model, args, rows=8, repeats=5):
+    """8. One micro-batch of the update (forward and backward of token_logprobs, under autocast, checkpointed as the
+    README's GPU command): each row rolled left with the causal mask alone (hidden_states on a GPU), against the
+    padded rows under their mask (its pass on a CPU). Prompts of 80-110 tokens, completions of a fifth to all of
+    --max-new-tokens."""
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(80, 111, (rows,), generator=g)
+    ends = torch.randint(args.max_new_tokens // 5, args.max_new_tokens + 1, (rows,), generator=g)
+    width = 110 + args.max_new_tokens
+    ids = torch.randint(3, model.config.vocab_size, (rows, width), generator=g).to(device)
+    columns = torch.arange(width)
+    mask = ((columns >= 110 - prompts[:, None]) & (columns < 110 + ends[:, None])).long().to(device)
+    enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)  # < 5.24
+    enable({"use_reentrant": False, "preserve_rng_state": False})
+    model.train()
+    plain, found = grpo.hidden_states, {}
+    for rolled in (False, True):
+        grpo.hidden_states = lambda *a, on=(device.type,) * rolled: plain(*a, rolled_on=on)
+
+        def update():
+            with torch.autocast(device.type, dtype=model.compute_dtype):
+                logprobs = grpo.token_logprobs(model, ids, mask, 110)
+            (logprobs * mask[:, 110:]).sum().backward()
+            model.zero_grad(set_to_none=True)
+            return logprobs.detach()
+
+        found[rolled] = update(), timed(torch, device, update, repeats)
+    grpo.hidden_states = plain
+    (padded, ms_padded), (rolled, ms_rolled) = found[False], found[True]
+    gap = (padded - rolled)[mask[:, 110:].bool()].abs().max().item()
+    print(
+        f"8. an update's micro-batch, {rows} rows x {width} columns ({mask.sum().item()} attended), forward and "
+        f"backward: padded rows under their mask {ms_padded:.1f} ms, rolled left with the causal mask alone "
+        f"{ms_rolled:.1f} ms; log-probs {gap:.1e} apart"
+    )
+
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

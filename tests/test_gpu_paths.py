@@ -8,9 +8,10 @@ import time
 from types import SimpleNamespace
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig
 
-from grpo import add_lora, load_model, token_logprobs
+import grpo
+from grpo import add_lora, hidden_states, load_model, token_logprobs
 
 
 def tiny_llama(path, vocab_size=300):
@@ -127,6 +128,42 @@ def test_forward_passes_that_are_not_generation_build_no_kv_cache(tmp_path):
         token_logprobs(model, input_ids, attention_mask, prompt_len)
     hook.remove()
     assert seen == [False, False]
+
+
+def test_rows_rolled_left_give_the_padded_rows_log_probs_and_gradients(tmp_path, monkeypatch):
+    """On a GPU, hidden_states runs each row rolled left to its first attended token, with no mask but the causal one
+    (flash attention, each key-value head read once). Against the padded rows under their mask (the CPU's pass), on a
+    Llama with grouped key-value heads and on the bundled model: the same log-probs and gradients to 1e-5, rows
+    padded on both sides and one not at all; and a score head's states (reward_model.py, ppo.py's values) at every
+    attended position."""
+    device = torch.device("cpu")
+    tiny = tiny_llama(tmp_path / "m")
+    config = LlamaConfig.from_pretrained(tiny)
+    config.num_key_value_heads = 2
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gqa")
+    input_ids, attention_mask, prompt_len = batch(vocab_size=18, rows=5, length=14, prompt_len=6)
+    attention_mask[1, :4] = 0  # left-padded prompts
+    attention_mask[2, :1] = 0
+    attention_mask[1, 11:] = 0  # completions that stopped
+    attention_mask[3, 9:] = 0
+    plain = hidden_states
+    for path in (tmp_path / "gqa", "tiny-adder"):
+        found = []
+        for rolled_on in ((), ("cpu",)):
+            monkeypatch.setattr(grpo, "hidden_states", lambda *a, on=rolled_on: plain(*a, rolled_on=on))
+            model = load_model(str(path), flags(), device)
+            logprobs = token_logprobs(model, input_ids, attention_mask, prompt_len)
+            (logprobs * attention_mask[:, prompt_len:]).sum().backward()
+            found.append((logprobs, [p.grad for p in model.parameters()]))
+        (a, grads_a), (b, grads_b) = found
+        kept = attention_mask[:, prompt_len:].bool()
+        assert (a - b)[kept].abs().max() < 1e-5, path
+        for x, y in zip(grads_a, grads_b):
+            assert (x - y).abs().max() <= 1e-5 * (1 + x.abs().max()), path
+    scorer = AutoModelForSequenceClassification.from_pretrained(tiny, num_labels=1)
+    with torch.no_grad():
+        a, b = (plain(scorer, input_ids, attention_mask, rolled_on=on) for on in ((), ("cpu",)))
+    assert a.shape == b.shape and (a - b)[attention_mask.bool()].abs().max() < 1e-5
 
 
 def test_a_checkpoints_random_states_bring_back_numpys_too(tmp_path):
@@ -298,17 +335,18 @@ def test_the_lora_cast_benchmark_counts_the_casts_both_ways():
 
 def test_the_gpu_check_runs_every_step_on_the_cpu():
     """benchmarks/gpu_benchmark.py --check, the decode loop's GPU half step by step (issue 63), at a small shape on
-    the CPU (nothing compiled, no GPU memory): its seven steps in order, the eager bfloat16 rollout's tokens, the
+    the CPU (nothing compiled, no GPU memory): its eight steps in order, the eager bfloat16 rollout's tokens, the
     grouped attention level with transformers' to bfloat16's rounding, one cache held after a smaller batch followed
-    a larger one, the profile's table, and the output layer's three tensor-core products (as a CPU computes them)
-    within 1e-3 of float32's logits (of std 10) and 1e-4 of its gradients, relative."""
+    a larger one, the profile's table, the output layer's three tensor-core products (as a CPU computes them)
+    within 1e-3 of float32's logits (of std 10) and 1e-4 of its gradients, relative, and an update's micro-batch
+    rolled left as near the padded rows' log-probs as bfloat16 allows."""
     from conftest import run_script
 
     out = run_script(
         "benchmarks/gpu_benchmark.py", "--check", "--small", "--batch", "4", "--max-new-tokens", "4"
     ).stdout
-    steps = [line.split(".")[0] for line in out.splitlines() if line[:2] in {f"{i}." for i in range(1, 8)}]
-    assert steps == ["1", "2", "3", "4", "5", "5", "6", "6", "7", "7"], out
+    steps = [line.split(".")[0] for line in out.splitlines() if line[:2] in {f"{i}." for i in range(1, 9)}]
+    assert steps == ["1", "2", "3", "4", "5", "5", "6", "6", "7", "7", "8"], out
     for line in [line for line in out.splitlines() if line.startswith("7.")]:  # the three products against float32's
         logits, grads = (float(x) for x in re.findall(r"(\S+) apart", line))
         assert logits < 1e-3 and grads < 1e-4, line
@@ -318,3 +356,5 @@ def test_the_gpu_check_runs_every_step_on_the_cpu():
     held = [line for line in out.splitlines() if "caches held" in line]
     assert len(held) == 2 and all("caches held: 1," in line for line in held), out
     assert "Name" in out and "Self CPU" in out, out  # the profile's top operations
+    update = next(line for line in out.splitlines() if line.startswith("8."))
+    assert float(update.split("log-probs ")[1].split(" apart")[0]) < 5e-2, update
