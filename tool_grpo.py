@@ -118,6 +118,10 @@ class Args:
     max_turns: int = 2  # the policy's turns in a rollout: a turn that calls the tool is followed by another
     mask_tool_tokens: bool = True  # the tool's tokens carry no loss (`--no-mask-tool-tokens`: they do, an ablation)
     tool_reward: float = 0.0  # weight of the tool's own reward for each call, added to the answer's (0: off)
+    rollout_correction: Literal["none", "token-tis", "token-mis", "seq-tis", "seq-mis", "icepop"] = "none"
+    """how the loss weighs tokens the sampler drew with other log-probs than pi_old's (rollout_correction); the decode
+    loop's are pi_old's to rounding on a CPU (docs/mismatch.md)"""
+    rollout_cap: float = 2.0  # the cap of --rollout-correction's weights (IcePop's band: [1 / cap, cap])
 
     # to be filled in at runtime (not flags: the command line cannot set them)
     batch_size: tyro.conf.Suppress[int] = 0  # completions per batch of rollouts (prompts_per_step * group_size)
@@ -191,6 +195,48 @@ def grpo_loss(
     stats["clip_frac"] = masked_mean(clipped.float(), m).detach()
     stats["ratio"] = masked_mean(ratio, m).detach()
     return loss, stats
+
+
+def rollout_correction(old_logprobs, rollout_logprobs, mask, mode, cap):
+    """The sampler's policy against the trainer's: the tokens were drawn with log-probs rollout_logprobs (the decode
+    loop's own, or vLLM's), the loss takes old_logprobs as pi_old's, so each token's policy-gradient term is weighed by
+    a constant w_t made from r_t = pi_old(o_t) / pi_rollout(o_t) (Yao et al. 2025, TIS; verl's rollout_corr; IcePop,
+    arXiv 2510.18855; docs/mismatch.md says which to pick):
+
+        none        no weight (w_t = 1)
+        token-tis   w_t = min(r_t, cap)                          truncated
+        token-mis   w_t = r_t if r_t <= cap, else 0              masked
+        seq-tis     w_t = min(g, cap),  g = exp(mean_t log r_t)  the row's geometric mean, truncated
+        seq-mis     w_t = g if g <= cap, else 0                  the row's, masked
+        icepop      w_t = r_t if 1/cap <= r_t <= cap, else 0     masked on both sides
+
+    old_logprobs, rollout_logprobs, mask: (B, T); 0 at padding. One row, cap = 2:
+    old = log [0.5, 0.3, 0.1, 0.1], rollout = log [0.5, 0.5, 0.01, 0.4]: r = [1, 0.6, 10, 0.25], g = 1.5^(1/4) = 1.107
+    -> token-tis [1, 0.6, 2, 0.25], token-mis [1, 0.6, 0, 0.25], seq-tis and seq-mis [1.107] * 4, icepop [1, 0.6, 0, 0]
+    Also the mismatch's statistics, in every mode: logprob_diff, the mean |log r_t| over the tokens; beyond_2, the
+    share of them with r_t outside [1/2, 2]; with weights, is_weight (their mean) and is_capped (the share the cap
+    truncated or masked).
+    """
+    m = mask.bool()
+    log_ratio = torch.where(m, old_logprobs - rollout_logprobs, 0.0).detach()  # padding never reaches exp()
+    stats = {
+        "logprob_diff": masked_mean(log_ratio.abs(), m),
+        "beyond_2": masked_mean((log_ratio.abs() > math.log(2)).float(), m),
+    }
+    if mode == "none":
+        return None, stats
+    if mode.startswith("seq"):  # the mean log-ratio of the row, on each of its tokens
+        log_ratio = (log_ratio.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)).expand_as(log_ratio)
+    ratio = torch.exp(log_ratio)
+    capped = ratio > cap
+    if mode == "icepop":
+        capped = capped | (ratio < 1 / cap)
+    if mode.endswith("tis"):
+        weights = ratio.clamp(max=cap)
+    else:
+        weights = torch.where(capped, 0.0, ratio)
+    weights = torch.where(m, weights, 0.0)
+    return weights, {**stats, "is_weight": masked_mean(weights, m), "is_capped": masked_mean(capped.float(), m)}
 
 
 def policy_tokens(mask, tool_mask, mask_tool_tokens=True):
@@ -420,13 +466,15 @@ def rollout(policy, tokenizer, prompt_ids, prompt_mask, args, stop_ids, tool, te
     whose result leaves no room for a token after it ran, but its result is not appended. Either ends the completion
     on a call: it has no answer.
 
-    Returns {"completion_ids", "mask" (every token, every turn), "tool_mask" (the tool's tokens): (B, T); "texts"
-    and "answers" (each completion's text, and its last turn's unless that turn calls: ""); "calls" (written),
-    "ran" (answered by the tool, or by a parse error), "failed" (of those), "turns", "call_rewards"}."""
+    Returns {"completion_ids", "mask" (every token, every turn), "tool_mask" (the tool's tokens), "logprobs" (each
+    sampled token's, as the decode loop drew it; the tool's: 0): (B, T); "texts" and "answers" (each completion's
+    text, and its last turn's unless that turn calls: ""); "calls" (written), "ran" (answered by the tool, or by a
+    parse error), "failed" (of those), "turns", "tool_tokens", "call_rewards"}."""
     device, size, pad = prompt_ids.device, len(prompt_ids), tokenizer.pad_token_id
     turn_ends = stop_ids + tool["stop_ids"]
     prompts = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
     ids, from_tool = [[] for _ in range(size)], [[] for _ in range(size)]  # each completion's ids; 1: the tool's
+    drawn = [[] for _ in range(size)]  # the log-prob of each id (the tool's: 0)
     answers, turns, call_rewards = [""] * size, [0] * size, [0.0] * size
     calls, ran, failed = [0] * size, [0] * size, [0] * size
     going = list(range(size))  # the completions that write another turn
@@ -440,12 +488,13 @@ def rollout(policy, tokenizer, prompt_ids, prompt_mask, args, stop_ids, tool, te
         width = max(len(c) for c in contexts)
         context_ids = torch.tensor([[pad] * (width - len(c)) + c for c in contexts], device=device)
         context_mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=device)
-        new_ids = generate(policy, tokenizer, context_ids, context_mask, room, temperature, turn_ends)
+        new_ids, logprobs = generate(policy, tokenizer, context_ids, context_mask, room, temperature, turn_ends, True)
         new_mask = completion_mask(new_ids, turn_ends)  # up to and including the turn's stop token
         still = []
-        for i, row, keep in zip(going, new_ids.tolist(), new_mask.tolist()):
+        for i, row, keep, row_logprobs in zip(going, new_ids.tolist(), new_mask.tolist(), logprobs.tolist()):
             row = [t for t, k in zip(row, keep) if k][: args.max_new_tokens - len(ids[i])]
             ids[i], from_tool[i], turns[i] = ids[i] + row, from_tool[i] + [0] * len(row), turns[i] + 1
+            drawn[i] += row_logprobs[: len(row)]
             arguments, error = tool["parse"](tokenizer.decode(row[:-1] if row and row[-1] in stop_ids else row))
             if arguments is None and error is None:  # no call: the final answer
                 answers[i] = tokenizer.decode(row, skip_special_tokens=True)
@@ -458,6 +507,7 @@ def rollout(policy, tokenizer, prompt_ids, prompt_mask, args, stop_ids, tool, te
             result = tokenizer(tool["result"](text), add_special_tokens=False)["input_ids"]
             if len(ids[i]) + len(result) < args.max_new_tokens:  # and room for an answer after it
                 ids[i], from_tool[i] = ids[i] + result, from_tool[i] + [1] * len(result)
+                drawn[i] += [0.0] * len(result)
                 still.append(i)
         going = still
     width = max(1, *(len(r) for r in ids))
@@ -465,27 +515,30 @@ def rollout(policy, tokenizer, prompt_ids, prompt_mask, args, stop_ids, tool, te
         "completion_ids": torch.tensor([r + [pad] * (width - len(r)) for r in ids], device=device),
         "mask": torch.tensor([[True] * len(r) + [False] * (width - len(r)) for r in ids], device=device),
         "tool_mask": torch.tensor([r + [0] * (width - len(r)) for r in from_tool], device=device).bool(),
+        "logprobs": torch.tensor([r + [0.0] * (width - len(r)) for r in drawn], device=device),
         "texts": [tokenizer.decode(r, skip_special_tokens=True) for r in ids],
         "answers": answers,
         "calls": calls,
         "ran": ran,
         "failed": failed,
         "turns": turns,
+        "tool_tokens": [sum(r) for r in from_tool],
         "call_rewards": torch.tensor(call_rewards, device=device),
     }
 
 
 def tool_metrics(rollouts, prefix):
     """The share of completions that call the tool, calls and turns a completion, and the share of the calls run
-    that failed to parse or run (a call not run counts in calls alone)."""
-    calls, ran, failed, turns = (
-        torch.tensor(rollouts[k], dtype=torch.float) for k in ("calls", "ran", "failed", "turns")
+    that failed to parse or run (a call not run counts in calls alone), and the tool's tokens a completion."""
+    calls, ran, failed, turns, tool_tokens = (
+        torch.tensor(rollouts[k], dtype=torch.float) for k in ("calls", "ran", "failed", "turns", "tool_tokens")
     )
     return {
         f"{prefix}tool_call_rate": (calls > 0).float().mean(),
         f"{prefix}calls": calls.mean(),
         f"{prefix}failed_calls": failed.sum() / ran.sum().clamp(min=1),
         f"{prefix}turns": turns.mean(),
+        f"{prefix}tool_tokens": tool_tokens.mean(),
     }
 
 
@@ -519,6 +572,7 @@ def main(args):
         loss_agg=args.loss_agg,
         max_completion_length=args.max_new_tokens,
     )  # grpo_loss's constants
+    correction = dict(mode=args.rollout_correction, cap=args.rollout_cap)  # rollout_correction's
     start = time.time()
     if first_step == 1:
         samples = []  # a few held-out prompts with their completions, for samples.jsonl
@@ -535,14 +589,12 @@ def main(args):
         rollouts = rollout(policy, tokenizer, prompt_ids, prompt_mask, args, stop_ids, tool, args.temperature)
         timer.lap("generation")
         completion_ids, mask, tool_mask = rollouts["completion_ids"], rollouts["mask"], rollouts["tool_mask"]  # (B, T)
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
-        attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)  # the tool's tokens are context
-        loss_mask = policy_tokens(mask, tool_mask, args.mask_tool_tokens)  # and, unless ablated, carry no loss
-        prompt_len = prompt_ids.shape[1]
+        input_ids, prompt_len = torch.cat([prompt_ids, completion_ids], dim=1), prompt_ids.shape[1]  # (B, P + T), P
+        attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)  # the tool's tokens: context, and no loss
+        drawn, loss_mask = policy_tokens(mask, tool_mask), policy_tokens(mask, tool_mask, args.mask_tool_tokens)
 
         # 2. reward each final answer (and each call, with --tool-reward), and normalise within each group
-        answers = rollouts["answers"]  # the text of each completion's last turn
-        rewards = torch.tensor([reward_fn(t, r) for t, r in zip(answers, group)], device=device)  # (B,)
+        rewards = torch.tensor([reward_fn(t, r) for t, r in zip(rollouts["answers"], group)], device=device)  # (B,)
         rewards = rewards + args.tool_reward * rollouts["call_rewards"]
         signal = no_signal_note(step, rewards, args.group_size, signal)
         advantages = group_advantages(rewards, args.group_size, scale=args.scale_rewards)  # (B,)
@@ -564,18 +616,22 @@ def main(args):
         # 4. num_iterations passes over the batch, each num_minibatches optimizer steps; a micro-batch's loss weighs
         # its share of the minibatch's completions, or with DAPO's token mean, of its policy tokens
         policy.train()
-        step_stats, grad_norms = [], []
+        step_stats, rollout_stats, grad_norms = [], [], []
         token_mask = loss_mask if args.loss_agg == "token-mean" else None
         for minibatch in minibatches(attention_mask, minibatch_size, args.num_iterations, shuffle_gen):
             optimizer.zero_grad()
             for i, share in micro_batches(minibatch, args.micro_batch_size, [policy], token_mask):
                 logprobs = token_logprobs(policy, input_ids[i], attention_mask[i], prompt_len, args.temperature)
                 old = logprobs.detach() if old_logprobs is None else old_logprobs[i]
-                loss, stats = grpo_loss(logprobs, old, rows(ref_logprobs, i), advantages[i], loss_mask[i], **loss_args)
+                weights, is_stats = rollout_correction(old, rollouts["logprobs"][i], drawn[i], **correction)
+                loss, stats = grpo_loss(
+                    logprobs, old, rows(ref_logprobs, i), advantages[i], loss_mask[i], **loss_args, is_weights=weights
+                )
                 check_finite(loss, step)
                 (loss * share).backward()
                 # the loss as the optimizer weighed it; the token means (kl, clip_frac, ratio) by tokens
                 step_stats += [({"loss": loss.detach()}, share), (stats, loss_mask[i].sum())]
+                rollout_stats.append((is_stats, drawn[i].sum()))
             grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
             optimizer.step()
         timer.lap("update")
@@ -585,11 +641,11 @@ def main(args):
         if step % args.log_every == 0 or evaluate_now:
             metrics = {
                 **weighted_means(step_stats, "losses/"),
+                **weighted_means(rollout_stats, "rollout/"),
                 "charts/reward": rewards.mean(),
                 "charts/reward_std": rewards.std(),
                 "charts/zero_std_groups": (rewards.view(-1, args.group_size).std(dim=1) == 0).float().mean(),
                 "charts/completion_length": mask.sum(dim=1).float().mean(),  # every turn, the tool's tokens too
-                "charts/tool_tokens": tool_mask.sum(dim=1).float().mean(),
                 **tool_metrics(rollouts, "charts/"),
                 "charts/learning_rate": optimizer.param_groups[0]["lr"],
                 "losses/grad_norm": torch.stack(grad_norms).mean(),  # the mean over the optimizer steps
@@ -622,9 +678,14 @@ def check_args(args):
         "clip_eps_high": ">= 0",
         "max_turns": "> 0",
         "tool_reward": ">= 0",
+        "rollout_cap": ">= 1",
     }
     check_ranges(args, {**COMMON_RANGES, **ranges})
     check_lora(args)
+    if not args.mask_tool_tokens and args.rollout_correction != "none":  # it weighs the policy's tokens alone
+        fail(
+            f"--rollout-correction {args.rollout_correction} weighs tool tokens 0 under --no-mask-tool-tokens: use none"
+        )
 
 
 def batch_sizes(args):
@@ -697,7 +758,7 @@ def held_out_metrics(policy, tokenizer, records, args, stop_ids, tool, samples):
             prompts = [r["prompt"] for r in records[i : i + 128]]
             ids, mask = tokenize_prompts(tokenizer, prompts, device, args, tool["tools"])
             parts.append(rollout(policy, tokenizer, ids, mask, args, stop_ids, tool, temperature))
-        keys = ("texts", "answers", "calls", "ran", "failed", "turns")
+        keys = ("texts", "answers", "calls", "ran", "failed", "turns", "tool_tokens")
         return {k: [x for part in parts for x in part[k]] for k in keys}
 
     greedy = rollouts_of(share, None)

@@ -86,6 +86,7 @@ RANGES = {
         "beta": NON_NEGATIVE,
         "max_turns": POSITIVE,
         "tool_reward": NON_NEGATIVE,
+        "rollout_cap": VLLM["rollout_cap"],  # no --vllm, but the corrections
     },
     "async_grpo.py": {
         **COMMON,

@@ -80,24 +80,40 @@ def test_the_help_names_the_flag_and_its_default(capsys):
         assert "{auto,none,token-tis,token-mis,seq-tis,seq-mis,icepop}" in correction, name
         assert "(default: auto)" in correction[: correction.index("--rollout-cap")], name
         assert "(default: 2.0)" in correction[correction.index("--rollout-cap") :], name
+    with pytest.raises(SystemExit):  # tool_grpo.py has no --vllm, so no auto: none, its own decode loop
+        tyro.cli(importlib.import_module("tool_grpo").Args, args=["--help"])
+    flat = " ".join(line.strip("│ ") for line in capsys.readouterr().out.splitlines())
+    correction = flat[flat.index("--rollout-correction") :]
+    assert "{none,token-tis,token-mis,seq-tis,seq-mis,icepop}" in correction
+    assert "(default: none)" in correction[: correction.index("--rollout-cap")]
 
 
-@pytest.mark.parametrize("name", ["grpo.py", "ppo.py"])
+@pytest.mark.parametrize("name", ["grpo.py", "ppo.py", "tool_grpo.py"])
 def test_a_run_measures_its_own_decode_loops_mismatch(name, tmp_path):
     """The decode loop returns each sampled token's log-prob, and the loss takes pi_old from the training forward
     pass: on this CPU, in float32, the two are the same computation to rounding (docs/gpu.md: 1e-5), so the logged
-    mismatch is that small, no token is beyond a ratio of 2, and token-tis weighs every token 1 to that rounding."""
+    mismatch is that small, no token is beyond a ratio of 2, and token-tis weighs every token 1 to that rounding.
+    tool_grpo.py's rollouts are turns of the decode loop with the tool's tokens between them: it measures the
+    policy's tokens alone, also where the tool's carry loss (--no-mask-tool-tokens, with none), and refuses a
+    correction there, which would weigh them 0."""
     small = ["--num-steps", "2", "--prompts-per-step", "4", "--num-eval", "8", "--log-every", "1"]
-    for mode in ("auto", "token-tis"):
+    tool = name == "tool_grpo.py"
+    for mode in ("none" if tool else "auto", "token-tis"):
         out = tmp_path / mode
-        run_script(name, *small, "--rollout-correction", mode, "--output-dir", str(out))
+        ablation = ["--no-mask-tool-tokens"] * (tool and mode == "none")
+        run_script(name, *small, *ablation, "--rollout-correction", mode, "--output-dir", str(out))
         steps = [m for m in read_metrics(out) if "rollout/logprob_diff" in m]
-        assert len(steps) == 2, name
+        assert len(steps) == 2 and all(m["charts/tool_tokens"] > 0 for m in steps if tool), name
         assert all(m["rollout/logprob_diff"] < 1e-4 and m["rollout/beyond_2"] == 0 for m in steps), steps
         if mode == "token-tis":
             assert all(abs(m["rollout/is_weight"] - 1) < 1e-4 for m in steps), steps
-        else:  # auto without --vllm: none, so no weights
+        else:  # none, or auto without --vllm: none, so no weights
             assert not any("rollout/is_weight" in m for m in steps), steps
+    if tool:
+        with pytest.raises(SystemExit, match="--rollout-correction icepop weighs tool tokens 0 under --no-mask"):
+            importlib.import_module("tool_grpo").check_args(
+                importlib.import_module("tool_grpo").Args(mask_tool_tokens=False, rollout_correction="icepop")
+            )
 
 
 def test_distillation_over_the_vocabulary_measures_the_mismatch_and_refuses_a_correction(tmp_path):

@@ -100,12 +100,15 @@ def test_the_tools_tokens_carry_no_loss_by_hand():
 
 class ScriptedPolicy:
     """Stands in for generate(): writes each prompt's scripted turns in order, the batch padded with pad ids after
-    each turn's stop token, and keeps the contexts it was given."""
+    each turn's stop token, and keeps the contexts it was given; with_logprobs, the t-th token of a turn has log-prob
+    -(t + 1) / 10, and the padding 0."""
 
     def __init__(self, tokenizer, turns):
         self.tokenizer, self.turns, self.contexts = tokenizer, turns, []
 
-    def __call__(self, model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids):
+    def __call__(
+        self, model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, logprobs=False
+    ):
         rows = []
         for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist()):
             context = [t for t, m in zip(ids, mask) if m]
@@ -113,7 +116,10 @@ class ScriptedPolicy:
             prompt = self.tokenizer.decode(context).split("=")[0] + "="
             rows.append(self.turns[prompt].pop(0))
         width = max(len(r) for r in rows)
-        return torch.tensor([r + [self.tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+        ids = torch.tensor([r + [self.tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+        if not logprobs:
+            return ids
+        return ids, torch.tensor([[-(t + 1) / 10 for t in range(len(r))] + [0.0] * (width - len(r)) for r in rows])
 
 
 def test_a_rollout_appends_the_tools_result_as_ids_and_masks_it_even_when_pad_is_eos(monkeypatch):
@@ -148,6 +154,13 @@ def test_a_rollout_appends_the_tools_result_as_ids_and_masks_it_even_when_pad_is
     # the loss's tokens are the policy's: the call, the answer and its EOS
     loss_tokens = policy_tokens(out["mask"], out["tool_mask"])
     assert loss_tokens.sum(dim=1).tolist() == [len(call) + len(answer), 3]
+
+    # each token's log-prob as the sampler drew it, each turn's from its first token; the tool's and padding's 0
+    def turn(n):
+        return [-(t + 1) / 10 for t in range(n)]
+
+    expected = [turn(len(call)) + [0.0] * len(result) + turn(len(answer)), turn(3) + [0.0] * (len(whole) - 3)]
+    torch.testing.assert_close(out["logprobs"], torch.tensor(expected))
 
 
 def scripted_rollout(monkeypatch, turns, prompts=("12*3=",), **flags):
@@ -200,9 +213,9 @@ def test_a_process_whose_completions_ended_writes_a_token_while_another_goes_on(
     policy = tool_grpo.AutoModelForCausalLM.from_pretrained(CALLER)
     asked = []
 
-    def generate(model, tokenizer, ids, mask, max_new_tokens, temperature, stop_ids):
+    def generate(model, tokenizer, ids, mask, max_new_tokens, temperature, stop_ids, with_logprobs=False):
         asked.append(max_new_tokens)
-        return real_generate(model, tokenizer, ids, mask, max_new_tokens, temperature, stop_ids)
+        return real_generate(model, tokenizer, ids, mask, max_new_tokens, temperature, stop_ids, with_logprobs)
 
     real_generate = tool_grpo.generate
     monkeypatch.setattr(tool_grpo, "generate", generate)
@@ -251,9 +264,10 @@ def test_the_chat_templates_the_docs_name_run_a_call_and_others_stop_with_one_li
         turns = [tokenizer(written, add_special_tokens=False)["input_ids"] + stop, tokenizer("36")["input_ids"] + stop]
         contexts = []
 
-        def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids):
+        def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, logprobs):
             contexts.append(tokenizer.decode(prompt_ids[0][prompt_mask[0].bool()]))
-            return torch.tensor([turns.pop(0)])
+            ids = torch.tensor([turns.pop(0)])
+            return ids, torch.zeros(ids.shape)
 
         monkeypatch.setattr(tool_grpo, "generate", generate)
         prompt_ids, prompt_mask = tool_grpo.tokenize_prompts(tokenizer, [user["content"]], "cpu", args, tool["tools"])
