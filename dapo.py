@@ -69,7 +69,7 @@ class Args:
     seed: int = 1  # seed of the experiment (data order, sampling, initialisation)
     torch_deterministic: bool = True  # deterministic algorithms only (`--no-torch-deterministic`: any)
     cuda: bool = True  # use CUDA when it is available
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # of the forward passes (auto: bfloat16 on a GPU)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # of the forward passes (auto: bfloat16 on a GPU)
     gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
     fsdp: bool = False  # under torchrun: shard the models across the processes (FSDP2), not copy them (DDP)
     track: bool = False  # log to Weights & Biases (`WANDB_MODE=offline` keeps it on disk)
@@ -492,12 +492,11 @@ def main(args):
                     logprobs, old, rows(ref_logprobs, i), advantages[i], mask[i], **loss_args, is_weights=is_weights
                 )
                 check_finite(loss, step)
-                (loss * share).backward()
+                optimizer.scaler.scale(loss * share).backward()
                 # the loss as the optimizer weighed it; the token means (kl, clip_frac, ratio) by tokens
                 step_stats += [({"loss": loss.detach()}, share), (stats, mask[i].sum())]
                 rollout_stats.append((is_stats, mask[i].sum()))
-            grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
-            optimizer.step()
+            grad_norms.append(clipped_step(optimizer, policy.parameters(), args.max_grad_norm))
         timer.lap("update")
 
         # 5. log, and evaluate on the held-out prompts
@@ -732,7 +731,9 @@ def setup(args):
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     bfloat16 = not cuda or torch.cuda.is_bf16_supported()
     if args.dtype == "bfloat16" and not bfloat16:
-        fail("--dtype bfloat16: this GPU has no bfloat16; use --dtype float32")
+        fail("--dtype bfloat16: this GPU has no bfloat16; use --dtype float16 or float32")
+    if args.dtype == "float16" and (not cuda or args.fsdp):  # its loss scaler reads whole gradients (resume)
+        fail("--dtype float16 trains on GPUs, not sharded: use --dtype bfloat16 (or float32) on a CPU or with --fsdp")
     if args.dtype == "auto":
         args.dtype = "bfloat16" if cuda and bfloat16 else "float32"
     if "LOCAL_RANK" in os.environ:  # torchrun: a process a GPU
@@ -767,10 +768,8 @@ def checkpoint_to_resume(args):
         fail(f"--resume-from {path}: not a run's folder with a whole checkpoint (--save-every writes them)")
     with open(os.path.join(steps[-1], "trainer_state.json")) as f, open(os.path.join(path, "args.json")) as g:
         state, saved = json.load(f), json.load(g)
-    keep = (
-        "num_steps log_every eval_every save_every keep_checkpoints resume_from track wandb_project_name wandb_entity"
-    )
-    keep = {*keep.split(), "exp_name", "run_name"}  # the flags a resumed run may change
+    keep = "num_steps log_every eval_every save_every keep_checkpoints resume_from track exp_name run_name".split()
+    keep += ["wandb_project_name", "wandb_entity"]  # the flags a resumed run may change
     run = {"file": state["file"], "processes": state["world_size"], **{flag(k): v for k, v in saved.items()}}
     this = {"file": os.path.basename(__file__), "processes": world}
     this.update({flag(k): v for k, v in asdict(args).items() if k not in keep})
@@ -924,6 +923,8 @@ def reference_model(policy, args, device):
 
 def resume(checkpoint, models, optimizer, generators):
     """(the first step, the loop's state): (1, {}) for a new run, else the checkpoint's, its states put back."""
+    float16 = any(getattr(unwrap(m), "compute_dtype", None) == torch.float16 for m in models.values())
+    optimizer.scaler = torch.amp.GradScaler(enabled=float16)  # float16's loss scaler; off, a no-op (clipped_step)
     if checkpoint is None:
         return 1, {}
     modules, state = checkpoint_state(models, optimizer)  # what to load into
@@ -938,10 +939,8 @@ def resume(checkpoint, models, optimizer, generators):
     torch.cuda.set_rng_state_all(rng["cuda"])
     sys.modules["numpy"].random.set_state(("MT19937", rng["numpy"][0].numpy(), *rng["numpy"][1:]))
     for generator, value in zip(generators, rng["generators"]):
-        if isinstance(generator, random.Random):
-            generator.setstate(value)
-        else:
-            generator.set_state(value)
+        (generator.setstate if isinstance(generator, random.Random) else generator.set_state)(value)
+    optimizer.scaler.load_state_dict(rng.get("scaler", {}))  # {}: a checkpoint from before the scaler
     with open(os.path.join(checkpoint, "trainer_state.json")) as f:
         state = json.load(f)
     return state["step"] + 1, state["state"]
@@ -1001,10 +1000,7 @@ def process_share(items):
         fail(f"{len(items)} held-out records for {world} processes, which need one each: raise --num-eval")
     left_out = len(items) % world
     if left_out:
-        print(
-            f"note: the last {left_out} of {len(items)} held-out records are left out, so that each of the {world} "
-            "processes evaluates as many"
-        )
+        print(f"note: the last {left_out} of {len(items)} held-out records are left out, to share among {world}")
     return items[: len(items) - left_out][rank::world]
 
 
@@ -1272,6 +1268,16 @@ def check_finite(loss, step, cause="the rewards"):
         fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check {cause}")
 
 
+def clipped_step(optimizer, params, max_norm):
+    """The optimizer's step on the gradients clipped to norm max_norm (returned). Under --dtype float16 (resume() makes
+    optimizer.scaler) they are unscaled first; a step with one not finite is skipped, the scale lowered (GradScaler)."""
+    optimizer.scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    optimizer.scaler.step(optimizer)
+    optimizer.scaler.update()
+    return norm
+
+
 def weighted_means(records, prefix=""):
     """{prefix + name: sum w x / sum w} of (stats, w) records: [({"kl": 1.0}, 1), ({"kl": 0.0}, 3)] -> {"kl": 0.25}"""
     sums, totals = {}, {}
@@ -1310,6 +1316,7 @@ def save_checkpoint(args, output_dir, step, tokenizer, models, optimizer, genera
         "cuda": torch.cuda.get_rng_state_all(),
         "numpy": [torch.from_numpy(keys), *rest],
         "generators": [g.getstate() if isinstance(g, random.Random) else g.get_state() for g in generators],
+        "scaler": optimizer.scaler.state_dict(),
     }
     torch.save(states, f"{part}/rng_{rank}.pt")
     barrier()
@@ -1440,12 +1447,9 @@ def read_jsonl(path, *schemas, flag="--dataset"):
             messages = isinstance(v, list) and len(v) > 0 and all(isinstance(m, dict) for m in v)
             chat = messages and all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in v)
             if k == "answer" and not (isinstance(v, str) or number):
-                fail(f"{at}: field {k!r} holds {json.dumps(v)[:40]}, where it needs text or a finite number")
+                fail(f"{at}: field {k!r} holds {json.dumps(v)[:40]}; it needs text or a finite number")
             if k != "answer" and not (isinstance(v, str) or chat):
-                fail(
-                    f"{at}: field {k!r} holds {json.dumps(v)[:40]}, where it needs text or a list of role/content "
-                    "messages"
-                )
+                fail(f"{at}: field {k!r} holds {json.dumps(v)[:40]}; it needs text or a list of role/content messages")
     if not records:
         fail(f"{flag} {path}: the file holds no records")
     return records

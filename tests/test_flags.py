@@ -331,7 +331,7 @@ def test_a_record_of_the_wrong_type_names_the_file_the_line_and_the_field(schema
         grpo.read_jsonl(str(path), *schemas)
     message = str(stop.value)
     assert message.startswith(f"error: --dataset {path}: line 2: field {field!r} holds ") and message.endswith(
-        f"where it needs {needs}"
+        f"; it needs {needs}"
     ), message
 
 
@@ -353,7 +353,7 @@ def test_a_script_stops_on_a_null_field_with_one_line(tmp_path):
     )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: --dataset {path}: line 4: field 'prompt' holds null, where it needs " + TEXT
+        f"error: --dataset {path}: line 4: field 'prompt' holds null; it needs " + TEXT
     )
 
 

@@ -99,10 +99,68 @@ def test_bfloat16_compute_moves_the_weights_as_float32_does(what, trained):
         assert {t.dtype for t in saved.values()} == {torch.float32}
 
 
-def test_float16_is_not_offered(tmp_path):
-    """float16 would need loss scaling, which these files leave out: --dtype does not offer it, and the command line
-    refuses it before anything is made."""
+def test_float16_trains_on_a_gpu_alone_and_a_cpu_run_says_so(tmp_path):
+    """--dtype float16 trains with a loss scaler (clipped_step) on GPUs, under one process or DDP; on a CPU the
+    command line stops in one line that names bfloat16, before anything is made."""
     proc = run_script("grpo.py", "--dtype", "float16", "--output-dir", str(tmp_path / "o"), expect_ok=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "float16" in proc.stderr and "--dtype" in proc.stderr and "bfloat16" in proc.stderr
+    assert "error: --dtype float16 trains on GPUs" in proc.stderr and "--dtype bfloat16" in proc.stderr
     assert not os.path.exists(tmp_path / "o")
+
+
+def test_the_loss_scaler_steps_as_the_plain_loss_and_skips_a_step_that_overflowed(monkeypatch, tmp_path):
+    """--dtype float16's loss scaler, on the CPU's torch.amp.GradScaler (CUDA's runs the same code): a loss scaled by
+    2^10 and unscaled by clipped_step clips and steps as the plain loss does (the weights within 1e-6); an infinite
+    gradient skips the step, leaves the weights alone and halves the scale; the scaler is off for a model that does
+    not compute in float16, and its step is the plain one; and a checkpoint keeps the scale for a resumed run."""
+    import grpo
+
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+
+    def made(enabled):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        optimizer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=enabled)
+        optimizer.scaler.scale((model(x) ** 2).mean()).backward()
+        return model, optimizer
+
+    model, optimizer = made(False)
+    grad = model.weight.grad.clone()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    optimizer.step()
+    plain = [p.detach().clone() for p in model.parameters()]
+    model, optimizer = made(False)  # off: the calls do nothing but the step
+    assert grpo.clipped_step(optimizer, model.parameters(), 0.5) == norm
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain))
+    model, optimizer = made(True)
+    torch.testing.assert_close(model.weight.grad, grad * 2**10)
+    assert grpo.clipped_step(optimizer, model.parameters(), 0.5).item() == pytest.approx(norm.item(), rel=1e-6)
+    for a, b in zip(model.parameters(), plain):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.zero_grad()
+    optimizer.scaler.scale((model(x) ** 2).mean()).backward()
+    model.weight.grad[0, 0] = float("inf")  # float16 overflowed
+    assert not torch.isfinite(grpo.clipped_step(optimizer, model.parameters(), 0.5))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    assert optimizer.scaler.get_scale() == 2.0**9
+
+    made_with, scaler = [], torch.amp.GradScaler  # resume() makes the scaler: on for float16 alone
+    monkeypatch.setattr(torch.amp, "GradScaler", lambda enabled: made_with.append(enabled) or optimizer.scaler)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        model.compute_dtype = dtype
+        assert grpo.resume(None, {"policy": model}, torch.optim.AdamW(model.parameters()), []) == (1, {})
+    assert made_with == [False, False, True]
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "tiny-adder"))
+    policy = grpo.AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "tiny-adder"))
+    policy.compute_dtype = torch.float16
+    flags = grpo.Args(save_every=1, keep_checkpoints=1)
+    trained = torch.optim.AdamW(policy.parameters())
+    trained.scaler = optimizer.scaler  # at 2^9
+    grpo.save_checkpoint(flags, str(tmp_path), 1, tokenizer, {"policy": policy}, trained, [])
+    resumed = torch.optim.AdamW(policy.parameters())
+    monkeypatch.setattr(torch.amp, "GradScaler", lambda enabled: scaler("cpu", enabled=enabled))
+    checkpoint = str(tmp_path / "checkpoints" / "step_000001")
+    assert grpo.resume(checkpoint, {"policy": policy}, resumed, [])[0] == 2
+    assert resumed.scaler.is_enabled() and resumed.scaler.get_scale() == 2.0**9
