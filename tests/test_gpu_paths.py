@@ -180,6 +180,7 @@ def test_a_checkpoints_random_states_bring_back_numpys_too(tmp_path):
     optimizer = torch.optim.AdamW(model.parameters())
     tokenizer = SimpleNamespace(save_pretrained=lambda path: None)
     shuffle = torch.Generator().manual_seed(5)
+    assert resume(None, {"m": model}, optimizer, [shuffle]) == (1, {})  # a new run, as main() starts one
     save_checkpoint(
         SimpleNamespace(save_every=1, keep_checkpoints=1),
         str(tmp_path),
