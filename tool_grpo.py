@@ -591,7 +591,7 @@ def main(args):
         completion_ids, mask, tool_mask = rollouts["completion_ids"], rollouts["mask"], rollouts["tool_mask"]  # (B, T)
         input_ids, prompt_len = torch.cat([prompt_ids, completion_ids], dim=1), prompt_ids.shape[1]  # (B, P + T), P
         attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)  # the tool's tokens: context, and no loss
-        drawn, loss_mask = policy_tokens(mask, tool_mask), policy_tokens(mask, tool_mask, args.mask_tool_tokens)
+        policy_mask, loss_mask = policy_tokens(mask, tool_mask), policy_tokens(mask, tool_mask, args.mask_tool_tokens)
 
         # 2. reward each final answer (and each call, with --tool-reward), and normalise within each group
         rewards = torch.tensor([reward_fn(t, r) for t, r in zip(rollouts["answers"], group)], device=device)  # (B,)
@@ -623,7 +623,7 @@ def main(args):
             for i, share in micro_batches(minibatch, args.micro_batch_size, [policy], token_mask):
                 logprobs = token_logprobs(policy, input_ids[i], attention_mask[i], prompt_len, args.temperature)
                 old = logprobs.detach() if old_logprobs is None else old_logprobs[i]
-                weights, is_stats = rollout_correction(old, rollouts["logprobs"][i], drawn[i], **correction)
+                weights, is_stats = rollout_correction(old, rollouts["logprobs"][i], policy_mask[i], **correction)
                 loss, stats = grpo_loss(
                     logprobs, old, rows(ref_logprobs, i), advantages[i], loss_mask[i], **loss_args, is_weights=weights
                 )
@@ -631,7 +631,7 @@ def main(args):
                 optimizer.scaler.scale(loss * share).backward()
                 # the loss as the optimizer weighed it; the token means (kl, clip_frac, ratio) by tokens
                 step_stats += [({"loss": loss.detach()}, share), (stats, loss_mask[i].sum())]
-                rollout_stats.append((is_stats, drawn[i].sum()))
+                rollout_stats.append((is_stats, policy_mask[i].sum()))
             grad_norms.append(clipped_step(optimizer, policy.parameters(), args.max_grad_norm))
         timer.lap("update")
 
