@@ -1249,10 +1249,10 @@ def hidden_states(model, input_ids, attention_mask, rolled_on=("cuda",)):
     states, causal_lm = [], unwrap(model).get_output_embeddings() is not None
     hook = unwrap(model).get_decoder().register_forward_hook(lambda module, inputs, out: states.append(out[0]))
     logits, width = {"logits_to_keep": no_logits(input_ids)} if causal_lm else {}, input_ids.shape[1]
-    roll = (torch.arange(width, device=input_ids.device) + attention_mask.argmax(dim=1, keepdim=True)) % width
     try:
-        if input_ids.device.type in rolled_on:  # positions 0, 1, ... in each row
-            model(input_ids=input_ids.gather(1, roll), use_cache=False, **logits)
+        if input_ids.device.type in rolled_on:
+            roll = (torch.arange(width, device=input_ids.device) + attention_mask.argmax(dim=1, keepdim=True)) % width
+            model(input_ids=input_ids.gather(1, roll), use_cache=False, **logits)  # positions 0, 1, ... in each row
             return torch.empty_like(states[0]).scatter(1, roll[..., None].expand_as(states[0]), states[0])  # back
         forward(model, input_ids, attention_mask, **logits)
     finally:
