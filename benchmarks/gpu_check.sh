@@ -40,7 +40,7 @@ if python -c "import trl" 2> /dev/null; then
 fi
 if [ -z "$SMALL" ]; then
     # --dtype float16 with its loss scaler (issue 76), never run on a GPU before: the default task, 150 steps
-    step float16 60 python grpo.py --dtype float16 --num-steps 150 --output-dir "$OUT/float16"
+    step float16 90 python grpo.py --dtype float16 --num-steps 150 --output-dir "$OUT/float16"
     # every file's learning test on CUDA: the files pick CUDA and bfloat16 by themselves
     step learns 200 python -m pytest -q -p no:cacheprovider tests/test_scripts.py -k "learns"
 fi

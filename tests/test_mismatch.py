@@ -110,10 +110,9 @@ def test_a_run_measures_its_own_decode_loops_mismatch(name, tmp_path):
         else:  # none, or auto without --vllm: none, so no weights
             assert not any("rollout/is_weight" in m for m in steps), steps
     if tool:
+        tool_grpo = importlib.import_module("tool_grpo")
         with pytest.raises(SystemExit, match="--rollout-correction icepop weighs tool tokens 0 under --no-mask"):
-            importlib.import_module("tool_grpo").check_args(
-                importlib.import_module("tool_grpo").Args(mask_tool_tokens=False, rollout_correction="icepop")
-            )
+            tool_grpo.check_args(tool_grpo.Args(mask_tool_tokens=False, rollout_correction="icepop"))
 
 
 def test_distillation_over_the_vocabulary_measures_the_mismatch_and_refuses_a_correction(tmp_path):

@@ -100,8 +100,8 @@ def test_the_tools_tokens_carry_no_loss_by_hand():
 
 class ScriptedPolicy:
     """Stands in for generate(): writes each prompt's scripted turns in order, the batch padded with pad ids after
-    each turn's stop token, and keeps the contexts it was given; with_logprobs, the t-th token of a turn has log-prob
-    -(t + 1) / 10, and the padding 0."""
+    each turn's stop token, and keeps the contexts it was given; asked for log-probs, the t-th token of a turn has
+    log-prob -(t + 1) / 10, and the padding 0."""
 
     def __init__(self, tokenizer, turns):
         self.tokenizer, self.turns, self.contexts = tokenizer, turns, []
