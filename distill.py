@@ -907,7 +907,7 @@ def load_model(path, args, device, frozen=False, model=None):
     model.compute_dtype = getattr(torch, args.dtype)  # setup() settled an auto --dtype
     if args.dtype != "float32":
         model.forward = torch.autocast(device.type, dtype=model.compute_dtype)(model.forward)
-    return model.to(device)
+    return compile_layers(model.to(device), args.fsdp)  # on a GPU
 
 
 def stop_token_ids(tokenizer, model):
@@ -926,8 +926,7 @@ def distribute(model, fsdp):
         dist.broadcast(tensor, src=0)
     if fsdp:
         precision = MixedPrecisionPolicy(param_dtype=model.compute_dtype, reduce_dtype=torch.float32)
-        layers = [m for m in model.modules() if model._no_split_modules and type(m).__name__ in model._no_split_modules]
-        for module in [*layers, model]:  # each decoder layer, then the rest
+        for module in [*decoder_layers(model), model]:  # each decoder layer, then the rest
             fully_shard(module, mp_policy=precision)
         return model
     trained = any(p.requires_grad for p in model.parameters())
@@ -1498,9 +1497,8 @@ def generate(
     the model's float32 logits, padded after each row's first stop token (with_logprobs: and each token's log-prob
     under softmax(logits / temperature), (B, T), 0 after the stop). Every process runs as many forward passes.
     switch(t, going), if given, is called between token t - 1 and token t, going() saying whether a row has not stopped
-    (a look that waits for the device); True says that the model's weights changed (AReaL's interruption,
-    async_grpo.py): the cache is then computed again, under the new weights, from the prompts and the tokens drawn so
-    far (refill), and the rollout goes on from it."""
+    (a look that waits for the device); True says that the weights changed (AReaL's interruption, async_grpo.py): the
+    cache is filled again under the new weights from the prompts and the tokens drawn so far (refill), and goes on."""
     steps, device, size = max_new_tokens, prompt_ids.device, len(prompt_ids)
     if dist.is_initialized():  # as many tokens as the process that asks for the most (tool_grpo.py's turns)
         steps = int(all_sum(torch.tensor(max_new_tokens, device=device), dist.ReduceOp.MAX))
@@ -1545,8 +1543,7 @@ def generate(
 
 def decode_step(model, ids, positions, inputs, own, weights, heat, u):
     """The next token of each row (rows,) and its log-prob: drawn from the float32 logits after ids (next_logits) at
-    temperature heat (a tensor; 0: greedy) with the uniform numbers u (rows, 1). Compiled whole on a GPU: the
-    sampler's passes over the vocabulary run in the same graph as the forward pass (gpt-fast's way)."""
+    temperature heat (a tensor; 0: greedy) with the uniform numbers u (rows, 1); compiled whole on a GPU (gpt-fast)."""
     logits = next_logits(model, ids, positions, inputs, own, weights)
     return draw(torch.nan_to_num(logits), heat, u)  # a diverged model still samples; the loss's check names it later
 
@@ -1554,9 +1551,7 @@ def decode_step(model, ids, positions, inputs, own, weights, heat, u):
 def refill(model, cache, ids, at, inputs, own, weights, heat, u):
     """After a switch to new weights: the cache emptied and filled again under them, with ids = (the prompts (B, P),
     the tokens so far (B, t)) at = (the prompts' positions, the first new token's (B, 1)): the prompts, then the
-    tokens in chunks as wide as the prompts, so that no pass needs more memory than the prefill did (one pass over
-    all of them may not fit where decoding does). The next token, drawn from the last chunk's logits, and its
-    log-prob."""
+    tokens in chunks as wide as the prompts (no pass larger than the prefill). The next token and its log-prob."""
     (prompt_ids, so_far), (positions, first) = ids, at
     cache.reset()
     next_logits(model, prompt_ids, positions, inputs, own, weights)
@@ -1595,17 +1590,29 @@ def next_logits(model, ids, positions, inputs, own, weights):
 
 
 def compiles(model):
-    """Whether the rollouts run a compiled step: on a GPU, so that a token costs one launch of a CUDA graph, not one
-    per operation (docs/gpu.md); not under FSDP2, whose hooks gather, nor on a CPU, which runs it as it is."""
+    """Whether the model runs compiled (the rollouts' step, load_model's layers): on a GPU, so that a token costs one
+    launch of a CUDA graph (docs/gpu.md); not under FSDP2, whose hooks gather, nor on a CPU, which runs as it is."""
     return next(model.parameters()).device.type == "cuda" and not any(
         isinstance(m, FSDPModule) for m in model.modules()
     )
 
 
+def decoder_layers(model):  # FSDP2's units, and the regional compile's
+    return [m for m in model.modules() if model._no_split_modules and type(m).__name__ in model._no_split_modules]
+
+
+def compile_layers(model, fsdp):
+    """The model, on a GPU each decoder layer compiled for whole sequences, its elementwise work fused: one graph for
+    every layer and width (regional compile, docs/gpu.md); not under --fsdp, whose hooks the call would trace."""
+    if compiles(model) and not fsdp:
+        for layer in decoder_layers(model):
+            layer.compile(dynamic=True)
+    return model
+
+
 def stop_check_every(device):
-    """Decoded tokens between two looks at whether every completion has stopped: 16 on a GPU, where a look waits for
-    the device to finish what is queued; 1 on a CPU, where the values are there already and a token past the last
-    stop costs a forward pass."""
+    """Decoded tokens between two looks at whether every completion has stopped: 16 on a GPU (a look waits for the
+    queued work), 1 on a CPU (the values are there already, and a token past the last stop costs a forward pass)."""
     if device.type == "cuda":
         return 16
     return 1
@@ -1630,9 +1637,7 @@ def left_pad(x, value, multiple):
 
 class RolloutCache(transformers.StaticCache):
     """transformers' static KV cache for `rows` sequences of `length` tokens, its keys and values stored in `dtype`
-    (--dtype): autocast's attention reads them in it anyway (RoPE leaves the keys in float32: cast when stored,
-    they equal the keys cast when read), in half the memory; and transformers 5.17-5.23 made the values' tensor in
-    the keys' dtype, where a bfloat16 value failed to go."""
+    (--dtype), as autocast's attention reads them, in half the memory, on every transformers (docs/gpu.md)."""
 
     def __init__(self, config, rows, length, dtype):
         super().__init__(config=config, max_cache_len=length)
@@ -1647,8 +1652,7 @@ class RolloutCache(transformers.StaticCache):
 def rollout_cache(model, rows, length, keep):
     """A RolloutCache for rows sequences of length tokens; with keep (a compiled step), the model's one cache, made
     again only for a larger shape (its length a multiple of 64), and every rollout run in its shape: one compile and
-    one CUDA graph for evaluation's batches and training's, and one cache in memory (gpt-fast's way). On a GPU a
-    decoded token costs about the weights' reading, whatever the rows, so a padded row costs little."""
+    one CUDA graph for evaluation's batches and training's, and one cache in memory (gpt-fast's way; docs/gpu.md)."""
     config, dtype = unwrap(model).config, getattr(unwrap(model), "compute_dtype", torch.float32)
     if not keep:
         return RolloutCache(config, rows, length, dtype)
@@ -1678,11 +1682,8 @@ def rollout_inputs(model, mask, cache):
 
 def rollout_weights(model, compiled):
     """For a compiled step in bfloat16 (or float16): the decoder's linear layers' weights and biases in it, by name,
-    kept on the model, where a CUDA graph finds them at the same address every time: a copy made once a rollout of
-    a float32 master, the tensor itself where it is in that dtype already (LoRA's frozen base layers, async_grpo.py's
-    generator), and under "head" the output layer's weight's bfloat16 parts for head_product; else {} (the model's own
-    weights: an eager step's autocast casts each once a rollout by itself, a compiled step's at every token, which
-    reads 3 bytes a parameter more)."""
+    kept on the model (a CUDA graph reads them at one address): a copy made once a rollout of a float32 master, else
+    the tensor itself; under "head" the output layer's weight's bfloat16 parts for head_product; else {} (gpu.md)."""
     dtype = getattr(unwrap(model), "compute_dtype", torch.float32)
     if not compiled or dtype == torch.float32:
         return {}
@@ -1715,14 +1716,20 @@ def autocast(model):
 
 @contextlib.contextmanager
 def gathered(model):
-    """Under FSDP2, every layer's weights gathered once for the whole rollout, not for every token."""
+    """The layers for a rollout: under FSDP2 every one's weights gathered once for the whole rollout, not for every
+    token; a layer compiled for whole sequences (load_model) runs as it is, within the compiled step or a prefill."""
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    compiled = {m: m._compiled_call_impl for m in model.modules() if m._compiled_call_impl is not None}
     for module in sharded:
         module.unshard()
         module.set_reshard_after_forward(False, recurse=False)
+    for module in compiled:
+        module._compiled_call_impl = None
     try:
         yield
     finally:
+        for module, call in compiled.items():
+            module._compiled_call_impl = call
         for module in sharded:  # then every layer but the root reshards after its forward again
             module.reshard()
             module.set_reshard_after_forward(module is not model, recurse=False)
@@ -1749,8 +1756,7 @@ def grouped_attention(model):
 
 def grouped_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' SDPA attention, but for one new token over fewer key-value heads than query heads: the queries
-    of a key-value head read it together, as a row of queries (query (B, heads, 1, d) -> (B, kv heads, groups, d)),
-    where transformers copies the keys and values to every query head (while compiling, and on CUDA with a mask)."""
+    of a key-value head read it together, as a row of queries (query (B, heads, 1, d) -> (B, kv heads, groups, d))."""
     groups = getattr(module, "num_key_value_groups", 1)
     if query.shape[2] > 1 or groups == 1:
         sdpa = transformers.AttentionInterface()["sdpa"]
@@ -1763,11 +1769,9 @@ def grouped_sdpa(module, query, key, value, attention_mask, scaling=None, dropou
 
 @contextlib.contextmanager
 def fast_algorithms(compiled):
-    """For a compiled step, deterministic algorithms off in the main thread: with them on, inductor lowers each KV
-    cache write to ATen's sort-based index_put (a dozen kernels, 48 writes a token at 24 layers). The results stay
-    the same: the writes go to distinct places, draw() sums in an order fixed in advance, and inductor keeps its own
-    deterministic mode (no kernel picked by timing; its settings are each thread's own). In another thread the
-    setting, which is the process's, stays: async_grpo.py's trainer computes beside its generator."""
+    """For a compiled step, deterministic algorithms off in the main thread (with them on, each KV cache write is ATen's
+    sort-based index_put) and inductor's own deterministic mode kept: the same results (docs/gpu.md). In another thread
+    the process's setting stays: async_grpo.py's trainer computes beside its generator."""
     if not compiled:
         yield
         return
@@ -1801,9 +1805,8 @@ def uniform(rows, size, temperature, device):
 
 def draw(logits, heat, u):
     """A token a row (B,) from float32 logits (B, vocab), and its log-prob (B,) under softmax(logits / heat): the
-    first token whose cumulative probability passes u (B, 1) of the total (first_past), so one uniform number a row
-    (torch.multinomial draws one an entry of the vocabulary); greedy (heat None, or a tensor 0 in a compiled step):
-    the largest logit, log-prob 0."""
+    first token whose cumulative probability passes u (B, 1) of the total (first_past), one uniform number a row;
+    greedy (heat None, or a tensor 0 in a compiled step): the largest logit, log-prob 0."""
     if heat is None:
         return logits.argmax(dim=-1), torch.zeros(len(logits), device=logits.device)
     greedy = heat == 0
@@ -1816,10 +1819,7 @@ def draw(logits, heat, u):
 def first_past(probs, u, block=1024):
     """The first entry (B, 1) whose cumulative sum passes u (B, 1) of its row's total, probs (B, n) >= 0, found in two
     levels: the block of `block` entries whose sums pass it, then the entry in that block at the share of the block
-    where u fell. Each pass over the whole row is a float32 one (a float64 copy of the vocabulary costs more than the
-    rest of the draw on a CPU), and no sum runs across the whole row (a GPU's scan, the compiled step's
-    deterministic algorithms off, sums in an order that varies from run to run); the sums that decide are float64,
-    so an entry's share is its float32 probability's to float32's rounding of its block's sum."""
+    where u fell: float32 passes over the row, float64 sums that decide, none across the whole row (docs/gpu.md)."""
     rows, n = probs.shape
     blocks = torch.nn.functional.pad(probs, (0, -n % block)).view(rows, -1, block)  # (B, blocks, block)
     ends = blocks.sum(dim=-1).double().cumsum(dim=-1)  # (B, blocks): the sums up to each block's end

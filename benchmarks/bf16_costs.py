@@ -66,7 +66,7 @@ def main(hidden_size=896, intermediate_size=4864, vocab_size=151936, repeats=2):
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(5.0)
     model.save_pretrained(folder)
-    args = SimpleNamespace(dtype="bfloat16", gradient_checkpointing=False, trust_remote_code=False)
+    args = SimpleNamespace(dtype="bfloat16", gradient_checkpointing=False, trust_remote_code=False, fsdp=False)
     policy = grpo.load_model(folder, args, torch.device("cpu")).eval()
     prompt_ids = torch.randint(3, config.vocab_size, (16, 32))
     prompt_mask = torch.ones_like(prompt_ids)

@@ -471,9 +471,10 @@ def check(args):
 
 def update_pass(grpo, torch, device, model, args, rows=8, repeats=5):
     """8. One micro-batch of the update (forward and backward of token_logprobs, under autocast, checkpointed as the
-    README's GPU command): each row rolled left with the causal mask alone (hidden_states on a GPU), against the
-    padded rows under their mask (its pass on a CPU). Prompts of 80-110 tokens, completions of a fifth to all of
-    --max-new-tokens."""
+    README's GPU command), three ways: the padded rows under their mask (the CPU's pass); each row rolled left with the
+    causal mask alone (hidden_states on a GPU); rolled, through decoder layers compiled as load_model compiles them on
+    a GPU (regional compile; on a CPU on dynamo's eager backend, to check this script), its first call's seconds (the
+    compile) apart. Prompts of 80-110 tokens, completions of a fifth to all of --max-new-tokens."""
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(80, 111, (rows,), generator=g)
     ends = torch.randint(args.max_new_tokens // 5, args.max_new_tokens + 1, (rows,), generator=g)
@@ -485,8 +486,11 @@ def update_pass(grpo, torch, device, model, args, rows=8, repeats=5):
     enable({"use_reentrant": False, "preserve_rng_state": False})
     model.train()
     plain, found = grpo.hidden_states, {}
-    for rolled in (False, True):
-        grpo.hidden_states = lambda *a, on=(device.type,) * rolled: plain(*a, rolled_on=on)
+    for way in ("padded", "rolled", "compiled"):
+        grpo.hidden_states = lambda *a, on=(device.type,) * (way != "padded"): plain(*a, rolled_on=on)
+        if way == "compiled":
+            for layer in grpo.decoder_layers(model):
+                layer.compile(dynamic=True, **({} if device.type == "cuda" else {"backend": "eager"}))
 
         def update():
             with torch.autocast(device.type, dtype=model.compute_dtype):
@@ -495,14 +499,21 @@ def update_pass(grpo, torch, device, model, args, rows=8, repeats=5):
             model.zero_grad(set_to_none=True)
             return logprobs.detach()
 
-        found[rolled] = update(), timed(torch, device, update, repeats)
+        start = time.perf_counter()
+        logprobs = update()
+        first = time.perf_counter() - start
+        found[way] = logprobs, timed(torch, device, update, repeats), first
     grpo.hidden_states = plain
-    (padded, ms_padded), (rolled, ms_rolled) = found[False], found[True]
-    gap = (padded - rolled)[mask[:, 110:].bool()].abs().max().item()
+    for layer in grpo.decoder_layers(model):
+        layer._compiled_call_impl = None
+    kept = mask[:, 110:].bool()
+    gap = {way: (found[way][0] - found["rolled"][0])[kept].abs().max().item() for way in ("padded", "compiled")}
     print(
         f"8. an update's micro-batch, {rows} rows x {width} columns ({mask.sum().item()} attended), forward and "
-        f"backward: padded rows under their mask {ms_padded:.1f} ms, rolled left with the causal mask alone "
-        f"{ms_rolled:.1f} ms; log-probs {gap:.1e} apart"
+        f"backward: padded rows under their mask {found['padded'][1]:.1f} ms, rolled left with the causal mask alone "
+        f"{found['rolled'][1]:.1f} ms, rolled through compiled layers {found['compiled'][1]:.1f} ms (first call "
+        f"{found['compiled'][2]:.1f} s); log-probs {gap['padded']:.1e} (padded) and {gap['compiled']:.1e} "
+        f"(compiled) from the rolled eager pass's"
     )
 
 

@@ -4,9 +4,9 @@
 #
 #   carry: wheels/ (tyro and its dependencies; trl 1.16 and datasets for --trl; vllm matching the image's torch for
 #   --trl-vllm) and SmolLM2-135M-Instruct/ (benchmarks/smollm2.py builds its tokenizer)
-#   run:   bash benchmarks/gpu_check.sh 1, then bash benchmarks/gpu_check.sh 2   on the device, two calls (each
-#          within the tool's 10 minutes; OUT is set there): 1 the check and the profile, 2 the step against TRL's,
-#          grpo.py in float16 and the learning tests
+#   run:   bash benchmarks/gpu_check.sh 1, then 2, then 3   on the device, a call each (each within the tool's 10
+#          minutes; OUT is set there): 1 the check and the profile, 2 the step against TRL's, 3 grpo.py in float16
+#          and the learning tests (each file's first step compiles its decoder layers and its decode step)
 #          OUT=/tmp/check bash benchmarks/gpu_check.sh 1 --small    on a CPU: part 1's commands at a small shape
 #
 # Then copy $OUT into benchmarks/gpu_runs/<date>-<device>/ with the wheels' list and a README (gpu_runs/README.md).
@@ -33,14 +33,14 @@ if [ "$PART" = 1 ]; then
     step profile 150 python benchmarks/gpu_benchmark.py --profile $SMALL
     exit 0
 fi
-if python -c "import trl" 2> /dev/null; then
+if [ "$PART" = 2 ] && python -c "import trl" 2> /dev/null; then
     TRL=--trl
     if python -c "import vllm" 2> /dev/null; then TRL="--trl --trl-vllm"; fi
-    step trl 360 python benchmarks/gpu_benchmark.py $TRL $SMALL
+    step trl 540 python benchmarks/gpu_benchmark.py $TRL $SMALL
 fi
-if [ -z "$SMALL" ]; then
+if [ "$PART" = 3 ] && [ -z "$SMALL" ]; then
     # --dtype float16 with its loss scaler (issue 76), never run on a GPU before: the default task, 150 steps
-    step float16 90 python grpo.py --dtype float16 --num-steps 150 --output-dir "$OUT/float16"
+    step float16 180 python grpo.py --dtype float16 --num-steps 150 --output-dir "$OUT/float16"
     # every file's learning test on CUDA: the files pick CUDA and bfloat16 by themselves
-    step learns 200 python -m pytest -q -p no:cacheprovider tests/test_scripts.py -k "learns"
+    step learns 360 python -m pytest -q -p no:cacheprovider tests/test_scripts.py -k "learns"
 fi

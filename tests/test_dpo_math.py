@@ -90,6 +90,7 @@ def test_two_copies_of_the_bundled_model_tie_within_rounding_and_a_changed_one_d
         trust_remote_code=False,
         dtype=dtype,
         gradient_checkpointing=False,
+        fsdp=False,
         system_prompt=None,
         max_prompt_length=None,
         max_length=None,

@@ -33,8 +33,10 @@ def tiny_llama(path, vocab_size=300):
     return path
 
 
-def flags(dtype="float32", gradient_checkpointing=False):
-    return SimpleNamespace(dtype=dtype, gradient_checkpointing=gradient_checkpointing, trust_remote_code=False)
+def flags(dtype="float32", gradient_checkpointing=False, fsdp=False):
+    return SimpleNamespace(
+        dtype=dtype, gradient_checkpointing=gradient_checkpointing, trust_remote_code=False, fsdp=fsdp
+    )
 
 
 def batch(vocab_size=300, rows=6, length=12, prompt_len=5):
@@ -164,6 +166,71 @@ def test_rows_rolled_left_give_the_padded_rows_log_probs_and_gradients(tmp_path,
     with torch.no_grad():
         a, b = (plain(scorer, input_ids, attention_mask, rolled_on=on) for on in ((), ("cpu",)))
     assert a.shape == b.shape and (a - b)[attention_mask.bool()].abs().max() < 1e-5
+
+
+def test_the_layers_compiled_for_whole_sequences_give_the_eager_layers_log_probs_gradients_and_rollouts(
+    tmp_path, monkeypatch
+):
+    """On a GPU, load_model compiles each decoder layer (regional compile, inductor): here on the CPU, compiles()
+    saying yes, rows rolled as a GPU rolls them, checkpointed. Against the eager layers, three widths each: in
+    float32 the log-probs and gradients to float32's rounding; in bfloat16 log-probs as near to float32's as the
+    eager layers' are; without gradient (pi_old's pass, the reference's) the log-probs of the pass with it; no graph
+    more for the second and third widths. A rollout runs the layers as they are (gathered()): the eager model's
+    tokens, the layers compiled again after it. Under --fsdp no layer is compiled."""
+    from torch._dynamo.utils import counters
+
+    device, path, plain = torch.device("cpu"), tiny_llama(tmp_path / "m"), hidden_states
+    monkeypatch.setattr(grpo, "hidden_states", lambda *a: plain(*a, rolled_on=("cpu",)))
+    monkeypatch.setattr(grpo, "compile_step", lambda f: torch.compile(f, backend="eager", fullgraph=True))
+    torch._dynamo.reset()
+
+    def load(dtype, compiled, fsdp=False):
+        with monkeypatch.context() as m:
+            m.setattr(grpo, "compiles", lambda model: compiled)
+            model = load_model(path, flags(dtype, gradient_checkpointing=True, fsdp=fsdp), device)
+        layers = grpo.decoder_layers(model)
+        assert len(layers) == 2 and all((layer._compiled_call_impl is not None) == compiled for layer in layers)
+        return model
+
+    def passes(model):
+        found, graphs = [], []
+        for rows, length in ((6, 12), (4, 9), (6, 15)):
+            input_ids, attention_mask, prompt_len = batch(rows=rows, length=length)
+            model.train().zero_grad()
+            logprobs = token_logprobs(model, input_ids, attention_mask, prompt_len)
+            logprobs.sum().backward()
+            with torch.no_grad():
+                again = token_logprobs(model.eval(), input_ids, attention_mask, prompt_len)
+            found.append((logprobs.detach(), again, [p.grad.clone() for p in model.parameters()]))
+            graphs.append(counters["stats"]["unique_graphs"])
+        assert len(set(graphs)) == 1, f"graphs after each width: {graphs}"
+        return found
+
+    exact = passes(load("float32", False))
+    compiled_model = load("float32", True)
+    for (a, _, grads_a), (b, again, grads_b) in zip(exact, passes(compiled_model)):
+        assert (a - b).abs().max() < 2e-5 and torch.equal(b, again)
+        for x, y in zip(grads_a, grads_b):
+            assert (x - y).abs().max() <= 1e-5 * (1 + x.abs().max())
+    eager, compiled = passes(load("bfloat16", False)), passes(load("bfloat16", True))
+    for (a, _, _), (b, _, _), (c, again, _) in zip(exact, eager, compiled):
+        assert (c - a).abs().max() <= 1.5 * (b - a).abs().max() and torch.equal(c, again)
+
+    pad, ids, mask = SimpleNamespace(pad_token_id=0), *batch(rows=3, length=6)[:2]
+    called = []
+    hook = (
+        compiled_model.get_decoder()
+        .layers[0]
+        .register_forward_pre_hook(lambda layer, args: called.append(layer._compiled_call_impl))
+    )
+    with monkeypatch.context() as m:
+        m.setattr(grpo, "compiles", lambda model: True)  # the compiled step, and its prefill eager
+        tokens = grpo.generate(compiled_model, pad, ids, mask, 5, None, [-1])
+    hook.remove()
+    assert set(called) == {None} and compiled_model.get_decoder().layers[0]._compiled_call_impl is not None
+    assert torch.equal(tokens, grpo.generate(load("float32", False), pad, ids, mask, 5, None, [-1]))
+    load("float32", False, fsdp=True)
+    torch._dynamo.reset()
 
 
 def test_a_checkpoints_random_states_bring_back_numpys_too(tmp_path):
@@ -340,7 +407,7 @@ def test_the_gpu_check_runs_every_step_on_the_cpu():
     grouped attention level with transformers' to bfloat16's rounding, one cache held after a smaller batch followed
     a larger one, the profile's table, the output layer's three tensor-core products (as a CPU computes them)
     within 1e-3 of float32's logits (of std 10) and 1e-4 of its gradients, relative, and an update's micro-batch
-    rolled left as near the padded rows' log-probs as bfloat16 allows."""
+    rolled left as near the padded rows' log-probs, and through the compiled layers, as bfloat16 allows."""
     from conftest import run_script
 
     out = run_script(
@@ -358,4 +425,5 @@ def test_the_gpu_check_runs_every_step_on_the_cpu():
     assert len(held) == 2 and all("caches held: 1," in line for line in held), out
     assert "Name" in out and "Self CPU" in out, out  # the profile's top operations
     update = next(line for line in out.splitlines() if line.startswith("8."))
-    assert float(update.split("log-probs ")[1].split(" apart")[0]) < 5e-2, update
+    padded, compiled = (float(x) for x in re.findall(r"(\S+) \((?:padded|compiled)\)", update))
+    assert padded < 5e-2 and compiled < 5e-2, update
