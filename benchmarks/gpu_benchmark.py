@@ -245,6 +245,7 @@ def random_model(shape, vocab_size, device, dtype):
 
 def decode_setup(args):
     """(grpo, torch, device, model, tokenizer, prompt ids, prompt mask) for --decode and --check."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # as setup(): deterministic cuBLAS (the check's 8th)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
@@ -485,6 +486,7 @@ def update_pass(grpo, torch, device, model, args, rows=8, repeats=5):
     enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)  # < 5.24
     enable({"use_reentrant": False, "preserve_rng_state": False})
     model.train()
+    torch.use_deterministic_algorithms(True)  # a default run's (--torch-deterministic): inductor compiles under it
     plain, found = grpo.hidden_states, {}
     for way in ("padded", "rolled", "compiled"):
         grpo.hidden_states = lambda *a, on=(device.type,) * (way != "padded"): plain(*a, rolled_on=on)
@@ -504,6 +506,7 @@ def update_pass(grpo, torch, device, model, args, rows=8, repeats=5):
         first = time.perf_counter() - start
         found[way] = logprobs, timed(torch, device, update, repeats), first
     grpo.hidden_states = plain
+    torch.use_deterministic_algorithms(False)
     for layer in grpo.decoder_layers(model):
         layer._compiled_call_impl = None
     kept = mask[:, 110:].bool()

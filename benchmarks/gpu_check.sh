@@ -6,13 +6,15 @@
 #   --trl-vllm) and SmolLM2-135M-Instruct/ (benchmarks/smollm2.py builds its tokenizer)
 #   run:   bash benchmarks/gpu_check.sh 1, then 2, then 3   on the device, a call each (each within the tool's 10
 #          minutes; OUT is set there): 1 the check and the profile, 2 the step against TRL's, 3 grpo.py in float16
-#          and the learning tests (each file's first step compiles its decoder layers and its decode step)
+#          and the learning tests (each file's first step compiles its decoder layers and its decode step). In that
+#          order of need: the limits add up to 1,650 s against a session's 900 s of device time, so a part whose
+#          steps ran near their limits leaves none for the next (their usual times are well under them)
 #          OUT=/tmp/check bash benchmarks/gpu_check.sh 1 --small    on a CPU: part 1's commands at a small shape
 #
 # Then copy $OUT into benchmarks/gpu_runs/<date>-<device>/ with the wheels' list and a README (gpu_runs/README.md).
 set -u
 OUT=${OUT:?set OUT to the folder the logs go to}
-PART=${1:?give the part: 1 or 2}
+PART=${1:?give the part: 1, 2 or 3}
 SMALL=${2:-}
 CHECK=""
 if [ -n "$SMALL" ]; then CHECK="--batch 4 --max-new-tokens 4"; fi  # the suite's size (tests/test_gpu_paths.py)
