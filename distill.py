@@ -1591,10 +1591,10 @@ def next_logits(model, ids, positions, inputs, own, weights):
 
 def compiles(model):
     """Whether the model runs compiled (the rollouts' step, load_model's layers): on a GPU, so that a token costs one
-    launch of a CUDA graph (docs/gpu.md); not under FSDP2, whose hooks gather, nor on a CPU, which runs as it is."""
-    return next(model.parameters()).device.type == "cuda" and not any(
-        isinstance(m, FSDPModule) for m in model.modules()
-    )
+    launch of a CUDA graph (docs/gpu.md); not under FSDP2, whose hooks gather, nor on a CPU, which runs as it is, nor
+    with torch's TORCH_COMPILE_DISABLE=1: all eager (the compiled step, whole, would not run)."""
+    cuda = next(model.parameters()).device.type == "cuda" and os.environ.get("TORCH_COMPILE_DISABLE") != "1"
+    return cuda and not any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def decoder_layers(model):  # FSDP2's units, and the regional compile's

@@ -235,6 +235,17 @@ def test_the_layers_compiled_for_whole_sequences_give_the_eager_layers_log_probs
     torch._dynamo.reset()
 
 
+def test_torch_compile_disable_runs_a_gpu_run_eagerly(monkeypatch):
+    """TORCH_COMPILE_DISABLE=1, torch's switch, makes compiles() say no on a GPU too (a stand-in for a CUDA model):
+    the rollouts' step, load_model's layers and the tensor-core head then run eagerly, where the compiled step,
+    compiled whole, would raise under it."""
+    model = SimpleNamespace(parameters=lambda: iter([SimpleNamespace(device=torch.device("cuda"))]), modules=list)
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
+    assert grpo.compiles(model)
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
+    assert not grpo.compiles(model)
+
+
 def test_a_checkpoints_random_states_bring_back_numpys_too(tmp_path):
     """vLLM's CUDA model runner seeds each request from numpy's global generator: a checkpoint keeps its state with
     torch's, Python's and the loop's generators (through torch.load's weights-only unpickler), so that a resumed
