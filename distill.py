@@ -907,7 +907,7 @@ def load_model(path, args, device, frozen=False, model=None):
     model.compute_dtype = getattr(torch, args.dtype)  # setup() settled an auto --dtype
     if args.dtype != "float32":
         model.forward = torch.autocast(device.type, dtype=model.compute_dtype)(model.forward)
-    return compile_layers(model.to(device), args.fsdp)  # on a GPU
+    return compile_layers(model.to(device), args.fsdp)  # on a GPU, its decoder layers compiled
 
 
 def stop_token_ids(tokenizer, model):
