@@ -49,7 +49,10 @@ def measure(folder, compiled, ids, mask):
     return operations, generated, statistics.median(seconds)
 
 
-def main(rows=4, width=256):
+QWEN_LAYER = dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2)
+
+
+def main(rows=4, width=256, shape=QWEN_LAYER):
     torch.manual_seed(0)
     plain = grpo.hidden_states
     grpo.hidden_states = lambda *a: plain(*a, rolled_on=("cpu",))
@@ -58,7 +61,6 @@ def main(rows=4, width=256):
     found = {}
     with tempfile.TemporaryDirectory() as folder:
         for layers in (1, 2):
-            shape = dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2)
             config = Qwen2Config(vocab_size=1024, num_hidden_layers=layers, tie_word_embeddings=True, **shape)
             AutoModelForCausalLM.from_config(config).save_pretrained(f"{folder}/{layers}")
             for compiled in (False, True):

@@ -176,7 +176,8 @@ def test_the_layers_compiled_for_whole_sequences_give_the_eager_layers_log_probs
     float32 the log-probs and gradients to float32's rounding; in bfloat16 log-probs as near to float32's as the
     eager layers' are, on average (the largest gaps vary from one CPU kind to another); without gradient (pi_old's
     pass, the reference's) the log-probs of the pass with it; no graph more for the second and third widths. A
-    rollout runs the layers as they are (gathered()): the eager model's tokens, the layers compiled again after it.
+    rollout runs the layers as they are (gathered()): the tokens of the layers made plain by hand, the layers
+    compiled again after it.
     Under --fsdp no layer is compiled."""
     from torch._dynamo.utils import counters
 
@@ -210,11 +211,11 @@ def test_the_layers_compiled_for_whole_sequences_give_the_eager_layers_log_probs
     exact = passes(load("float32", False))
     compiled_model = load("float32", True)
     for (a, _, grads_a), (b, again, grads_b) in zip(exact, passes(compiled_model)):
-        assert (a - b).abs().max() < 2e-5 and torch.equal(b, again)
+        assert (a - b).abs().max() < 2e-5 and (b - again).abs().max() < 1e-5  # the KL starts at 0
         for x, y in zip(grads_a, grads_b):
             assert (x - y).abs().max() <= 1e-5 * (1 + x.abs().max())
     eager, compiled = passes(load("bfloat16", False)), passes(load("bfloat16", True))
-    assert all(torch.equal(c, again) for c, again, _ in compiled)
+    assert all((c - again).abs().max() < 1e-5 for c, again, _ in compiled)
     gaps = [torch.cat([(b - a).flatten() for (a, _, _), (b, _, _) in zip(exact, way)]) for way in (eager, compiled)]
     assert gaps[1].abs().mean() <= 1.5 * gaps[0].abs().mean(), "bfloat16's compiled layers further from float32's"
 
@@ -228,10 +229,31 @@ def test_the_layers_compiled_for_whole_sequences_give_the_eager_layers_log_probs
     with monkeypatch.context() as m:
         m.setattr(grpo, "compiles", lambda model: True)  # the compiled step, and its prefill eager
         tokens = grpo.generate(compiled_model, pad, ids, mask, 5, None, [-1])
-    hook.remove()
-    assert set(called) == {None} and compiled_model.get_decoder().layers[0]._compiled_call_impl is not None
-    assert torch.equal(tokens, grpo.generate(load("float32", False), pad, ids, mask, 5, None, [-1]))
+        hook.remove()
+        kept = {layer: layer._compiled_call_impl for layer in grpo.decoder_layers(compiled_model)}
+        assert set(called) == {None} and None not in kept.values()  # plain in the rollout, compiled after it
+        for layer in kept:  # the same rollout with the layers made plain by hand: the same computation
+            layer._compiled_call_impl = None
+        assert torch.equal(tokens, grpo.generate(compiled_model, pad, ids, mask, 5, None, [-1]))
     load("float32", True, fsdp=True)
+    torch._dynamo.reset()
+
+
+def test_the_compiled_layers_benchmark_counts_fewer_operations_compiled(monkeypatch):
+    """benchmarks/compiled_layers.py at a small layer shape: a compiled layer runs fewer ATen operations than an eager
+    one, the rest in kernels inductor generated."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import compiled_layers
+
+    for name in ("compiles", "hidden_states", "tensor_core_mm"):  # the benchmark sets them as a GPU run has them
+        monkeypatch.setattr(grpo, name, getattr(grpo, name))
+    shape = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    found = compiled_layers.main(rows=2, width=16, shape=shape)
+    eager, compiled = (found[2, way][0] - found[1, way][0] for way in (False, True))
+    assert 0 < compiled < eager and found[1, True][1] > 0 and found[1, False][1] == 0, found
     torch._dynamo.reset()
 
 
