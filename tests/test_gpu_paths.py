@@ -2,6 +2,7 @@
 numbers another thread draws during a checkpointed backward pass, the output layer under bfloat16 autocast, the
 reference against the policy at step 0, and the forward passes that are not generation (docs/gpu.md)."""
 
+import math
 import re
 import threading
 import time
@@ -462,3 +463,20 @@ def test_the_gpu_check_runs_every_step_on_the_cpu():
     update = next(line for line in out.splitlines() if line.startswith("8."))
     padded, compiled = (float(x) for x in re.findall(r"(\S+) \((?:padded|compiled)\)", update))
     assert padded < 5e-2 and compiled < 5e-2, update
+
+
+def test_a_run_as_on_a_gpu_compiles_whole_and_writes_a_runs_metrics(tmp_path):
+    """benchmarks/as_on_a_gpu.py: grpo.py's run on the path only a GPU takes (compiles() yes: the layers and the
+    rollouts' step compiled by inductor, the output layer's bfloat16 parts, rows rolled, bfloat16), two steps with a
+    rollout, the reference's pass and an update each: it ends, every compile whole (no graph break), its metrics
+    written; and its numbers are a run's (rewards in [0, 1], a finite loss)."""
+    from conftest import read_metrics, run_script
+
+    out = tmp_path / "run"
+    small = ["--num-steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--micro-batch-size", "2"]
+    small += ["--num-eval", "2", "--eval-every", "2", "--max-new-tokens", "6"]
+    proc = run_script("benchmarks/as_on_a_gpu.py", "grpo.py", *small, "--output-dir", str(out))
+    ran = re.search(r"grpo.py as on a GPU: \S+ s; (\d+) graphs, (\d+) kinds of graph break, (\d+) kernels", proc.stdout)
+    assert ran and int(ran[1]) >= 3 and int(ran[2]) == 0 and int(ran[3]) > 0, proc.stdout[-2000:]
+    last = read_metrics(str(out))[-1]
+    assert last["step"] == 2 and 0 <= last["charts/reward"] <= 1 and math.isfinite(last["losses/loss"]), last
