@@ -298,6 +298,11 @@ class Generator:
     after every n tokens, up to version k - 1 (switch)."""
 
     def __init__(self, policy, tokenizer, records, stop_ids, data_rng, args, device, version, finished=()):
+        if compiles(policy) and torch.__version__ < "2.14":  # FX's tracing flag: the process's before 2.14
+            fail(
+                f"torch {torch.__version__} on a GPU: the generator's thread and the trainer's both compile, which "
+                "fails before torch 2.14; install torch>=2.14 (requirements.txt), or set TORCH_COMPILE_DISABLE=1"
+            )
         self.model = load_model(args.model_name_or_path, args, device, frozen=True).to(getattr(torch, args.dtype))
         self.model.eval()  # a sampler's copy, in --dtype as an inference engine holds it
         self.model.load_state_dict(self.copy_of(policy))  # the trainer's weights: version `version`

@@ -47,13 +47,18 @@ def main(argv):
     spec.loader.exec_module(module)
     if not eager:
         as_on_a_gpu(module)
-    sys.argv = [script, *flags]
-    start = time.perf_counter()
+    sys.argv, start, end = [script, *flags], time.perf_counter(), module.end_processes
+
+    def end_processes():  # main's last call, which under torchrun ends the process: the run's summary before it
+        stats = counters["stats"]
+        compiled = f"{stats['unique_graphs']} graphs, {len(counters['graph_break'])} kinds of graph break, "
+        compiled += f"{torch._inductor.metrics.generated_kernel_count} kernels generated"
+        seconds = time.perf_counter() - start
+        print(f"{script} {'eager' if eager else 'as on a GPU'}: {seconds:.1f} s; {compiled}", flush=True)
+        end()
+
+    module.end_processes = end_processes
     module.main(module.parse_args())
-    seconds, stats = time.perf_counter() - start, counters["stats"]
-    compiled = f"{stats['unique_graphs']} graphs, {len(counters['graph_break'])} kinds of graph break, "
-    compiled += f"{torch._inductor.metrics.generated_kernel_count} kernels generated"
-    print(f"{script} {'eager' if eager else 'as on a GPU'}: {seconds:.1f} s; {compiled}", flush=True)
 
 
 if __name__ == "__main__":

@@ -422,3 +422,28 @@ def test_the_async_benchmark_writes_its_table_and_figure_from_the_runs(tmp_path)
     assert (out / "async_grpo.png").stat().st_size > 10_000
     bad = run_script("benchmarks/async_benchmark.py", "--rows", "eta3", expect_ok=False)
     assert bad.returncode == 1 and bad.stderr.strip().startswith("error: --rows eta3: no such row")
+
+
+def test_a_gpu_run_on_a_torch_before_2_14_stops_with_one_line(monkeypatch):
+    """Before torch 2.14 FX's tracing flag is one for the process: while one thread compiles, a compiled call in the
+    other raises (seen on torch 2.11 with benchmarks/as_on_a_gpu.py: the trainer's evaluation, while the generator
+    compiled its step). So where the policy runs compiled (a GPU), the generator stops the run before it loads
+    anything, with one line naming the ways out; with torch 2.14, or nothing compiled, it goes on (to its loading,
+    which these stand-in arguments fail)."""
+    from torch.torch_version import TorchVersion
+
+    import async_grpo
+
+    def generator(version, compiled):
+        with monkeypatch.context() as m:
+            m.setattr(async_grpo, "compiles", lambda model: compiled)
+            m.setattr(torch, "__version__", TorchVersion(version))
+            async_grpo.Generator(None, None, [], [], None, None, None, 0)
+
+    stop = r"^error: torch 2\.13\.0 on a GPU: .*; install torch>=2\.14 \(requirements\.txt\), or set "
+    stop += "TORCH_COMPILE_DISABLE=1$"
+    with pytest.raises(SystemExit, match=stop):
+        generator("2.13.0", compiled=True)
+    for version, compiled in (("2.14.0", True), ("2.13.0", False)):
+        with pytest.raises(AttributeError, match="model_name_or_path"):
+            generator(version, compiled)
