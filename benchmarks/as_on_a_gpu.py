@@ -2,11 +2,12 @@
 (issue 74). The switches a GPU sets are set by hand: compiles() says yes (load_model compiles the decoder layers with
 inductor, a rollout's step is compiled whole, the output layer's products come from bfloat16 parts), the update's
 rows are rolled left (hidden_states), a rollout looks for the last stop every 16 tokens, and --dtype is bfloat16
-unless given. Only the CUDA parts are not run: Triton's kernels (inductor writes C++ ones here), the CUDA graphs, and
-the tensor-core product itself (a float32 product of the bfloat16 parts here). The file's flags follow its name.
+unless given. Not run: what only CUDA has (Triton's kernels, where inductor writes C++ ones here; the CUDA graphs;
+the tensor-core product itself, a float32 product of the bfloat16 parts here), nor what differs by device (the
+operations autocast casts, SDPA's kernel choice, async_grpo.py's CUDA streams). The file's flags follow its name.
 
     python benchmarks/as_on_a_gpu.py grpo.py --num-steps 30 --output-dir runs/as-on-a-gpu
-    python benchmarks/as_on_a_gpu.py --eager grpo.py ...   the same run, these switches off (CPU's own path)
+    python benchmarks/as_on_a_gpu.py --eager grpo.py ...   the same run on the CPU's own path (bfloat16 still)
 """
 
 import importlib.util
@@ -51,7 +52,9 @@ def main(argv):
 
     def end_processes():  # main's last call, which under torchrun ends the process: the run's summary before it
         stats = counters["stats"]
+        dropped = counters["frames"]["total"] - counters["frames"]["ok"]  # frames dynamo gave up on, run as they are
         compiled = f"{stats['unique_graphs']} graphs, {len(counters['graph_break'])} kinds of graph break, "
+        compiled += f"{dropped} frames left eager, "
         compiled += f"{torch._inductor.metrics.generated_kernel_count} kernels generated"
         seconds = time.perf_counter() - start
         print(f"{script} {'eager' if eager else 'as on a GPU'}: {seconds:.1f} s; {compiled}", flush=True)
