@@ -388,9 +388,13 @@ def check(args):
         ms[name] = timed(torch, device, lambda: step(layer, q, k, v, attend, scaling=layer.scaling))
     grouped, plain = ms["grouped"], ms["transformers' sdpa"]
     gap = (outs["grouped"].float() - outs["transformers' sdpa"].float()).abs().max().item()
+    half = k[:, :, : length // 2], v[:, :, : length // 2], attend[..., : length // 2]  # the written prefix alone
+    step = torch.compile(grpo.grouped_sdpa, fullgraph=True) if cuda else grpo.grouped_sdpa
+    prefix = timed(torch, device, lambda: step(layer, q, *half, scaling=layer.scaling))
     print(
         f"4. one attention layer, {rows} rows x {length} cached, {heads} heads over {kv}: grouped {grouped:.3f} ms, "
-        f"transformers' sdpa {plain:.3f} ms, outputs {gap:.1e} apart"
+        f"transformers' sdpa {plain:.3f} ms, outputs {gap:.1e} apart; grouped over the written half alone "
+        f"{prefix:.3f} ms"
     )
 
     layers = 2 * config.num_hidden_layers  # keys and values
@@ -445,7 +449,7 @@ def check(args):
             with torch.profiler.profile() as profile:
                 rollout()
             sort = "cuda_time_total" if cuda else "cpu_time_total"
-            print(profile.key_averages().table(sort_by=sort, row_limit=15))
+            print(profile.key_averages().table(sort_by=sort, row_limit=30))
 
     weight, parts = model.get_output_embeddings().weight, grpo.head_parts(model)
     for n, what in ((rows, "a decoded token's"), (2**26 // config.vocab_size, "a chunk of the update's log-probs")):
@@ -468,6 +472,78 @@ def check(args):
         )
 
     update_pass(grpo, torch, device, model, args)
+    fused_linears(torch, device, model, rows)
+
+
+def fused_linears(torch, device, model, rows):
+    """10. A decoded token's linear layers (24 at the 0.5B shape), each layer's seven products (q, k, v, o, gate, up,
+    down) against four, with q|k|v and gate|up each one product of weights laid end to end (vLLM's and SGLang's
+    way), in --dtype at `rows` rows; each way captured in one CUDA graph and replayed (a GPU), so that the time is
+    the kernels', as in the compiled step; eager on a CPU. Every layer has weights of its own, as a model's do."""
+    import torch.nn.functional as F
+
+    config, dtype = model.config, model.compute_dtype
+    width, inner, dim = config.hidden_size, config.intermediate_size, config.hidden_size // config.num_attention_heads
+    kv = config.num_key_value_heads * dim
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=device).to(dtype) / shape[-1] ** 0.5
+
+    layers = [
+        dict(q=randn(width, width), k=randn(kv, width), v=randn(kv, width), o=randn(width, width),
+             bias=randn(width + 2 * kv), gate=randn(inner, width), up=randn(inner, width), down=randn(width, inner))
+        for _ in range(config.num_hidden_layers)
+    ]  # fmt: skip
+    for w in layers:
+        w["qkv"], w["gate_up"] = torch.cat([w["q"], w["k"], w["v"]]), torch.cat([w["gate"], w["up"]])
+    x = randn(rows, width)
+
+    def seven(x):  # q goes on through o (attention left out), SiLU's product between gate|up and down
+        for w in layers:
+            bq, bk, bv = w["bias"].split([width, kv, kv])
+            q, k, v = F.linear(x, w["q"], bq), F.linear(x, w["k"], bk), F.linear(x, w["v"], bv)
+            h = F.linear(q, w["o"])
+            x = F.linear(F.silu(F.linear(h, w["gate"])) * F.linear(h, w["up"]), w["down"])
+        return torch.cat([x, k, v], dim=-1)  # the last layer's
+
+    def four(x):
+        for w in layers:
+            q, k, v = F.linear(x, w["qkv"], w["bias"]).split([width, kv, kv], dim=-1)
+            gate, up = F.linear(F.linear(q, w["o"]), w["gate_up"]).chunk(2, dim=-1)
+            x = F.linear(F.silu(gate) * up, w["down"])
+        return torch.cat([x, k, v], dim=-1)
+
+    found = {}
+    for name, way in (("seven", seven), ("four", four)):
+        run = captured(torch, way, x) if device.type == "cuda" else lambda way=way: way(x)
+        found[name] = run(), timed(torch, device, run)
+    name = str(dtype).removeprefix("torch.")
+    gap = ((found["four"][0].float() - found["seven"][0].float()).norm() / found["seven"][0].float().norm()).item()
+    print(
+        f"10. a decoded token's linear layers, {config.num_hidden_layers} layers at {rows} rows, {name}: seven "
+        f"products a layer {found['seven'][1]:.3f} ms, four (q|k|v and gate|up fused) {found['four'][1]:.3f} ms; "
+        f"outputs {gap:.1e} apart (relative)"
+    )
+
+
+def captured(torch, function, *inputs):
+    """function(*inputs) captured in a CUDA graph, after a call that warms up on a side stream: a call of what this
+    returns replays it and returns its output (the same tensor each time)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        function(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = function(*inputs)
+
+    def replay():
+        graph.replay()
+        return out
+
+    return replay
 
 
 def update_pass(grpo, torch, device, model, args, rows=8, repeats=5):
@@ -475,14 +551,18 @@ def update_pass(grpo, torch, device, model, args, rows=8, repeats=5):
     README's GPU command), three ways: the padded rows under their mask (the CPU's pass); each row rolled left with the
     causal mask alone (hidden_states on a GPU); rolled, through decoder layers compiled as load_model compiles them on
     a GPU (regional compile; on a CPU on dynamo's eager backend, to check this script), its first call's seconds (the
-    compile) apart. Prompts of 80-110 tokens, completions of a fifth to all of --max-new-tokens."""
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(80, 111, (rows,), generator=g)
-    ends = torch.randint(args.max_new_tokens // 5, args.max_new_tokens + 1, (rows,), generator=g)
-    width = 110 + args.max_new_tokens
-    ids = torch.randint(3, model.config.vocab_size, (rows, width), generator=g).to(device)
-    columns = torch.arange(width)
-    mask = ((columns >= 110 - prompts[:, None]) & (columns < 110 + ends[:, None])).long().to(device)
+    compile) apart. Prompts of 80-110 tokens, completions of a fifth to all of --max-new-tokens.
+    9. Then the compiled way at micro-batches of 8, 16 and 32 such rows: ms a row, and on a GPU the peak memory."""
+    g, width = torch.Generator().manual_seed(0), 110 + args.max_new_tokens
+
+    def micro_batch(rows):
+        prompts = torch.randint(80, 111, (rows,), generator=g)
+        ends = torch.randint(args.max_new_tokens // 5, args.max_new_tokens + 1, (rows,), generator=g)
+        ids = torch.randint(3, model.config.vocab_size, (rows, width), generator=g).to(device)
+        columns = torch.arange(width)
+        return ids, ((columns >= 110 - prompts[:, None]) & (columns < 110 + ends[:, None])).long().to(device)
+
+    ids, mask = micro_batch(rows)
     enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)  # < 5.24
     enable({"use_reentrant": False, "preserve_rng_state": False})
     model.train()
@@ -494,7 +574,7 @@ def update_pass(grpo, torch, device, model, args, rows=8, repeats=5):
             for layer in grpo.decoder_layers(model):
                 layer.compile(dynamic=True, **({} if device.type == "cuda" else {"backend": "eager"}))
 
-        def update():
+        def update(ids=ids, mask=mask):
             with torch.autocast(device.type, dtype=model.compute_dtype):
                 logprobs = grpo.token_logprobs(model, ids, mask, 110)
             (logprobs * mask[:, 110:]).sum().backward()
@@ -505,6 +585,13 @@ def update_pass(grpo, torch, device, model, args, rows=8, repeats=5):
         logprobs = update()
         first = time.perf_counter() - start
         found[way] = logprobs, timed(torch, device, update, repeats), first
+    sizes = {}
+    for size in (8, 16, 32):  # the compiled way still on
+        batch = micro_batch(size)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        ms = timed(torch, device, lambda: update(*batch), repeats) / size
+        sizes[size] = ms, torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
     grpo.hidden_states = plain
     torch.use_deterministic_algorithms(False)
     for layer in grpo.decoder_layers(model):
@@ -517,6 +604,11 @@ def update_pass(grpo, torch, device, model, args, rows=8, repeats=5):
         f"{found['rolled'][1]:.1f} ms, rolled through compiled layers {found['compiled'][1]:.1f} ms (first call "
         f"{found['compiled'][2]:.1f} s); log-probs {gap['padded']:.1e} (padded) and {gap['compiled']:.1e} "
         f"(compiled) from the rolled eager pass's"
+    )
+    peaks = {n: f" (peak {gib:.2f} GiB)" if device.type == "cuda" else "" for n, (_, gib) in sizes.items()}
+    print(
+        "9. the update's micro-batch through the compiled layers: "
+        + ", ".join(f"{n} rows {ms:.1f} ms a row{peaks[n]}" for n, (ms, _) in sizes.items())
     )
 
 

@@ -439,30 +439,37 @@ def test_the_lora_cast_benchmark_counts_the_casts_both_ways():
 
 def test_the_gpu_check_runs_every_step_on_the_cpu():
     """benchmarks/gpu_benchmark.py --check, the decode loop's GPU half step by step (issue 63), at a small shape on
-    the CPU (nothing compiled, no GPU memory): its eight steps in order, the eager bfloat16 rollout's tokens, the
+    the CPU (nothing compiled, no GPU memory): its ten steps in order, the eager bfloat16 rollout's tokens, the
     grouped attention level with transformers' to bfloat16's rounding, one cache held after a smaller batch followed
     a larger one, the profile's table, the output layer's three tensor-core products (as a CPU computes them)
-    within 1e-3 of float32's logits (of std 10) and 1e-4 of its gradients, relative, and an update's micro-batch
-    rolled left as near the padded rows' log-probs, and through the compiled layers, as bfloat16 allows."""
+    within 1e-3 of float32's logits (of std 10) and 1e-4 of its gradients, relative, an update's micro-batch
+    rolled left as near the padded rows' log-probs, and through the compiled layers, as bfloat16 allows, that
+    micro-batch at three sizes, and a decoded token's linear layers fused as near the seven products as bfloat16
+    allows."""
     from conftest import run_script
 
     out = run_script(
         "benchmarks/gpu_benchmark.py", "--check", "--small", "--batch", "4", "--max-new-tokens", "4"
     ).stdout
-    steps = [line.split(".")[0] for line in out.splitlines() if line[:2] in {f"{i}." for i in range(1, 9)}]
-    assert steps == ["1", "2", "3", "4", "5", "5", "6", "6", "7", "7", "8"], out
+    steps = [line.split(".")[0] for line in out.splitlines() if re.match(r"\d+\. ", line)]
+    assert steps == ["1", "2", "3", "4", "5", "5", "6", "6", "7", "7", "8", "9", "10"], out
     for line in [line for line in out.splitlines() if line.startswith("7.")]:  # the three products against float32's
         logits, grads = (float(x) for x in re.findall(r"(\S+) apart", line))
         assert logits < 1e-3 and grads < 1e-4, line
     assert "a 4-token bfloat16 eager generate(), 4 prompts: (4, 4) tokens" in out, out
     gap = float(out.split("outputs ")[1].split(" apart")[0])
     assert gap < 1e-2, out  # bfloat16 inputs, summed in another order
+    assert "grouped over the written half alone" in out, out
     held = [line for line in out.splitlines() if "caches held" in line]
     assert len(held) == 2 and all("caches held: 1," in line for line in held), out
     assert "Name" in out and "Self CPU" in out, out  # the profile's top operations
     update = next(line for line in out.splitlines() if line.startswith("8."))
     padded, compiled = (float(x) for x in re.findall(r"(\S+) \((?:padded|compiled)\)", update))
     assert padded < 5e-2 and compiled < 5e-2, update
+    sizes = next(line for line in out.splitlines() if line.startswith("9."))
+    assert [int(n) for n in re.findall(r"(\d+) rows \S+ ms a row", sizes)] == [8, 16, 32], sizes
+    linears = next(line for line in out.splitlines() if line.startswith("10."))
+    assert float(linears.split("outputs ")[1].split(" apart")[0]) < 1e-2, linears  # the same products, fused
 
 
 def test_a_run_as_on_a_gpu_compiles_whole_and_writes_a_runs_metrics(tmp_path, monkeypatch):
