@@ -8,13 +8,15 @@ its sampled tokens are random, so every completion runs to --max-new-tokens.
     python benchmarks/gpu_benchmark.py --decode         # the decode loop alone: a random 24-layer model of width
                                                         # 64 with the bundled tokenizer, batch 32 (the host's regime)
     python benchmarks/gpu_benchmark.py --decode --model SmolLM2-135M-Instruct --vs OTHER/grpo.py
+    python benchmarks/gpu_benchmark.py --decode --host --batch 128   # the host's part of a compiled token
 
 The step: grpo.py run in this process for --steps steps; printed are each step's split (generation, log-probs,
 update), generation's decoded tokens/s and ms a decoded token (a token of every row), the update's TFLOP/s (8 x
 parameters x tokens with activation checkpointing, 6 x without), the peak GPU memory, and, where trl is installed,
 TRL's GRPOTrainer at equal work (--trl). The decode loop: generate()'s ms a token and host synchronisations a token
 (a TorchDispatchMode counting the operations that read a value back), and with --vs another file's generate()
-timed in turn with it, the same prompts and seed. --trl-vllm: TRL's GRPOTrainer with vLLM colocated too (a GPU, with
+timed in turn with it, the same prompts and seed; with --host, the loop's host time a token on the compiled path,
+the step's graph left out (nothing computed). --trl-vllm: TRL's GRPOTrainer with vLLM colocated too (a GPU, with
 vllm installed). --profile: in place of the steps, torch.profiler's tables of one rollout and one update.
 """
 
@@ -330,6 +332,65 @@ def decode(args):
         )
 
 
+def host(args):
+    """--decode --host: the decode loop's host time a token on the GPU's path (the step compiled), on any device: the
+    step's graph replaced by its outputs, so that nothing is computed and what is left is the host's, the loop's own
+    operations and the compiled call (dynamo's guards over the weights, their bfloat16 copies, the cache and the
+    inputs). The model has the 0.5B shape's layers (24 of them, q/k/v biases, 14 query heads over 2) at width 112:
+    guards count tensors, not their sizes. Not counted: a CUDA graph's replay and the launches (a GPU's)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    sys.path.insert(0, ROOT)
+    import grpo
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shape = dict(QWEN_05B, hidden_size=112, intermediate_size=128)  # 14 heads of 8 over 2
+    model = random_model(shape, 151936, device, args.dtype or "bfloat16")
+    tokenizer = grpo.load_tokenizer(os.path.join(ROOT, "tiny-adder"), False)
+    _, held_out = grpo.addition_task(args.batch, "addition")
+    flags = grpo.Args(model_name_or_path="tiny-adder")
+    ids, mask = grpo.tokenize_prompts(tokenizer, [r["prompt"] for r in held_out], device, flags)
+    calls = []
+
+    def outputs_only(graph, inputs):  # the graph run once; each call returns those outputs
+        with torch.no_grad():
+            out = graph(*inputs)
+        return lambda *a: out
+
+    def compile_step(function):
+        step = torch.compile(function, backend=outputs_only, fullgraph=True)
+
+        def call(*a):
+            start = time.perf_counter()
+            out = step(*a)
+            calls.append(time.perf_counter() - start)
+            return out
+
+        return call
+
+    plain_uniform, loops = grpo.uniform, []
+
+    def uniform(*a):  # drawn once a token, at the start of the loop's turn: the time between two is a turn's
+        loops.append(time.perf_counter())
+        return plain_uniform(*a)
+
+    grpo.compiles, grpo.compile_step, grpo.stop_check_every = lambda m: True, compile_step, lambda d: 16
+    grpo.tensor_core_mm = lambda a, b: a.float() @ b.float()  # the bfloat16 parts' product, as a CPU can
+    grpo.uniform, never, turns, steps = uniform, [151936 + 7], [], []
+    for i in range(args.repeats + 1):  # the first compiles
+        loops.clear(), calls.clear()
+        grpo.generate(model, tokenizer, ids, mask, args.max_new_tokens, 1.0, never)
+        if i > 0:  # the first turn's starts after the prefill
+            turns += [b - a for a, b in zip(loops[1:], loops[2:])]
+            steps += calls[1:]
+    print(
+        f"host, the compiled step's graph left out: a token's turn of the loop {statistics.median(turns) * 1e3:.3f} "
+        f"ms, of which the compiled call {statistics.median(steps) * 1e3:.3f} ms (medians of {len(turns)}); batch "
+        f"{len(ids)}, {model.config.num_hidden_layers} layers, {device}, graphs: {counters['stats']['unique_graphs']}"
+    )
+
+
 def timed(torch, device, function, repeats=20):
     """function()'s median milliseconds over repeats calls, after two that warm up (and compile)."""
     times = []
@@ -623,6 +684,7 @@ def main(argv=None):
         help="a model folder: the step of docs/smollm2.md's GRPO command on its addition "
         "question; --decode: its decode loop (default: a random 24-layer model of width 64)",
     )
+    parser.add_argument("--host", action="store_true", help="--decode: the loop's host time a token, nothing computed")
     parser.add_argument("--vs", help="--decode: another grpo.py whose generate() runs in turn with this one's")
     parser.add_argument("--batch", type=int, help="--decode: prompts (default 32; 128 on a GPU and with --check)")
     parser.add_argument("--repeats", type=int, default=5, help="--decode: timed rollouts of each loop")
@@ -637,6 +699,8 @@ def main(argv=None):
         gpu = importlib.util.find_spec("torch") and __import__("torch").cuda.is_available()
         args.batch = args.batch or (128 if gpu or args.check else 32)
         args.max_new_tokens = args.max_new_tokens or (512 if gpu else 64)
+        if args.host:
+            return host(args)
         return check(args) if args.check else decode(args)
     if args.model:  # docs/smollm2.md's GRPO command
         args.prompts, args.group_size, args.micro_batch_size, args.learning_rate = 8, 4, 8, 1e-5

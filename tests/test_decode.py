@@ -641,8 +641,9 @@ def test_inductor_compiles_the_step_and_it_samples_the_eager_steps_tokens(monkey
 
 def test_the_gpu_benchmark_runs_on_the_cpu(real_model_dir):
     """benchmarks/gpu_benchmark.py at its small shape (a random 2-layer Qwen2 with Qwen's 151,936-token vocabulary
-    and SmolLM2's tokenizer) prints each step's split, its decode mode the loop's ms and waits a token, and --profile
-    the profiler's tables of one rollout and one update."""
+    and SmolLM2's tokenizer) prints each step's split, its decode mode the loop's ms and waits a token, --host the
+    loop's host time a token on the compiled path (one graph for three rollouts), and --profile the profiler's tables
+    of one rollout and one update."""
     out = run_script("benchmarks/gpu_benchmark.py", "--small", "--steps", "2", "--max-new-tokens", "8").stdout
     assert "a random Qwen2 of 9.8 M parameters (small's shape)" in out, out
     steps = re.findall(r"step (\d): ([\d.]+) s: generation ([\d.]+) s .* log-probs ([\d.]+) s, update ([\d.]+) s", out)
@@ -651,6 +652,12 @@ def test_the_gpu_benchmark_runs_on_the_cpu(real_model_dir):
     out = run_script("benchmarks/gpu_benchmark.py", "--decode", "--batch", "4", "--max-new-tokens", "8").stdout
     waits = re.search(r"this: [\d.]+ ms a token .* ([\d.]+) host waits a token", out)
     assert waits and float(waits.group(1)) == 9 / 8, out  # the prompts' mask, a CPU's 7 stop checks, the length
+    host = ["--decode", "--host", "--batch", "4", "--max-new-tokens", "8", "--repeats", "2"]
+    out = run_script("benchmarks/gpu_benchmark.py", *host).stdout
+    turn, call, graphs = re.search(
+        r"loop ([\d.]+) ms, of which the compiled call ([\d.]+) ms.*graphs: (\d+)", out
+    ).groups()
+    assert 0 < float(call) < float(turn) and graphs == "1", out  # the second and third rollouts compiled nothing
     out = run_script("benchmarks/gpu_benchmark.py", "--small", "--profile", "--max-new-tokens", "8").stdout
     heads = re.findall(r"one (rollout|update): 16 rows, 95 \+ 8 tokens, float32, on cpu", out)
     assert heads == ["rollout", "update"] and out.count("Self CPU time total") == 2, out
