@@ -613,7 +613,8 @@ def update_pass(grpo, torch, device, model, args, rows=8, repeats=5):
     causal mask alone (hidden_states on a GPU); rolled, through decoder layers compiled as load_model compiles them on
     a GPU (regional compile; on a CPU on dynamo's eager backend, to check this script), its first call's seconds (the
     compile) apart. Prompts of 80-110 tokens, completions of a fifth to all of --max-new-tokens.
-    9. Then the compiled way at micro-batches of 8, 16 and 32 such rows: ms a row, and on a GPU the peak memory."""
+    9. Then the compiled way at micro-batches of 8, 16 and 32 such rows: ms a row, and on a GPU the peak memory; and
+    the pass without gradient (the reference's, pi_old's) at the same sizes."""
     g, width = torch.Generator().manual_seed(0), 110 + args.max_new_tokens
 
     def micro_batch(rows):
@@ -646,13 +647,18 @@ def update_pass(grpo, torch, device, model, args, rows=8, repeats=5):
         logprobs = update()
         first = time.perf_counter() - start
         found[way] = logprobs, timed(torch, device, update, repeats), first
+    def reference(ids, mask):  # the reference's pass, and pi_old's: no gradient
+        with torch.no_grad(), torch.autocast(device.type, dtype=model.compute_dtype):
+            return grpo.token_logprobs(model, ids, mask, 110)
+
     sizes = {}
     for size in (8, 16, 32):  # the compiled way still on
         batch = micro_batch(size)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         ms = timed(torch, device, lambda: update(*batch), repeats) / size
-        sizes[size] = ms, torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+        sizes[size] = ms, peak, timed(torch, device, lambda: reference(*batch), repeats) / size
     grpo.hidden_states = plain
     torch.use_deterministic_algorithms(False)
     for layer in grpo.decoder_layers(model):
@@ -666,10 +672,12 @@ def update_pass(grpo, torch, device, model, args, rows=8, repeats=5):
         f"{found['compiled'][2]:.1f} s); log-probs {gap['padded']:.1e} (padded) and {gap['compiled']:.1e} "
         f"(compiled) from the rolled eager pass's"
     )
-    peaks = {n: f" (peak {gib:.2f} GiB)" if device.type == "cuda" else "" for n, (_, gib) in sizes.items()}
+    peaks = {n: f" (peak {gib:.2f} GiB)" if device.type == "cuda" else "" for n, (_, gib, _) in sizes.items()}
     print(
         "9. the update's micro-batch through the compiled layers: "
-        + ", ".join(f"{n} rows {ms:.1f} ms a row{peaks[n]}" for n, (ms, _) in sizes.items())
+        + ", ".join(f"{n} rows {ms:.1f} ms a row{peaks[n]}" for n, (ms, _, _) in sizes.items())
+        + "; without gradient (the reference's pass): "
+        + ", ".join(f"{n} rows {ms:.1f} ms a row" for n, (_, _, ms) in sizes.items())
     )
 
 
