@@ -647,6 +647,7 @@ def update_pass(grpo, torch, device, model, args, rows=8, repeats=5):
         logprobs = update()
         first = time.perf_counter() - start
         found[way] = logprobs, timed(torch, device, update, repeats), first
+
     def reference(ids, mask):  # the reference's pass, and pi_old's: no gradient
         with torch.no_grad(), torch.autocast(device.type, dtype=model.compute_dtype):
             return grpo.token_logprobs(model, ids, mask, 110)
