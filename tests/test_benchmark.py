@@ -372,3 +372,20 @@ def test_a_benchmark_run_is_read_again_only_with_the_same_command_and_data(tmp_p
     data.write_text('{"prompt": "1+1=", "completion": "3"}\n' * 40)
     async_benchmark.run_once("sft", command, out)
     assert metrics.stat().st_mtime_ns != first  # run again
+
+
+def test_in_turn_finds_the_phase_a_change_slowed(tmp_path, capsys):
+    """benchmarks/in_turn.py against a copy of grpo.py whose sample() first sleeps 50 ms: the rollouts' ratio (this
+    file's over the copy's) falls well below 1, and every phase is printed with its rounds (the first warms up)."""
+    import in_turn
+
+    slowed = tmp_path / "grpo.py"
+    source = open(os.path.join(ROOT, "grpo.py")).read()
+    wrapper = "\n_sample = sample\n\n\ndef sample(*args, **kwargs):\n    time.sleep(0.05)\n"
+    wrapper += "    return _sample(*args, **kwargs)\n"
+    slowed.write_text(source.replace('\nif __name__ == "__main__":', wrapper + '\nif __name__ == "__main__":'))
+    in_turn.main(in_turn.Args(vs=str(slowed), prompts=2, group_size=2, micro_batch_size=2, max_new_tokens=4, rounds=3))
+    out = capsys.readouterr().out
+    found = dict(re.findall(r"^(rollouts|reference's log-probs|update): .* ratio ([\d.]+) .*, 2 rounds$", out, re.M))
+    assert set(found) == {"rollouts", "reference's log-probs", "update"}, out
+    assert float(found["rollouts"]) < 0.9, out
