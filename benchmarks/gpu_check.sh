@@ -2,8 +2,8 @@
 # The GPU check a session runs first when it has a device (DEVELOPERS.md; issue 74): one script, each command's output
 # in $OUT, sized to fit one call of the device tool (at most 10 minutes) with time left to run it again.
 #
-#   carry: wheels/ (tyro and its dependencies; trl 1.16 and datasets for --trl; vllm matching the image's torch for
-#   --trl-vllm) and SmolLM2-135M-Instruct/ (benchmarks/smollm2.py builds its tokenizer)
+#   carry: wheels/ (tyro and its dependencies; trl 1.16 and datasets for --trl) and SmolLM2-135M-Instruct/
+#   (benchmarks/smollm2.py builds its tokenizer); vLLM for --trl-vllm is too large to carry (docs/gpu.md)
 #   run:   bash benchmarks/gpu_check.sh 1, then 2, then 3   on the device, a call each (each within the tool's 10
 #          minutes; OUT is set there): 1 the check and the profile, 2 the step against TRL's, 3 grpo.py in float16
 #          and the learning tests (each file's first step compiles its decoder layers and its decode step). In that
