@@ -76,6 +76,10 @@ def phases(grpo, flags, tokenizer, model, ids, mask, stops, micro):
 
 
 def main(args):
+    if not os.path.isfile(args.vs):
+        raise SystemExit(f"--vs {args.vs}: no such file; give another checkout's grpo.py")
+    if args.rounds < 2:
+        raise SystemExit(f"--rounds {args.rounds}: give at least 2 (the first warms up)")
     files = {"this": module(os.path.join(ROOT, "grpo.py"), "this_grpo"), "vs": module(args.vs, "vs_grpo")}
     setups = {name: setup(grpo, args) for name, grpo in files.items()}
     seconds = {name: [] for name in files}

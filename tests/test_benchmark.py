@@ -389,3 +389,6 @@ def test_in_turn_finds_the_phase_a_change_slowed(tmp_path, capsys):
     found = dict(re.findall(r"^(rollouts|reference's log-probs|update): .* ratio ([\d.]+) .*, 2 rounds$", out, re.M))
     assert set(found) == {"rollouts", "reference's log-probs", "update"}, out
     assert float(found["rollouts"]) < 0.9, out
+    for bad, flag in ((dict(vs=str(tmp_path / "none.py")), "--vs"), (dict(vs=str(slowed), rounds=1), "--rounds")):
+        with pytest.raises(SystemExit, match=flag):
+            in_turn.main(in_turn.Args(**bad))
