@@ -348,7 +348,7 @@ def setup(args):
 def make_output_dir(args):
     """The run's new folder, with args.json in it; with --track, the wandb run."""
     run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    path = args.output_dir or os.path.join("runs", run_name)
+    path = os.path.join("runs", run_name) if args.output_dir is None else args.output_dir
     if os.path.exists(path):
         fail(f"--output-dir {path} already exists; choose a new folder")
     try:
@@ -378,7 +378,8 @@ def from_pretrained(cls, path, trust_remote_code, **kwargs):
 
 def load_tokenizer(path, trust_remote_code):
     tokenizer = from_pretrained(AutoTokenizer, path, trust_remote_code)
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
@@ -495,7 +496,7 @@ def log(output_dir, step, metrics, samples=()):
     for name, rows in (("metrics", [metrics]), ("samples", samples)):
         with open(os.path.join(output_dir, f"{name}.jsonl"), "a") as f:
             f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
-    if "wandb" in sys.modules:  # --track
+    if getattr(sys.modules.get("wandb"), "run", None) is not None:  # --track: make_output_dir started it
         sys.modules["wandb"].log(metrics, step=step)
     shown = ["charts/reward", "losses/loss", "eval/loss", "eval/accuracy", "eval/pair_accuracy", "charts/step_time"]
     print(f"step {step:5d}  " + "  ".join(f"{k} {metrics[k]:.4f}" for k in shown if k in metrics), flush=True)
@@ -505,7 +506,7 @@ def save(model, tokenizer, output_dir):
     """The model and the tokenizer, loadable with from_pretrained; with --track, the wandb run ends."""
     model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
-    if "wandb" in sys.modules:
+    if getattr(sys.modules.get("wandb"), "run", None) is not None:
         sys.modules["wandb"].finish()
 
 

@@ -32,16 +32,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # name: (file, flags). "sync" is async_grpo.py with eta 0: the generator never runs ahead (the same metrics as
 # grpo.py with the same seed, tests/test_async_grpo.py); "-coupled" centres the clip on pi_behav (--no-decoupled)
 ROWS = {
-    "grpo.py": ("grpo.py", []),
-    "sync": ("async_grpo.py", ["--max-staleness", "0"]),
+    "scale/grpo.py": ("scale/grpo.py", []),
+    "sync": ("scale/async_grpo.py", ["--max-staleness", "0"]),
     **{
-        f"eta{eta}{suffix}": ("async_grpo.py", ["--max-staleness", str(eta), *flags])
+        f"eta{eta}{suffix}": ("scale/async_grpo.py", ["--max-staleness", str(eta), *flags])
         for eta in (1, 2, 4)
         for suffix, flags in (("", []), ("-coupled", ["--no-decoupled"]))
     },
     # "-interrupt2": --interrupt-every 2, a rollout in flight moves to the next version every 2 tokens
     **{
-        f"eta{eta}-interrupt2": ("async_grpo.py", ["--max-staleness", str(eta), "--interrupt-every", "2"])
+        f"eta{eta}-interrupt2": ("scale/async_grpo.py", ["--max-staleness", str(eta), "--interrupt-every", "2"])
         for eta in (1, 2)
     },
 }

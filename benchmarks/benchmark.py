@@ -232,7 +232,7 @@ def run_algorithm(name, seed, args):
     record_path = out + ".json"
     script = name.split("-")[0]  # ppo-learned-rm runs ppo.py, grpo-smollm2 and grpo-smollm2-bf16 grpo.py
     python = args.vllm_python if name.endswith("-vllm") else sys.executable
-    command = [python, f"{script}.py", "--seed", str(seed), "--output-dir", os.path.abspath(out)]
+    command = [python, f"scale/{script}.py", "--seed", str(seed), "--output-dir", os.path.abspath(out)]
     command += REAL_COMMON + REAL_FLAGS[name] if name in REAL_FLAGS else []
     command += ["--vllm"] if name.endswith("-vllm") else []
     command += ONE_PAIR_FLAGS.get(name, [])

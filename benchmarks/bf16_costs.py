@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import grpo  # noqa: E402
+from scale import grpo  # noqa: E402
 
 
 def bfloat16_head(linear, vocab_size):

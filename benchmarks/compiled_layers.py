@@ -19,7 +19,7 @@ import torch._inductor.metrics
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import grpo  # noqa: E402
+from scale import grpo  # noqa: E402
 
 LAYOUT = {"aten::" + name for name in "empty empty_strided view as_strided detach t transpose reshape".split()}
 LAYOUT |= {"aten::" + name for name in "_unsafe_view expand slice select alias unsqueeze squeeze permute".split()}

@@ -32,11 +32,11 @@ from benchmark import REAL_COMMON, REAL_FLAGS  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOLLM2 = REAL_COMMON + REAL_FLAGS["grpo-smollm2"]
 ROWS = {  # name: (file, flags)
-    "grpo": ("grpo.py", []),
-    "dapo": ("dapo.py", []),
-    "grpo-smollm2": ("grpo.py", SMOLLM2),
-    "dapo-smollm2": ("dapo.py", SMOLLM2),
-    "dapo-smollm2-no-shaping": ("dapo.py", SMOLLM2 + ["--no-overlong-shaping"]),  # which part of DAPO does what
+    "grpo": ("scale/grpo.py", []),
+    "dapo": ("scale/dapo.py", []),
+    "grpo-smollm2": ("scale/grpo.py", SMOLLM2),
+    "dapo-smollm2": ("scale/dapo.py", SMOLLM2),
+    "dapo-smollm2-no-shaping": ("scale/dapo.py", SMOLLM2 + ["--no-overlong-shaping"]),  # which part of DAPO does what
 }
 MARK_START, MARK_END = "<!-- dapo: written by benchmarks/dapo_benchmark.py -->", "<!-- end of dapo -->"
 

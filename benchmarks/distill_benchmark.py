@@ -30,10 +30,10 @@ from async_benchmark import fail, machine_line, mean_std, run_once, write_block 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = {  # name: (file, flags)
-    "grpo": ("grpo.py", []),
-    "distill": ("distill.py", []),  # the default: 256 prompts x 1, the forward KL over the vocabulary
-    "distill-reverse-kl": ("distill.py", ["--loss", "reverse-kl"]),  # the sampled reverse KL's policy gradient
-    "distill-exact-reverse-kl": ("distill.py", ["--jsd-beta", "1"]),  # the reverse KL over the vocabulary
+    "grpo": ("scale/grpo.py", []),
+    "distill": ("scale/distill.py", []),  # the default: 256 prompts x 1, the forward KL over the vocabulary
+    "distill-reverse-kl": ("scale/distill.py", ["--loss", "reverse-kl"]),  # the sampled reverse KL's policy gradient
+    "distill-exact-reverse-kl": ("scale/distill.py", ["--jsd-beta", "1"]),  # the reverse KL over the vocabulary
 }
 SHARE = 0.95  # the target: this share of the teacher's held-out accuracy
 MARK_START, MARK_END = "<!-- distill: written by benchmarks/distill_benchmark.py -->", "<!-- end of distill -->"
@@ -222,6 +222,6 @@ if __name__ == "__main__":
     unknown = [r for r in args.rows if r not in ROWS]
     if unknown:
         fail(f"--rows: unknown {', '.join(unknown)}; choose among {', '.join(ROWS)}")
-    if not any(ROWS[r][0] == "distill.py" for r in args.rows):
+    if not any(ROWS[r][0] == "scale/distill.py" for r in args.rows):
         fail("--rows: give one of distill.py's rows at least (its runs log the teacher's accuracy)")
     main(args)

@@ -34,7 +34,7 @@ from async_benchmark import machine_line, run_once, write_block  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import process_grpo  # noqa: E402  (the chain task and the decode loop)
+from scale import process_grpo  # noqa: E402  (the chain task and the decode loop)
 
 STUDENT = os.path.join(ROOT, "tiny-chainer")
 TEACHER_STEPS, STEPS, BATCH, LENGTH, NUM_EVAL = 600, 300, 256, 32, 500
@@ -113,17 +113,17 @@ def main(argv=None):
     teacher = os.path.join(args.runs_dir, "teacher")
     flags = ["--model-name-or-path", STUDENT, "--task", "chain", "--num-eval", str(num_eval), "--num-steps"]
     flags += [str(teacher_steps), "--eval-every", str(teacher_steps), "--max-new-tokens", str(LENGTH)]
-    teacher_metrics, _ = run_once("teacher", ["sft.py", *flags, "--output-dir", teacher], teacher)
+    teacher_metrics, _ = run_once("teacher", ["scale/sft.py", *flags, "--output-dir", teacher], teacher)
     results = {"teacher": 100 * teacher_metrics[-1]["eval/accuracy"], "student": None, "rows": {}}
     for seed in args.seeds:
         on = os.path.join(args.runs_dir, f"on-policy__{seed}")
-        command = ["distill.py", *common, "--dataset", train_path, "--teacher-path", teacher]
+        command = ["scale/distill.py", *common, "--dataset", train_path, "--teacher-path", teacher]
         command += ["--prompts-per-step", str(batch), "--seed", str(seed), "--output-dir", on]
         metrics, wall = run_once(f"on-policy seed {seed}", command, on)
         results["rows"].setdefault("on-policy", []).append((accuracy_curve(metrics), wall))
         off = os.path.join(args.runs_dir, f"off-policy__{seed}")
         samples = teacher_samples(args, teacher, train, seed)
-        command = ["sft.py", *common, "--dataset", samples, "--batch-size", str(batch), "--learning-rate", "1e-4"]
+        command = ["scale/sft.py", *common, "--dataset", samples, "--batch-size", str(batch), "--learning-rate", "1e-4"]
         command += ["--micro-batch-size", str(min(batch, 64)), "--seed", str(seed), "--output-dir", off]
         metrics, wall = run_once(f"off-policy seed {seed}", command, off)
         results["rows"].setdefault("off-policy", []).append((accuracy_curve(metrics), wall))

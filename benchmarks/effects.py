@@ -50,7 +50,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import grpo  # noqa: E402  (the loss, the advantage and the sampler the rows look into)
+from scale import grpo  # noqa: E402  (the loss, the advantage and the sampler the rows look into)
 
 ROWS = (
     "length-bias",
@@ -191,7 +191,7 @@ def length_bias(args):
         for name, extra in (("grpo", []), ("dr-grpo", DR_GRPO)):
             for seed in args.seeds:
                 run = [*flags, "--model-name-or-path", start, "--max-new-tokens", str(ROOM), *extra]
-                train(args, "grpo.py", run, f"{task}-{name}", seed)
+                train(args, "scale/grpo.py", run, f"{task}-{name}", seed)
                 folder = os.path.join(args.runs_dir, f"{task}-{name}-{seed}", "checkpoints")
                 points = [(0, start)]
                 points += [(int(step[5:]), os.path.join(folder, step, "policy")) for step in sorted(os.listdir(folder))]
@@ -243,7 +243,7 @@ def spaced_model(args, task):
     steps = "2" if args.quick else "200"
     flags = ["--model-name-or-path", os.path.join(ROOT, "tiny-adder"), "--dataset", path, "--num-steps", steps]
     flags += ["--eval-every", steps, "--num-eval", "64", "--learning-rate", "3e-4", "--max-new-tokens", str(ROOM)]
-    train(args, "sft.py", flags, f"{task}-sft", 1)
+    train(args, "scale/sft.py", flags, f"{task}-sft", 1)
     return os.path.join(args.runs_dir, f"{task}-sft-1")
 
 
@@ -282,8 +282,8 @@ def plot_lengths(curves, path):
 
 
 def default_grpo(args, seed):
-    """grpo.py's default run of 150 steps: the std row's and the sampler row's baseline."""
-    return train(args, "grpo.py", steps_flags(args, 150)[0], "grpo", seed)
+    """scale/grpo.py's default run of 150 steps: the std row's and the sampler row's baseline."""
+    return train(args, "scale/grpo.py", steps_flags(args, 150)[0], "grpo", seed)
 
 
 def std_amplification(args):
@@ -308,9 +308,11 @@ def std_amplification(args):
             runs = [default_grpo(args, seed) for seed in args.seeds]
         elif "noise" in name:
             with patching(main=noisy_rewards(NOISE)):
-                runs = [train(args, "grpo.py", flags + extra, folder, seed, in_module=True) for seed in args.seeds]
+                runs = [
+                    train(args, "scale/grpo.py", flags + extra, folder, seed, in_module=True) for seed in args.seeds
+                ]
         else:
-            runs = [train(args, "grpo.py", flags + extra, folder, seed) for seed in args.seeds]
+            runs = [train(args, "scale/grpo.py", flags + extra, folder, seed) for seed in args.seeds]
         result["learning"][name] = std_row(name, runs)
     pairs = ["--group-size", "2", "--prompts-per-step", "128"]  # most groups tie: the division meets noise alone
     result["pairs"] = {}
@@ -318,7 +320,7 @@ def std_amplification(args):
         extra = pairs + (["--no-scale-rewards"] if name.startswith("unscaled") else [])
         folder = f"std-pairs-{name.replace(', ', '-')}"
         with patching(main=noisy_rewards(NOISE)) if "noise" in name else contextlib.nullcontext():
-            runs = [train(args, "grpo.py", flags + extra, folder, seed, in_module=True) for seed in args.seeds]
+            runs = [train(args, "scale/grpo.py", flags + extra, folder, seed, in_module=True) for seed in args.seeds]
         result["pairs"][name] = std_row(f"groups of 2, {name}", runs)
     return result
 
@@ -368,7 +370,7 @@ def kl_estimators(args):
     at, and (k1, k3) sampled at MISMATCH, scored at 1."""
     flags, every = steps_flags(args, 150)
     saved = [*flags, "--save-every", "1", "--keep-checkpoints", "1000"]
-    train(args, "grpo.py", saved, "grpo-each-step", 1)
+    train(args, "scale/grpo.py", saved, "grpo-each-step", 1)
     run, last_step = os.path.join(args.runs_dir, "grpo-each-step-1"), int(flags[1])
     policies = {
         f"step {s}": os.path.join(run, "checkpoints", f"step_{s:06d}", "policy")
@@ -405,7 +407,7 @@ def kl_estimators(args):
         for seed in args.seeds:
             run = f"no-signal-{name}" if temperature is None else f"no-signal-{name}-t{temperature}"
             with no_signal(temperature), patching(grpo_loss=kl_penalty(name)):
-                train(args, "grpo.py", flags, run, seed, in_module=True)
+                train(args, "scale/grpo.py", flags, run, seed, in_module=True)
             exact, _, entropy = against_reference(os.path.join(args.runs_dir, f"{run}-{seed}"), reference, *prompts)
             ends.append((exact.mean().item(), entropy.mean().item()))
         result["as a loss"][label] = ends
@@ -430,8 +432,9 @@ def kl_estimate(d, name):
 
 
 def patched(function, line, replacement):
-    """grpo.py's `function` with the one line `line` of its source replaced, made in the grpo module's namespace: a
-    knob that only this benchmark needs, so grpo.py has no flag for it (docs/reading.md, "Flags and knobs")."""
+    """scale/grpo.py's `function` with the one line `line` of its source replaced, made in the grpo module's
+    namespace: a knob that only this benchmark needs, so grpo.py has no flag for it (docs/reading.md, "Flags and
+    knobs")."""
     source = inspect.getsource(function)
     assert source.count(line) == 1, (function.__name__, line)
     source, name, made = source.replace(line, replacement), f"<grpo.{function.__name__}, patched>", {}
@@ -441,13 +444,13 @@ def patched(function, line, replacement):
 
 
 def kl_penalty(name):
-    """grpo.py's loss with the KL penalty's estimate KL_ESTIMATES[name] in place of its k3 (the same arithmetic as the
-    --kl-estimator flag grpo.py had from e482211 to issue 73)."""
+    """scale/grpo.py's loss with the KL penalty's estimate KL_ESTIMATES[name] in place of its k3 (the same arithmetic
+    as the --kl-estimator flag grpo.py had from e482211 to issue 73)."""
     return patched(grpo.grpo_loss, KL_LINE, f"        kl = {KL_ESTIMATES[name]}\n")
 
 
 def noisy_rewards(scale):
-    """grpo.py's main() with N(0, scale^2) added to each reward before its advantage, drawn from the run's shuffle
+    """scale/grpo.py's main() with N(0, scale^2) added to each reward before its advantage, drawn from the run's shuffle
     generator; the metrics keep the task's rewards (the same draws as grpo.py's --reward-noise of e482211)."""
     line = "advantages = group_advantages(rewards, args.group_size, scale=args.scale_rewards)"
     noised = f"rewards + {scale!r} * torch.randn(rewards.shape, generator=shuffle_gen).to(rewards.device)"
@@ -466,7 +469,7 @@ def patching(**functions):
 
 
 def sampled_at(temperature):
-    """grpo.py's sample(), drawing its rollouts at `temperature` (and returning their log-probs there) whatever
+    """scale/grpo.py's sample(), drawing its rollouts at `temperature` (and returning their log-probs there) whatever
     --temperature the loss scores them at, as a sampler set apart from the loss may; None: grpo.py's own."""
     original = grpo.sample
     if temperature is None:
@@ -492,7 +495,7 @@ def cispo_clipped(args):
     flags, _ = steps_flags(args, 150)
     flags += ["--num-iterations", "4"]
     result = {}
-    for file in ("grpo.py", "cispo.py"):
+    for file in ("scale/grpo.py", "scale/cispo.py"):
         runs = [train(args, file, flags, f"passes4-{file[:-3]}", seed) for seed in args.seeds]
         clipped = [statistics.mean(m["losses/clip_frac"] for m in run if "losses/clip_frac" in m) for run in runs]
         peak = [max(m["losses/clip_frac"] for m in run if "losses/clip_frac" in m) for run in runs]
@@ -503,13 +506,16 @@ def cispo_clipped(args):
             f"held-out accuracy {spread(accuracy, 1, 100)}%"
         )
     # the paper's comparison: DAPO at CISPO's learning rate and beta (0), both 4 passes a batch
-    import cispo
+    from scale import cispo
 
     rate = cispo.Args().learning_rate
-    runs = [train(args, "dapo.py", flags + ["--learning-rate", str(rate)], "passes4-dapo", seed) for seed in args.seeds]
+    runs = [
+        train(args, "scale/dapo.py", flags + ["--learning-rate", str(rate)], "passes4-dapo", seed)
+        for seed in args.seeds
+    ]
     accuracy = [last(run, "eval/accuracy") for run in runs]
     sampled = [last(run, "charts/rollouts_sampled") for run in runs]  # dynamic sampling draws more than it trains on
-    result["dapo.py"] = {"accuracy": accuracy, "learning_rate": rate, "rollouts_sampled": sampled}
+    result["scale/dapo.py"] = {"accuracy": accuracy, "learning_rate": rate, "rollouts_sampled": sampled}
     print(
         f"  dapo.py at cispo.py's learning rate ({rate}) and beta (0): held-out accuracy {spread(accuracy, 1, 100)}%, "
         f"{spread(sampled, 0)} rollouts sampled"
@@ -532,8 +538,7 @@ def mean_of(cell, index=-1):
 def rloo_vs_ppo(args):
     """docs/results.md's rloo and ppo rows per rollout (steps x completions a step, from each file's defaults) and per
     second of wall time."""
-    import ppo
-    import rloo
+    from scale import ppo, rloo
 
     result = {}
     for name, module in (("rloo", rloo), ("ppo", ppo)):
@@ -546,7 +551,7 @@ def rloo_vs_ppo(args):
     # the paper's k = 2 at PPO's rollouts a step (128): 64 prompts x 2, as many steps as ppo.py's default
     flags, _ = steps_flags(args, ppo.Args().num_steps)
     flags += ["--group-size", "2", "--prompts-per-step", "64"]
-    runs = [train(args, "rloo.py", flags, "rloo-k2", seed) for seed in args.seeds]
+    runs = [train(args, "scale/rloo.py", flags, "rloo-k2", seed) for seed in args.seeds]
     accuracy, seconds = [last(run, "eval/accuracy") for run in runs], [last(run, "charts/elapsed_time") for run in runs]
     steps = int(flags[flags.index("--num-steps") + 1])
     result["rloo k=2"] = {"rollouts": steps * 128, "accuracy": accuracy, "seconds": seconds}
@@ -569,7 +574,8 @@ def areal_staleness(args):
     flags += ["--learning-rate", "1e-3"]
     for name, extra in (("sync", ["0"]), ("eta16", ["16"]), ("eta16-coupled", ["16", "--no-decoupled"])):
         runs = [
-            train(args, "async_grpo.py", flags + ["--max-staleness", *extra], f"lr1e-3-{name}", s) for s in args.seeds
+            train(args, "scale/async_grpo.py", flags + ["--max-staleness", *extra], f"lr1e-3-{name}", s)
+            for s in args.seeds
         ]
         accuracy = [last(run, "eval/accuracy") for run in runs]
         weight = [statistics.mean(m["losses/behav_weight"] for m in run if "losses/behav_weight" in m) for run in runs]
@@ -592,7 +598,7 @@ def sampler_mismatch(args):
         for mode in ("none", "token-tis", "icepop"):
             with patching(sample=sampled_at(temperature)):
                 runs = [
-                    train(args, "grpo.py", flags + ["--rollout-correction", mode], f"{name}-{mode}", seed, True)
+                    train(args, "scale/grpo.py", flags + ["--rollout-correction", mode], f"{name}-{mode}", seed, True)
                     for seed in args.seeds
                 ]
             accuracy = [last(run, "eval/accuracy") for run in runs]

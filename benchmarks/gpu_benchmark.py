@@ -89,7 +89,7 @@ def trl_data(args, workdir):
     if args.data:
         return args.data
     sys.path.insert(0, ROOT)
-    import grpo
+    from scale import grpo
 
     train, _ = grpo.addition_task(2, "addition-question")
     path = os.path.join(workdir, "addition.jsonl")
@@ -100,11 +100,11 @@ def trl_data(args, workdir):
 
 
 def run_steps(args, model_dir, parameters, workdir):
-    """grpo.py's steps in this process; prints each step's split and returns the mean of steps 2 on."""
+    """scale/grpo.py's steps in this process; prints each step's split and returns the mean of steps 2 on."""
     import torch
 
     out = os.path.join(workdir, "run")
-    sys.argv = [os.path.join(ROOT, "grpo.py"), *step_flags(args, model_dir, out)]
+    sys.argv = [os.path.join(ROOT, "scale/grpo.py"), *step_flags(args, model_dir, out)]
     print("python grpo.py " + " ".join(sys.argv[1:]), flush=True)
     runpy.run_path(sys.argv[0], run_name="__main__")
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -191,7 +191,7 @@ def profile(args, model_dir):
     import torch
 
     sys.path.insert(0, ROOT)
-    import grpo
+    from scale import grpo
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = "bfloat16" if device.type == "cuda" else "float32"
@@ -252,7 +252,7 @@ def decode_setup(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     sys.path.insert(0, ROOT)
-    import grpo
+    from scale import grpo
 
     torch.set_num_threads(args.threads or torch.get_num_threads())
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -342,7 +342,7 @@ def host(args):
     from torch._dynamo.utils import counters
 
     sys.path.insert(0, ROOT)
-    import grpo
+    from scale import grpo
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = dict(QWEN_05B, hidden_size=112, intermediate_size=128)  # 14 heads of 8 over 2

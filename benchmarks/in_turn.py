@@ -80,7 +80,7 @@ def main(args):
         raise SystemExit(f"--vs {args.vs}: no such file; give another checkout's grpo.py")
     if args.rounds < 2:
         raise SystemExit(f"--rounds {args.rounds}: give at least 2 (the first warms up)")
-    files = {"this": module(os.path.join(ROOT, "grpo.py"), "this_grpo"), "vs": module(args.vs, "vs_grpo")}
+    files = {"this": module(os.path.join(ROOT, "scale/grpo.py"), "this_grpo"), "vs": module(args.vs, "vs_grpo")}
     setups = {name: setup(grpo, args) for name, grpo in files.items()}
     seconds = {name: [] for name in files}
     for r in range(args.rounds):

@@ -24,7 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from grpo import token_logprobs  # noqa: E402  (every algorithm file has the same copy)
+from scale.grpo import token_logprobs  # noqa: E402  (every algorithm file has the same copy)
 
 
 def peak_gb(device):

@@ -45,7 +45,16 @@ def run(name, seed, args):
     """The run's metrics and wall seconds, running it unless it finished with this command."""
     out = os.path.join(os.path.abspath(args.runs_dir), f"{name}__{seed}")
     steps = [] if args.num_steps is None else ["--num-steps", str(args.num_steps)]
-    command = ["process_grpo.py", "--seed", str(seed), *ROWS[name], *steps, *args.flags.split(), "--output-dir", out]
+    command = [
+        "scale/process_grpo.py",
+        "--seed",
+        str(seed),
+        *ROWS[name],
+        *steps,
+        *args.flags.split(),
+        "--output-dir",
+        out,
+    ]
     return run_once(f"{name} seed {seed}", command, out)
 
 
@@ -75,7 +84,7 @@ def row(name, runs):
 def advantage_scale(model_dir, seed=1, prompts=64, group_size=8):
     """The mean |A| on the tokens of the first, second and third step of the three-step completions, under process and
     outcome supervision, of one batch that the model at model_dir samples on the chain task at temperature 1."""
-    import process_grpo as p
+    from scale import process_grpo as p
 
     torch.manual_seed(seed)
     args = p.Args(model_name_or_path=model_dir, dtype="float32", cuda=False)

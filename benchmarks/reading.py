@@ -28,69 +28,69 @@ import tokenize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = [
-    "grpo.py",
-    "rloo.py",
-    "gspo.py",
-    "cispo.py",
-    "ppo.py",
-    "dpo.py",
-    "reward_model.py",
-    "sft.py",
-    "async_grpo.py",
-    "process_grpo.py",
-    "tool_grpo.py",
-    "dapo.py",
-    "distill.py",
+    "scale/grpo.py",
+    "scale/rloo.py",
+    "scale/gspo.py",
+    "scale/cispo.py",
+    "scale/ppo.py",
+    "scale/dpo.py",
+    "scale/reward_model.py",
+    "scale/sft.py",
+    "scale/async_grpo.py",
+    "scale/process_grpo.py",
+    "scale/tool_grpo.py",
+    "scale/dapo.py",
+    "scale/distill.py",
 ]
 BANNER = "# ==== Everything below this line is the same in every file"
 READER_STOPS = "# ==== The algorithm ends here."
 # each sibling against the file it is closest to: the files that sample against grpo.py (ppo.py against rloo.py:
 # both reward a whole completion with the KL in it), dpo.py against reward_model.py (both train on preference pairs)
 PAIRS = {
-    "rloo.py": "grpo.py",
-    "gspo.py": "grpo.py",
-    "cispo.py": "grpo.py",
-    "async_grpo.py": "grpo.py",
-    "process_grpo.py": "grpo.py",
-    "tool_grpo.py": "grpo.py",
-    "dapo.py": "grpo.py",
-    "distill.py": "grpo.py",
-    "ppo.py": "rloo.py",
-    "dpo.py": "reward_model.py",
+    "scale/rloo.py": "scale/grpo.py",
+    "scale/gspo.py": "scale/grpo.py",
+    "scale/cispo.py": "scale/grpo.py",
+    "scale/async_grpo.py": "scale/grpo.py",
+    "scale/process_grpo.py": "scale/grpo.py",
+    "scale/tool_grpo.py": "scale/grpo.py",
+    "scale/dapo.py": "scale/grpo.py",
+    "scale/distill.py": "scale/grpo.py",
+    "scale/ppo.py": "scale/rloo.py",
+    "scale/dpo.py": "scale/reward_model.py",
 }
 # the same measures at commit e8763f5, formatted with ruff 0.17.5 (line length 120); process_grpo.py and
 # tool_grpo.py came after
 START = {
-    "grpo.py": {"lines": 1245, "main": 190, "inner_loop": 39, "ifexp_above": 12, "ifexp_below": 41},
-    "rloo.py": {"lines": 1157, "main": 155, "inner_loop": 21, "ifexp_above": 7, "ifexp_below": 41},
-    "gspo.py": {"lines": 1176, "main": 159, "inner_loop": 26, "ifexp_above": 7, "ifexp_below": 41},
-    "cispo.py": {"lines": 1178, "main": 161, "inner_loop": 28, "ifexp_above": 7, "ifexp_below": 41},
-    "ppo.py": {"lines": 1438, "main": 263, "inner_loop": 37, "ifexp_above": 16, "ifexp_below": 41},
-    "dpo.py": {"lines": 1142, "main": 131, "inner_loop": 24, "ifexp_above": 9, "ifexp_below": 41},
-    "reward_model.py": {"lines": 1110, "main": 111, "inner_loop": 16, "ifexp_above": 8, "ifexp_below": 41},
-    "sft.py": {"lines": 1050, "main": 134, "inner_loop": 11, "ifexp_above": 0, "ifexp_below": 41},
-    "async_grpo.py": {"lines": 1363, "main": 206, "inner_loop": 31, "ifexp_above": 15, "ifexp_below": 41},
+    "scale/grpo.py": {"lines": 1245, "main": 190, "inner_loop": 39, "ifexp_above": 12, "ifexp_below": 41},
+    "scale/rloo.py": {"lines": 1157, "main": 155, "inner_loop": 21, "ifexp_above": 7, "ifexp_below": 41},
+    "scale/gspo.py": {"lines": 1176, "main": 159, "inner_loop": 26, "ifexp_above": 7, "ifexp_below": 41},
+    "scale/cispo.py": {"lines": 1178, "main": 161, "inner_loop": 28, "ifexp_above": 7, "ifexp_below": 41},
+    "scale/ppo.py": {"lines": 1438, "main": 263, "inner_loop": 37, "ifexp_above": 16, "ifexp_below": 41},
+    "scale/dpo.py": {"lines": 1142, "main": 131, "inner_loop": 24, "ifexp_above": 9, "ifexp_below": 41},
+    "scale/reward_model.py": {"lines": 1110, "main": 111, "inner_loop": 16, "ifexp_above": 8, "ifexp_below": 41},
+    "scale/sft.py": {"lines": 1050, "main": 134, "inner_loop": 11, "ifexp_above": 0, "ifexp_below": 41},
+    "scale/async_grpo.py": {"lines": 1363, "main": 206, "inner_loop": 31, "ifexp_above": 15, "ifexp_below": 41},
 }
 # the walk through main()'s calls at commit 390253d, before issue 55's layout (one banner, below main()'s helpers);
 # distill.py came after it
 START_WALK = {
-    "grpo.py": {"after_main": 181, "reward_fn": "below", "calls": 38, "jumps": 20, "scrolled": 12877},
-    "rloo.py": {"after_main": 175, "reward_fn": "below", "calls": 37, "jumps": 20, "scrolled": 12854},
-    "gspo.py": {"after_main": 180, "reward_fn": "below", "calls": 36, "jumps": 18, "scrolled": 12236},
-    "cispo.py": {"after_main": 180, "reward_fn": "below", "calls": 36, "jumps": 18, "scrolled": 12237},
-    "ppo.py": {"after_main": 281, "reward_fn": "below", "calls": 44, "jumps": 23, "scrolled": 18783},
-    "dpo.py": {"after_main": 154, "reward_fn": "below", "calls": 28, "jumps": 13, "scrolled": 9715},
-    "reward_model.py": {"after_main": 169, "reward_fn": "below", "calls": 24, "jumps": 10, "scrolled": 10769},
-    "sft.py": {"after_main": 145, "reward_fn": "below", "calls": 24, "jumps": 10, "scrolled": 9711},
-    "async_grpo.py": {"after_main": 202, "reward_fn": "below", "calls": 33, "jumps": 17, "scrolled": 10999},
-    "process_grpo.py": {"after_main": 305, "reward_fn": "below", "calls": 40, "jumps": 19, "scrolled": 15704},
-    "tool_grpo.py": {"after_main": 354, "reward_fn": "below", "calls": 36, "jumps": 17, "scrolled": 14282},
-    "dapo.py": {"after_main": 287, "reward_fn": "below", "calls": 34, "jumps": 18, "scrolled": 13212},
+    "scale/grpo.py": {"after_main": 181, "reward_fn": "below", "calls": 38, "jumps": 20, "scrolled": 12877},
+    "scale/rloo.py": {"after_main": 175, "reward_fn": "below", "calls": 37, "jumps": 20, "scrolled": 12854},
+    "scale/gspo.py": {"after_main": 180, "reward_fn": "below", "calls": 36, "jumps": 18, "scrolled": 12236},
+    "scale/cispo.py": {"after_main": 180, "reward_fn": "below", "calls": 36, "jumps": 18, "scrolled": 12237},
+    "scale/ppo.py": {"after_main": 281, "reward_fn": "below", "calls": 44, "jumps": 23, "scrolled": 18783},
+    "scale/dpo.py": {"after_main": 154, "reward_fn": "below", "calls": 28, "jumps": 13, "scrolled": 9715},
+    "scale/reward_model.py": {"after_main": 169, "reward_fn": "below", "calls": 24, "jumps": 10, "scrolled": 10769},
+    "scale/sft.py": {"after_main": 145, "reward_fn": "below", "calls": 24, "jumps": 10, "scrolled": 9711},
+    "scale/async_grpo.py": {"after_main": 202, "reward_fn": "below", "calls": 33, "jumps": 17, "scrolled": 10999},
+    "scale/process_grpo.py": {"after_main": 305, "reward_fn": "below", "calls": 40, "jumps": 19, "scrolled": 15704},
+    "scale/tool_grpo.py": {"after_main": 354, "reward_fn": "below", "calls": 36, "jumps": 17, "scrolled": 14282},
+    "scale/dapo.py": {"after_main": 287, "reward_fn": "below", "calls": 34, "jumps": 18, "scrolled": 13212},
 }
 # the functions a sibling lacks because it samples without vLLM (async_grpo.py, tool_grpo.py): listed apart
 # from the algorithm's lines in its diff with grpo.py
 NOT_ALGORITHM = {
-    "async_grpo.py": [
+    "scale/async_grpo.py": [
         "VLLM_RANGES",
         "check_vllm",
         "load_engine",
@@ -99,7 +99,7 @@ NOT_ALGORITHM = {
         "rollout_correction",
         "settle_correction",
     ],
-    "tool_grpo.py": [
+    "scale/tool_grpo.py": [
         "VLLM_RANGES",
         "check_vllm",
         "load_engine",

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import process_grpo  # noqa: E402
+from scale import process_grpo  # noqa: E402
 
 
 @dataclass

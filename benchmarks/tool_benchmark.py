@@ -43,7 +43,7 @@ def run(name, seed, args):
     """The run's metrics and wall seconds, running it unless it finished with this command."""
     out = os.path.join(os.path.abspath(args.runs_dir), f"{name.replace(' ', '-')}__{seed}")
     steps = [] if args.num_steps is None else ["--num-steps", str(args.num_steps)]
-    command = ["tool_grpo.py", "--seed", str(seed), *ROWS[name], *steps, *args.flags.split(), "--output-dir", out]
+    command = ["scale/tool_grpo.py", "--seed", str(seed), *ROWS[name], *steps, *args.flags.split(), "--output-dir", out]
     return run_once(f"{name} seed {seed}", command, out)
 
 

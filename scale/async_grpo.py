@@ -152,7 +152,6 @@ def grpo_loss(
     beta=0.04,
     loss_agg="seq-mean-token-mean",
     max_completion_length=None,
-    is_weights=None,
 ):
     """GRPO's clipped surrogate plus beta times the k3 KL to the reference, to be minimised.
 
@@ -163,8 +162,6 @@ def grpo_loss(
     loss_agg: "seq-mean-token-mean"     1/B sum_i 1/|o_i| sum_t l_it   (the paper)
               "token-mean"              1/sum_i |o_i| sum_i sum_t l_it (DAPO)
               "seq-mean-token-sum-norm" 1/B sum_i sum_t l_it / max_completion_length (Dr. GRPO)
-    is_weights (B, T) or None (--rollout-correction): the clipped term of token t is multiplied by w_t
-    (rollout_correction).
     """
     m = mask.bool()
     log_ratio = torch.where(m, logprobs - old_logprobs, 0.0)  # padding never reaches exp()
@@ -172,8 +169,6 @@ def grpo_loss(
     adv = torch.where(m, advantages.reshape(len(advantages), -1), 0.0)  # (B, T): A_i, or A_it; 0 on padding
     clipped_ratio = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high)
     per_token = -torch.min(ratio * adv, clipped_ratio * adv)  # (B, T)
-    if is_weights is not None:  # the engine sampled the tokens, not pi_old
-        per_token = per_token * is_weights
     stats = {}
     if beta > 0:
         d = torch.where(m, ref_logprobs - logprobs, 0.0)
@@ -235,21 +230,23 @@ def decoupled_loss(
     are constants; mask (B, T) marks completion tokens. Per token, averaged as grpo_loss's loss_agg says:
         l_t = -w_t min(u_t A, clip(u_t, 1 - eps_low, 1 + eps_high) A) + beta (exp(d_t) - d_t - 1),
         u_t = exp(logprobs_t - prox_t),  w_t = exp(prox_t - behav_t) (0 above behav_imp_cap),  d_t = ref_t - logprobs_t.
-    prox = behav gives w = 1 and the clip centred on pi_behav: the coupled objective (--no-decoupled).
+    As w_t >= 0, w_t min(u_t A, clip(u_t) A) = min(u_t w_t A, clip(u_t) w_t A): grpo_loss with w_t A as token t's
+    advantage and pi_prox as pi_old. prox = behav gives w = 1 and the clip centred on pi_behav: the coupled
+    objective (--no-decoupled).
     """
     weights, weight_stats = behaviour_weights(prox_logprobs, behav_logprobs, mask, behav_imp_cap)
+    weighted = advantages[:, None] * weights  # (B, T): w_t A
     loss, stats = grpo_loss(
         logprobs,
         prox_logprobs,
         ref_logprobs,
-        advantages,
+        weighted,
         mask,
         clip_eps_low,
         clip_eps_high,
         beta,
         loss_agg,
         max_completion_length,
-        is_weights=weights,
     )
     return loss, {**stats, **weight_stats}
 
@@ -468,7 +465,8 @@ def main(args):
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     policy = add_lora(load_model(args.model_name_or_path, args, device), args)  # --lora-r: the adapters alone train
     stop_ids = stop_token_ids(tokenizer, policy)
-    ref_policy = reference_model(policy, args, device) if args.beta > 0 else None
+    if args.beta > 0:
+        ref_policy = reference_model(policy, args, device)  # with --lora-r: the policy, its adapters off
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     train_records, eval_records = load_task(args)
     data_rng, shuffle_gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
@@ -478,20 +476,14 @@ def main(args):
     signal = saved.get("signal", 0)  # groups whose rewards differed in the first steps (no_signal_note)
     ahead = saved.get("rollouts", [])  # a checkpoint's batches sampled ahead
     generator = Generator(policy, tokenizer, train_records, stop_ids, data_rng, args, device, first_step - 1, ahead)
-    print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
-    loss_args = dict(
-        clip_eps_low=args.clip_eps_low,
-        clip_eps_high=args.clip_eps_high,
-        beta=args.beta,
-        loss_agg=args.loss_agg,
-        max_completion_length=args.max_new_tokens,
-        behav_imp_cap=args.behav_imp_cap,
-    )  # decoupled_loss's constants
+    print(f"{output_dir}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
+    loss_args = dict(clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high, beta=args.beta)
+    loss_args.update(loss_agg=args.loss_agg, max_completion_length=args.max_new_tokens)
+    loss_args.update(behav_imp_cap=args.behav_imp_cap)  # decoupled_loss's constants
     # the generator pauses while evaluate() samples: a draw of its own inside evaluate()'s fork would be rewound
     held_out = dict(k=args.eval_samples, pause=generator.paused)
-    start = time.time()
+    start, samples = time.time(), []  # samples: a few held-out prompts with their completions, for samples.jsonl
     if first_step == 1:
-        samples = []  # a few held-out prompts with their completions, for samples.jsonl
         metrics = evaluate(policy, tokenizer, eval_records, args, stop_ids, samples, **held_out)
         reduce_and_log(output_dir, 0, metrics, samples)
     for step in range(first_step, args.num_steps + 1):
@@ -518,15 +510,16 @@ def main(args):
         # 3. log-probs of pi_prox and pi_ref, once per batch, without gradient. With one update per batch, pi_prox
         # is the policy being updated: its log-probs are the new ones, detached, and need no pass here.
         timer.lap()  # the rewards: no phase
-        prox_logprobs = None
-        if args.num_iterations > 1 or args.num_minibatches > 1:
+        one_update = args.num_iterations == 1 and args.num_minibatches == 1
+        if not one_update:
             prox_logprobs = batched_logprobs(
                 policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
             )
-        with adapters_off(ref_policy):  # None without a reference
-            ref_logprobs = batched_logprobs(
-                ref_policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
-            )
+        if args.beta > 0:
+            with adapters_off(ref_policy):
+                ref_logprobs = batched_logprobs(
+                    ref_policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
+                )
         timer.lap("logprob")
 
         # 4. num_iterations passes over the batch, each num_minibatches optimizer steps; a micro-batch's loss weighs
@@ -538,13 +531,12 @@ def main(args):
             optimizer.zero_grad()
             for i, share in micro_batches(minibatch, args.micro_batch_size, [policy], token_mask):
                 logprobs = token_logprobs(policy, input_ids[i], attention_mask[i], prompt_len, args.temperature)
-                prox = logprobs.detach() if prox_logprobs is None else prox_logprobs[i]
+                prox = logprobs.detach() if one_update else prox_logprobs[i]
+                ref = ref_logprobs[i] if args.beta > 0 else None
                 behav = behav_logprobs[i]  # as the generator sampled them, whatever their version
                 if not args.decoupled:  # the paper's baseline: the clip centred on pi_behav
                     prox = behav
-                loss, stats = decoupled_loss(
-                    logprobs, prox, behav, rows(ref_logprobs, i), advantages[i], mask[i], **loss_args
-                )
+                loss, stats = decoupled_loss(logprobs, prox, behav, ref, advantages[i], mask[i], **loss_args)
                 check_finite(loss, step)
                 optimizer.scaler.scale(loss * share).backward()
                 # the loss as the optimizer weighed it; the token means (kl, clip_frac, ratio, behav_*) by tokens

@@ -134,32 +134,32 @@ def group_advantages(rewards, group_size, scale=True, eps=1e-4):
     return advantages.view(-1)  # (B,)
 
 
-def cispo_loss(logprobs, old_logprobs, advantages, mask, clip_eps_low, clip_eps_high, is_weights=None):
+def cispo_loss(logprobs, old_logprobs, advantages, mask, clip_eps_low, clip_eps_high):
     """CISPO's loss: the clipped, stop-gradient importance weight times A times log pi, token mean.
 
-    logprobs (B, T) carries the gradient; old_logprobs (B, T) and advantages (B,) are constants;
-    mask (B, T) marks completion tokens.
+    logprobs (B, T) carries the gradient; old_logprobs (B, T) and advantages (B,), or (B, T) with an advantage for
+    every token (scale/cispo.py's rollout correction), are constants; mask (B, T) marks completion tokens.
         w_it = sg(clip(exp(logprobs_it - old_logprobs_it), 1 - eps_low, 1 + eps_high))
         loss = -1/sum_i |o_i| sum_i sum_t w_it A_i logprobs_it
     d loss / d logprobs_it = -w_it A_i / sum_i |o_i|, also where the ratio is clipped.
-    is_weights (B, T) or None (--rollout-correction): w_it is multiplied by the token's weight
-    (rollout_correction).
     """
     m = mask.bool()
     ratio = torch.exp(torch.where(m, logprobs - old_logprobs, 0.0))  # (B, T), padding never reaches exp()
     weight = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high).detach()  # sg(clip(r))
-    if is_weights is not None:  # the engine sampled the tokens, not pi_old
-        weight = weight * is_weights
-    loss = masked_mean(-weight * advantages[:, None] * logprobs, m)  # 1/sum_i |o_i| sum_i sum_t
+    adv = advantages.reshape(len(advantages), -1)  # (B, 1): A_i, or (B, T): A_it
+    loss = masked_mean(-weight * adv * logprobs, m)  # 1/sum_i |o_i| sum_i sum_t
     clipped = (ratio < 1 - clip_eps_low) | (ratio > 1 + clip_eps_high)  # weight clipped, gradient kept
     return loss, {"clip_frac": masked_mean(clipped.float(), m).detach(), "ratio": masked_mean(ratio, m).detach()}
 
 
+# ---- Only at scale: the sampler's policy against the trainer's (docs/mismatch.md)
 def rollout_correction(old_logprobs, rollout_logprobs, mask, mode, cap):
     """The sampler's policy against the trainer's: the tokens were drawn with log-probs rollout_logprobs (the decode
     loop's own, or vLLM's), the loss takes old_logprobs as pi_old's, so each token's policy-gradient term is weighed by
     a constant w_t made from r_t = pi_old(o_t) / pi_rollout(o_t) (Yao et al. 2025, TIS; verl's rollout_corr; IcePop,
-    arXiv 2510.18855; docs/mismatch.md says which to pick):
+    arXiv 2510.18855; docs/mismatch.md says which to pick). Each file's main() applies them to its policy-gradient
+    term, through the advantages (GSPO: a sequence's, by the mean of its tokens' w_t) or RLOO's log-probs, so that the
+    loss functions stay the plain tier's, unweighted; for w_t >= 0 that weighs the term and no other (not the KL's):
 
         none        no weight (w_t = 1)
         token-tis   w_t = min(r_t, cap)                          truncated
@@ -253,18 +253,17 @@ def main(args):
     first_step, saved = resume(checkpoint, {"policy": policy}, optimizer, [data_rng, shuffle_gen])
     scheduler = lr_scheduler(optimizer, args, first_step)
     signal = saved.get("signal", 0)  # groups whose rewards differed in the first steps (no_signal_note)
-    print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
+    print(f"{output_dir}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
     correction = dict(mode=args.rollout_correction, cap=args.rollout_cap)  # rollout_correction's
-    start = time.time()
+    start, samples = time.time(), []  # samples: a few held-out prompts with their completions, for samples.jsonl
     if first_step == 1:
-        samples = []  # a few held-out prompts with their completions, for samples.jsonl
         metrics = evaluate(policy, tokenizer, eval_records, args, stop_ids, samples, args.eval_samples)
         reduce_and_log(output_dir, 0, metrics, samples)
     for step in range(first_step, args.num_steps + 1):
         timer = Timer(device, start)
         # 1. rollouts: G completions per prompt from pi_old, group-contiguous (prompt 0 G times, then prompt 1...)
-        prompts = data_rng.choices(train_records, k=args.prompts_per_step)  # every process draws the same prompts
-        prompts = prompts[rank * num_prompts : (rank + 1) * num_prompts]  # and takes its share
+        prompts = data_rng.choices(train_records, k=args.prompts_per_step)
+        prompts = prompts[rank * num_prompts : (rank + 1) * num_prompts]  # every process its share of the prompts
         group = [r for r in prompts for _ in range(args.group_size)]
         policy.eval()
         prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device, args)  # (B, P)
@@ -284,26 +283,25 @@ def main(args):
         # 3. log-probs of pi_old, once per batch, without gradient. With one update per batch, pi_old is the policy
         # being updated: its log-probs are the new ones, detached, and need no pass here.
         timer.lap()  # the rewards: no phase
-        old_logprobs = None
-        if args.num_iterations > 1 or args.num_minibatches > 1:
+        one_update = args.num_iterations == 1 and args.num_minibatches == 1
+        if not one_update:
             old_logprobs = batched_logprobs(
                 policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
             )
         timer.lap("logprob")
 
-        # 4. num_iterations passes over the batch, each num_minibatches optimizer steps
+        # 4. num_iterations passes over the batch, each num_minibatches optimizer steps; a micro-batch's loss weighs
+        # its share of the minibatch's tokens (the loss is a token mean)
         policy.train()
         step_stats, rollout_stats, grad_norms = [], [], []
-        token_mask = mask  # a micro-batch's share: of the minibatch's tokens (the loss is a token mean)
         for minibatch in minibatches(attention_mask, minibatch_size, args.num_iterations, shuffle_gen):
             optimizer.zero_grad()
-            for i, share in micro_batches(minibatch, args.micro_batch_size, [policy], token_mask):
+            for i, share in micro_batches(minibatch, args.micro_batch_size, [policy], mask):
                 logprobs = token_logprobs(policy, input_ids[i], attention_mask[i], prompt_len, args.temperature)
-                old = logprobs.detach() if old_logprobs is None else old_logprobs[i]
+                old = logprobs.detach() if one_update else old_logprobs[i]
                 is_weights, is_stats = rollout_correction(old, rollout_logprobs[i], mask[i], **correction)
-                loss, stats = cispo_loss(
-                    logprobs, old, advantages[i], mask[i], args.clip_eps_low, args.clip_eps_high, is_weights
-                )
+                adv = advantages[i] if is_weights is None else advantages[i][:, None] * is_weights  # (b,) or (b, T)
+                loss, stats = cispo_loss(logprobs, old, adv, mask[i], args.clip_eps_low, args.clip_eps_high)
                 check_finite(loss, step)
                 optimizer.scaler.scale(loss * share).backward()
                 # the loss as the optimizer weighed it; the token means (clip_frac, ratio) by tokens

@@ -166,7 +166,6 @@ def grpo_loss(
     beta=0.04,
     loss_agg="seq-mean-token-mean",
     max_completion_length=None,
-    is_weights=None,
 ):
     """GRPO's clipped surrogate plus beta times the k3 KL to the reference, to be minimised.
 
@@ -177,8 +176,6 @@ def grpo_loss(
     loss_agg: "seq-mean-token-mean"     1/B sum_i 1/|o_i| sum_t l_it   (the paper)
               "token-mean"              1/sum_i |o_i| sum_i sum_t l_it (DAPO)
               "seq-mean-token-sum-norm" 1/B sum_i sum_t l_it / max_completion_length (Dr. GRPO)
-    is_weights (B, T) or None (--rollout-correction): the clipped term of token t is multiplied by w_t
-    (rollout_correction).
     """
     m = mask.bool()
     log_ratio = torch.where(m, logprobs - old_logprobs, 0.0)  # padding never reaches exp()
@@ -186,8 +183,6 @@ def grpo_loss(
     adv = torch.where(m, advantages.reshape(len(advantages), -1), 0.0)  # (B, T): A_i, or A_it; 0 on padding
     clipped_ratio = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high)
     per_token = -torch.min(ratio * adv, clipped_ratio * adv)  # (B, T)
-    if is_weights is not None:  # the engine sampled the tokens, not pi_old
-        per_token = per_token * is_weights
     stats = {}
     if beta > 0:
         d = torch.where(m, ref_logprobs - logprobs, 0.0)
@@ -218,11 +213,14 @@ def overlong_penalty(lengths, max_length, cache_length):
     return ((max_length - cache_length - lengths.float()) / cache_length).clamp(min=-1.0, max=0.0)
 
 
+# ---- Only at scale: the sampler's policy against the trainer's (docs/mismatch.md)
 def rollout_correction(old_logprobs, rollout_logprobs, mask, mode, cap):
     """The sampler's policy against the trainer's: the tokens were drawn with log-probs rollout_logprobs (the decode
     loop's own, or vLLM's), the loss takes old_logprobs as pi_old's, so each token's policy-gradient term is weighed by
     a constant w_t made from r_t = pi_old(o_t) / pi_rollout(o_t) (Yao et al. 2025, TIS; verl's rollout_corr; IcePop,
-    arXiv 2510.18855; docs/mismatch.md says which to pick):
+    arXiv 2510.18855; docs/mismatch.md says which to pick). Each file's main() applies them to its policy-gradient
+    term, through the advantages (GSPO: a sequence's, by the mean of its tokens' w_t) or RLOO's log-probs, so that the
+    loss functions stay the plain tier's, unweighted; for w_t >= 0 that weighs the term and no other (not the KL's):
 
         none        no weight (w_t = 1)
         token-tis   w_t = min(r_t, cap)                          truncated
@@ -417,40 +415,37 @@ def main(args):
     policy = add_lora(load_model(args.model_name_or_path, args, device), args)  # --lora-r: the adapters alone train
     stop_ids = stop_token_ids(tokenizer, policy)
     policy = distribute(policy, args.fsdp)  # under torchrun: DDP, or FSDP2 with --fsdp
-    ref_policy = reference_model(policy, args, device) if args.beta > 0 else None
+    if args.beta > 0:
+        ref_policy = reference_model(policy, args, device)  # with --lora-r: the policy, its adapters off
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     engine = load_engine(args, device)  # with --vllm
     train_records, eval_records = load_task(args)
     data_rng, shuffle_gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
+    batch_size = args.prompts_per_step * args.group_size
     # a new run starts at 1; --resume-from puts back its checkpoint's weights and states, and goes on after it
     first_step, saved = resume(checkpoint, {"policy": policy}, optimizer, [data_rng, shuffle_gen])
     scheduler = lr_scheduler(optimizer, args, first_step)
     signal = saved.get("signal", 0)  # groups whose rewards differed in the first steps (no_signal_note)
-    rollouts_sampled = saved.get("rollouts_sampled", 0)  # completions sampled so far, of all processes
-    print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
-    loss_args = dict(
-        clip_eps_low=args.clip_eps_low,
-        clip_eps_high=args.clip_eps_high,
-        beta=args.beta,
-        loss_agg=args.loss_agg,
-        max_completion_length=args.max_new_tokens,
-    )  # grpo_loss's constants
+    rollouts_sampled = saved.get("rollouts_sampled", 0)  # completions sampled so far, dropped groups included
+    print(f"{output_dir}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
+    loss_args = dict(clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high, beta=args.beta)
+    loss_args.update(loss_agg=args.loss_agg, max_completion_length=args.max_new_tokens)  # grpo_loss's constants
     correction = dict(mode=args.rollout_correction, cap=args.rollout_cap)  # rollout_correction's
-    start = time.time()
+    start, samples = time.time(), []  # samples: a few held-out prompts with their completions, for samples.jsonl
     if first_step == 1:
-        samples = []  # a few held-out prompts with their completions, for samples.jsonl
         metrics = evaluate(policy, tokenizer, eval_records, args, stop_ids, samples, args.eval_samples)
         reduce_and_log(output_dir, 0, metrics, samples)
     for step in range(first_step, args.num_steps + 1):
         timer = Timer(device, start)
         # 1. rollouts with dynamic sampling: batches of G completions per prompt from pi_old, each completion rewarded
-        # (its answer, plus the overlong penalty), until this process holds num_prompts groups whose rewards differ
+        # (its answer, plus the overlong penalty), until the step holds prompts_per_step groups whose rewards differ
         policy.eval()
         batch, sampling = dynamic_sample(policy, engine, tokenizer, train_records, data_rng, args, stop_ids)
         group, texts, rewards = batch["group"], batch["texts"], batch["rewards"]  # group-contiguous, (B,) rewards
         prompt_ids, prompt_mask, completion_ids = batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"]
-        mask, rollout_logprobs = batch["mask"], batch["rollout_logprobs"]  # (B, T): up to and including the first EOS
-        rollouts_sampled += sampling["charts/sample_batches"] * args.batch_size
+        mask = batch["mask"]  # (B, T): up to and including the first EOS
+        rollout_logprobs = batch["rollout_logprobs"]  # (B, T): the sampler's
+        rollouts_sampled += sampling["charts/sample_batches"] * batch_size
         timer.lap("generation")
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
         attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
@@ -465,15 +460,16 @@ def main(args):
         # 3. log-probs of pi_old and pi_ref, once per batch, without gradient. With one update per batch, pi_old is
         # the policy being updated: its log-probs are the new ones, detached, and need no pass here.
         timer.lap()  # the rewards: no phase
-        old_logprobs = None
-        if args.num_iterations > 1 or args.num_minibatches > 1:
+        one_update = args.num_iterations == 1 and args.num_minibatches == 1
+        if not one_update:
             old_logprobs = batched_logprobs(
                 policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
             )
-        with adapters_off(ref_policy):  # None without a reference
-            ref_logprobs = batched_logprobs(
-                ref_policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
-            )
+        if args.beta > 0:
+            with adapters_off(ref_policy):
+                ref_logprobs = batched_logprobs(
+                    ref_policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
+                )
         timer.lap("logprob")
 
         # 4. num_iterations passes over the batch, each num_minibatches optimizer steps; a micro-batch's loss weighs
@@ -486,11 +482,11 @@ def main(args):
             optimizer.zero_grad()
             for i, share in micro_batches(minibatch, args.micro_batch_size, [policy], token_mask):
                 logprobs = token_logprobs(policy, input_ids[i], attention_mask[i], prompt_len, args.temperature)
-                old = logprobs.detach() if old_logprobs is None else old_logprobs[i]
+                old = logprobs.detach() if one_update else old_logprobs[i]
+                ref = ref_logprobs[i] if args.beta > 0 else None
                 is_weights, is_stats = rollout_correction(old, rollout_logprobs[i], mask[i], **correction)
-                loss, stats = grpo_loss(
-                    logprobs, old, rows(ref_logprobs, i), advantages[i], mask[i], **loss_args, is_weights=is_weights
-                )
+                adv = advantages[i] if is_weights is None else advantages[i][:, None] * is_weights  # (b,) or (b, T)
+                loss, stats = grpo_loss(logprobs, old, ref, adv, mask[i], **loss_args)
                 check_finite(loss, step)
                 optimizer.scaler.scale(loss * share).backward()
                 # the loss as the optimizer weighed it; the token means (kl, clip_frac, ratio) by tokens
@@ -502,6 +498,8 @@ def main(args):
         # 5. log, and evaluate on the held-out prompts
         evaluate_now = step % args.eval_every == 0 or step == args.num_steps
         if step % args.log_every == 0 or evaluate_now:
+            if grad_norms:  # losses/grad_norm: the mean over the optimizer steps, once they are done (none: no update)
+                step_stats.append(({"grad_norm": torch.stack(grad_norms).mean().item()}, 1))
             metrics = {
                 **weighted_means(step_stats, "losses/"),
                 **weighted_means(rollout_stats, "rollout/"),
@@ -512,7 +510,6 @@ def main(args):
                 **sampling,
                 "charts/rollouts_sampled": rollouts_sampled,
                 "charts/learning_rate": optimizer.param_groups[0]["lr"],
-                **({"losses/grad_norm": torch.stack(grad_norms).mean()} if grad_norms else {}),  # over the updates
                 **timer.metrics(tokens=mask.sum()),
             }
             samples = rollout_samples(group, texts, rewards, advantages)

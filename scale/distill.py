@@ -1,32 +1,21 @@
-"""On-policy distillation, in one file.
+"""On-policy distillation (GKD; Thinking Machines' on-policy distillation), in one file.
 
-The student samples completions from its current policy, as grpo.py's rollout does, one a prompt (no group); a frozen
-teacher that shares its tokenizer scores every prefix the student reached, and the student is moved toward the
-teacher there: no reward, no value model. The default loss is, at each sampled prefix, the generalized Jensen-Shannon
+The student samples one completion a prompt (`--group-size`: more) from its current policy; a frozen teacher that
+shares its tokenizer scores every prefix the student reached, and the student is moved toward the teacher there: no
+reward is trained on, no value model. The default loss is, at each sampled prefix, the generalized Jensen-Shannon
 divergence over the whole vocabulary at beta = 0, the forward KL (Agarwal et al. 2024, GKD,
-https://arxiv.org/abs/2306.13649, eq. 1; TRL's generalized_jsd_loss), with S = pi, T = pi_T:
+https://arxiv.org/abs/2306.13649, eq. 1), S = pi:
 
     loss = aggregate over tokens of JSD_beta = beta KL(T || M) + (1 - beta) KL(S || M),   M = beta T + (1 - beta) S
     beta = 0 (the default): KL(T || S), the forward KL;  beta = 1: KL(S || T), the reverse KL, exact at each prefix
 
-No ratio and no clipping there; the cost is both models' logits over the vocabulary at every token, made a chunk at a
-time (over_vocabulary, below the banner). `--loss reverse-kl` is the sampled form instead (Thinking Machines 2025,
-On-Policy Distillation; tinker-cookbook's incorporate_kl_penalty): each sampled token's advantage is the teacher's
-log-prob of it minus the student's, the reverse KL's sampled estimate at its prefix, negated, and the update is PPO's
-clipped surrogate over those tokens:
-
-    loss = -1/B sum_i 1/|o_i| sum_t min(r_it A_it, clip(r_it, 1-eps, 1+eps) A_it)
-    r_it = pi(o_it) / pi_old(o_it),   A_it = log pi_T(o_it) - log pi_old(o_it)
-
-At r = 1 a token's gradient, averaged over o_t ~ pi, is that of the reverse KL(pi || pi_T) at its prefix
-(docs/distill.md works it out). The defaults are what learned fastest on the bundled task (docs/distill.md, "Measured").
-
-Where this file departs from the references: no KL to a reference model (the teacher is the anchor); the teacher's
-log-probs at --temperature, as the student's (TRL's way); `--loss-agg` as grpo.py's. With `--vllm` the engine samples;
-`--loss reverse-kl` weighs each token as grpo.py does (TIS), the JSD needs no weight (it samples no token), though its
-prefixes are the engine's. A teacher whose stop token is not the student's scores the student's stop token low (or
-high), and the student learns to stop late or never (or at once): a note at the start names stop tokens that differ,
-and charts/completion_length and charts/stopped show the drift. See docs/distill.md.
+`--loss reverse-kl` is the sampled form instead (Thinking Machines 2025, On-Policy Distillation): PPO's clipped
+surrogate over the sampled tokens, each token's advantage A_t = log pi_T(o_t) - log pi_old(o_t), the reverse KL's
+sampled estimate at its prefix, negated. Where this file departs from the references: no KL to a reference model (the
+teacher is the anchor); the teacher's log-probs at --temperature, as the student's (TRL's way); `--loss-agg` as
+grpo.py's; both models' logits over the vocabulary made a chunk at a time (over_vocabulary). With `--vllm` the engine
+samples; `--loss reverse-kl` weighs each token as grpo.py does (TIS), the JSD needs no weight (it samples no token),
+though its prefixes are the engine's. See docs/distill.md.
 
     python distill.py                                # bundled student, tiny-teacher/ as teacher, addition task, CPU
     python distill.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --teacher-path Qwen/Qwen2.5-1.5B-Instruct \
@@ -140,7 +129,33 @@ class Args:
     run_name: tyro.conf.Suppress[str] = ""  # exp_name__seed__time
 
 
-# ---- ALGO LOGIC: on-policy distillation's advantage and losses
+# ---- ALGO LOGIC: on-policy distillation's losses and advantage
+def generalized_jsd(logits, teacher_logits, beta=0.5):
+    """The generalized Jensen-Shannon divergence between S = softmax(logits) and T = softmax(teacher_logits) at each
+    prefix, in nats (GKD eq. 1; TRL's generalized_jsd_loss, its terms summed over the vocabulary):
+        JSD_beta = beta KL(T || M) + (1 - beta) KL(S || M),   M = beta T + (1 - beta) S
+        beta = 0: KL(T || S) (forward);  beta = 1: KL(S || T) (reverse)
+    logits (..., vocab) carries the gradient, teacher_logits (..., vocab) is a constant; both divided by the
+    temperature already. Returns (...): (B, T) of (B, T, vocab), (n,) of (n, vocab).
+    S = [0.5, 0.5], T = [0.9, 0.1] -> beta 0: 0.3681, 0.5: 0.1017, 1: 0.5108 (tests/test_distill.py works them out)
+    """
+    s, t = logits.log_softmax(dim=-1), teacher_logits.log_softmax(dim=-1)  # (..., vocab) each
+    if beta == 0:
+        return (t.exp() * (t - s)).sum(dim=-1)
+    if beta == 1:
+        return (s.exp() * (s - t)).sum(dim=-1)
+    m = torch.logaddexp(t + math.log(beta), s + math.log1p(-beta))  # log M
+    return beta * (t.exp() * (t - m)).sum(dim=-1) + (1 - beta) * (s.exp() * (s - m)).sum(dim=-1)
+
+
+def jsd_loss(jsd, reverse_kl, mask, loss_agg="seq-mean-token-mean", max_completion_length=None):
+    """--loss jsd's loss: jsd (B, T), the generalized JSD at each sampled prefix (generalized_jsd, by token_jsd),
+    averaged as loss_agg says (aggregate); reverse_kl (B, T), the exact reverse KL there (no gradient), goes to the
+    stats as its mean over the tokens. mask (B, T) marks completion tokens."""
+    stats = {"reverse_kl_exact": masked_mean(reverse_kl, mask.bool()).detach()}
+    return aggregate(jsd, mask, loss_agg, max_completion_length), stats
+
+
 def teacher_advantages(teacher_logprobs, old_logprobs, mask):
     """A_t = log pi_T(o_t) - log pi_old(o_t): the reverse KL's sampled estimate at token t's prefix, negated; no
     reward and no discount (a token gets its own term only), as tinker-cookbook's incorporate_kl_penalty.
@@ -161,14 +176,13 @@ def pg_loss(
     clip_eps_high=0.2,
     loss_agg="seq-mean-token-mean",
     max_completion_length=None,
-    is_weights=None,
 ):
-    """PPO's clipped surrogate over the sampled tokens (grpo.py's grpo_loss without its KL term), to be minimised.
+    """--loss reverse-kl's loss: PPO's clipped surrogate over the sampled tokens (grpo.py's grpo_loss without its KL
+    term), to be minimised.
 
     logprobs (B, T) carries the gradient; old_logprobs and advantages (B, T) (teacher_advantages) are constants;
     mask (B, T) marks completion tokens. Per token, averaged as loss_agg says (aggregate):
         l_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t),   r_t = exp(logprobs_t - old_logprobs_t)
-    is_weights (B, T) or None (--rollout-correction): the term of token t is multiplied by w_t (rollout_correction).
     """
     m = mask.bool()
     log_ratio = torch.where(m, logprobs - old_logprobs, 0.0)  # padding never reaches exp()
@@ -176,8 +190,6 @@ def pg_loss(
     adv = torch.where(m, advantages, 0.0)  # (B, T), 0 on padding
     clipped_ratio = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high)
     per_token = -torch.min(ratio * adv, clipped_ratio * adv)  # (B, T)
-    if is_weights is not None:  # the engine sampled the tokens, not pi_old
-        per_token = per_token * is_weights
     stats = {}
     loss = aggregate(per_token, m, loss_agg, max_completion_length)
     # a token is clipped when the clipped branch wins the min and so gives no gradient
@@ -203,66 +215,14 @@ def aggregate(per_token, mask, loss_agg="seq-mean-token-mean", max_completion_le
     raise ValueError(f"unknown loss_agg {loss_agg!r}")
 
 
-def jsd_loss(jsd, reverse_kl, mask, loss_agg="seq-mean-token-mean", max_completion_length=None):
-    """--loss jsd's loss: jsd (B, T), the generalized JSD at each sampled prefix (generalized_jsd, by token_jsd),
-    averaged as loss_agg says (aggregate); reverse_kl (B, T), the exact reverse KL there (no gradient), goes to the
-    stats as its mean over the tokens. mask (B, T) marks completion tokens."""
-    stats = {"reverse_kl_exact": masked_mean(reverse_kl, mask.bool()).detach()}
-    return aggregate(jsd, mask, loss_agg, max_completion_length), stats
-
-
-def generalized_jsd(logits, teacher_logits, beta=0.5):
-    """The generalized Jensen-Shannon divergence between S = softmax(logits) and T = softmax(teacher_logits) at each
-    of n prefixes, in nats (GKD eq. 1; TRL's generalized_jsd_loss, its terms summed over the vocabulary):
-        JSD_beta = beta KL(T || M) + (1 - beta) KL(S || M),   M = beta T + (1 - beta) S
-        beta = 0: KL(T || S) (forward);  beta = 1: KL(S || T) (reverse)
-    logits (n, vocab) carries the gradient, teacher_logits (n, vocab) is a constant; both divided by the
-    temperature already. Returns (n,).
-    S = [0.5, 0.5], T = [0.9, 0.1] -> beta 0: 0.3681, 0.5: 0.1017, 1: 0.5108 (tests/test_distill.py works them out)
-    """
-    s, t = logits.log_softmax(dim=-1), teacher_logits.log_softmax(dim=-1)  # (n, vocab) each
-    if beta == 0:
-        return (t.exp() * (t - s)).sum(dim=-1)
-    if beta == 1:
-        return (s.exp() * (s - t)).sum(dim=-1)
-    m = torch.logaddexp(t + math.log(beta), s + math.log1p(-beta))  # log M
-    return beta * (t.exp() * (t - m)).sum(dim=-1) + (1 - beta) * (s.exp() * (s - m)).sum(dim=-1)
-
-
-def token_jsd(
-    policy, teacher, teacher_states, input_ids, attention_mask, prompt_len, temperature, beta, chunk_values=2**24
-):
-    """At each completion token's prefix, (B, T) each: generalized_jsd between the policy's and the teacher's next-token
-    distributions at temperature, with gradient; and without gradient the reverse KL's sampled estimate
-    log pi(o_t) - log pi_T(o_t), the reverse KL itself, sum over the vocabulary of pi log(pi / pi_T), and log pi(o_t).
-    teacher_states (B, T, d_T): the teacher's last hidden states (teacher_pass); input_ids, attention_mask and
-    prompt_len as token_logprobs takes them. Both models' logits a chunk_values at a time (over_vocabulary)."""
-
-    def terms(logits, teacher_logits, targets):  # (n, vocab), (n, vocab), (n,)
-        jsd = generalized_jsd(logits, teacher_logits, beta)
-        with torch.no_grad():
-            s, t = logits.log_softmax(dim=-1), teacher_logits.log_softmax(dim=-1)
-            logprob, sampled = (x.gather(-1, targets[:, None]).squeeze(-1) for x in (s, s - t))
-            return jsd, sampled, generalized_jsd(logits, teacher_logits, 1.0), logprob
-
-    state = (policy, teacher, teacher_states, input_ids, attention_mask, prompt_len, temperature, chunk_values)
-    return over_vocabulary(terms, *state)
-
-
-def teacher_pass(teacher, input_ids, attention_mask, prompt_len, args):
-    """The teacher's scores of every sampled token, once per batch, without gradient: its log-probs log pi_T(o_t | o_<t)
-    (B, T) at --temperature; with --loss jsd its last hidden states (B, T, d) at the positions that predict them, from
-    which token_jsd makes its logits over the vocabulary a chunk at a time (last_states)."""
-    if args.loss == "jsd":
-        return last_states(teacher, input_ids, attention_mask, prompt_len, args.micro_batch_size)
-    return batched_logprobs(teacher, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size)
-
-
+# ---- Only at scale: the sampler's policy against the trainer's (docs/mismatch.md)
 def rollout_correction(old_logprobs, rollout_logprobs, mask, mode, cap):
     """The sampler's policy against the trainer's: the tokens were drawn with log-probs rollout_logprobs (the decode
     loop's own, or vLLM's), the loss takes old_logprobs as pi_old's, so each token's policy-gradient term is weighed by
     a constant w_t made from r_t = pi_old(o_t) / pi_rollout(o_t) (Yao et al. 2025, TIS; verl's rollout_corr; IcePop,
-    arXiv 2510.18855; docs/mismatch.md says which to pick):
+    arXiv 2510.18855; docs/mismatch.md says which to pick). Each file's main() applies them to its policy-gradient
+    term, through the advantages (GSPO: a sequence's, by the mean of its tokens' w_t) or RLOO's log-probs, so that the
+    loss functions stay the plain tier's, unweighted; for w_t >= 0 that weighs the term and no other (not the KL's):
 
         none        no weight (w_t = 1)
         token-tis   w_t = min(r_t, cap)                          truncated
@@ -356,30 +316,24 @@ def main(args):
     # a new run starts at 1; --resume-from puts back its checkpoint's weights and states, and goes on after it
     first_step, _ = resume(checkpoint, {"policy": policy}, optimizer, [data_rng, shuffle_gen])
     scheduler = lr_scheduler(optimizer, args, first_step)
-    print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
-    loss_args = dict(
-        clip_eps_low=args.clip_eps_low,
-        clip_eps_high=args.clip_eps_high,
-        loss_agg=args.loss_agg,
-        max_completion_length=args.max_new_tokens,
-    )  # pg_loss's constants
+    print(f"{output_dir}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
+    loss_args = dict(clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high)
+    loss_args.update(loss_agg=args.loss_agg, max_completion_length=args.max_new_tokens)  # pg_loss's constants
     jsd_args = dict(temperature=args.temperature, beta=args.jsd_beta)  # token_jsd's, with --loss jsd
     correction = dict(mode=args.rollout_correction, cap=args.rollout_cap)  # rollout_correction's
-    start = time.time()
+    start, samples = time.time(), []  # samples: a few held-out prompts with their completions, for samples.jsonl
     if first_step == 1:
-        samples = []  # a few held-out prompts with their completions, for samples.jsonl
         metrics = evaluate(policy, tokenizer, eval_records, args, stop_ids, samples, args.eval_samples)
-        # the teacher's, once: where the student is headed
-        metrics["eval/teacher_accuracy"] = evaluate(teacher, tokenizer, eval_records, args, stop_ids)["eval/accuracy"]
-        reduce_and_log(output_dir, 0, metrics, samples)
+        teacher_accuracy = evaluate(teacher, tokenizer, eval_records, args, stop_ids, [])["eval/accuracy"]  # the goal
+        reduce_and_log(output_dir, 0, {**metrics, "eval/teacher_accuracy": teacher_accuracy}, samples)
     for step in range(first_step, args.num_steps + 1):
         timer = Timer(device, start)
-        # 1. rollouts: G completions per prompt from the student's pi_old (prompt 0 G times, then prompt 1...)
+        # 1. rollouts: one completion per prompt from the student's pi_old (distillation compares none with another)
         prompts = data_rng.choices(train_records, k=args.prompts_per_step)  # every process draws the same prompts
         prompts = prompts[rank * num_prompts : (rank + 1) * num_prompts]  # and takes its share
-        group = [r for r in prompts for _ in range(args.group_size)]
+        prompts = [r for r in prompts for _ in range(args.group_size)]  # --group-size completions of each
         policy.eval()
-        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device, args)  # (B, P)
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in prompts], device, args)  # (B, P)
         completion_ids, rollout_logprobs = sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids)
         timer.lap("generation")
         mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
@@ -387,26 +341,26 @@ def main(args):
         attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
         prompt_len = prompt_ids.shape[1]
 
-        # 2. reward each completion: logged, never trained on (the teacher's scores are the signal)
-        texts = decode_completions(tokenizer, completion_ids, mask)
-        rewards = torch.tensor([reward_fn(t, r) for t, r in zip(texts, group)], device=device)  # (B,)
-
-        # 3. the teacher scores every sampled token, once per batch, without gradient (teacher_pass): log pi_T(o_t)
-        # (B, T), or with --loss jsd its last hidden states (B, T, d). With one update per batch, pi_old is the policy
-        # being updated: its log-probs are the new ones, detached, and need no pass here.
-        timer.lap()  # the rewards: no phase
-        old_logprobs = None
-        if args.loss == "reverse-kl" and (args.num_iterations > 1 or args.num_minibatches > 1):
+        # 2. with --loss reverse-kl, the teacher scores every sampled token, once per batch, without gradient:
+        # log pi_T(o_t) (B, T); with --loss jsd it scores every prefix over the whole vocabulary in step 3. With one
+        # update per batch, pi_old is the policy being updated: its log-probs are the new ones, detached.
+        one_update = args.num_iterations == 1 and args.num_minibatches == 1
+        if args.loss == "reverse-kl":
+            teacher_logprobs = batched_logprobs(
+                teacher, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
+            )
+        else:  # its last hidden states (B, T, d), from which token_jsd makes its logits a chunk at a time
+            teacher_states = last_states(teacher, input_ids, attention_mask, prompt_len, args.micro_batch_size)
+        timer.lap("teacher")
+        if args.loss == "reverse-kl" and not one_update:
             old_logprobs = batched_logprobs(
                 policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
             )
         timer.lap("logprob")
-        teacher_scores = teacher_pass(teacher, input_ids, attention_mask, prompt_len, args)
-        timer.lap("teacher")
 
-        # 4. num_iterations passes over the batch, each num_minibatches optimizer steps. A micro-batch's advantages
-        # A_t = log pi_T(o_t) - log pi_old(o_t) and clipped surrogate; or with --loss jsd its JSD at each prefix. Its
-        # loss weighs its share of the minibatch's completions, or with DAPO's token mean, of its tokens
+        # 3. num_iterations passes over the batch, each num_minibatches optimizer steps. A micro-batch's JSD at each
+        # prefix; or with --loss reverse-kl its advantages A_t = log pi_T(o_t) - log pi_old(o_t) and clipped
+        # surrogate. Its loss weighs its share of the minibatch's completions, or with DAPO's token mean, of its tokens
         policy.train()
         step_stats, rollout_stats, grad_norms = [], [], []
         sampled_kl = torch.zeros_like(mask, dtype=torch.float32)  # (B, T): log pi_old(o_t) - log pi_T(o_t), logged
@@ -416,16 +370,17 @@ def main(args):
             for i, share in micro_batches(minibatch, args.micro_batch_size, [policy], token_mask):
                 if args.loss == "jsd":  # over the whole vocabulary: no ratio, no clipping (token_jsd)
                     jsd, sampled, reverse_kl, old = token_jsd(
-                        policy, teacher, teacher_scores[i], input_ids[i], attention_mask[i], prompt_len, **jsd_args
+                        policy, teacher, teacher_states[i], input_ids[i], attention_mask[i], prompt_len, **jsd_args
                     )
                     loss, stats = jsd_loss(jsd, reverse_kl, mask[i], args.loss_agg, args.max_new_tokens)
                     _, is_stats = rollout_correction(old, rollout_logprobs[i], mask[i], "none", 1.0)  # logged only
                 else:
                     logprobs = token_logprobs(policy, input_ids[i], attention_mask[i], prompt_len, args.temperature)
-                    old = logprobs.detach() if old_logprobs is None else old_logprobs[i]
-                    advantages = teacher_advantages(teacher_scores[i], old, mask[i])  # (b, T)
+                    old = logprobs.detach() if one_update else old_logprobs[i]
+                    advantages = teacher_advantages(teacher_logprobs[i], old, mask[i])  # (b, T)
                     is_weights, is_stats = rollout_correction(old, rollout_logprobs[i], mask[i], **correction)
-                    loss, stats = pg_loss(logprobs, old, advantages, mask[i], **loss_args, is_weights=is_weights)
+                    adv = advantages if is_weights is None else advantages * is_weights  # (b, T)
+                    loss, stats = pg_loss(logprobs, old, adv, mask[i], **loss_args)
                     sampled = -advantages
                 sampled_kl[i] = sampled
                 check_finite(loss, step, "--teacher-path's log-probs")
@@ -436,9 +391,11 @@ def main(args):
             grad_norms.append(clipped_step(optimizer, policy.parameters(), args.max_grad_norm))
         timer.lap("update")
 
-        # 5. log, and evaluate on the held-out prompts
+        # 4. log, with the task's reward of the rollouts (logged only: the teacher is the signal), and evaluate
         evaluate_now = step % args.eval_every == 0 or step == args.num_steps
         if step % args.log_every == 0 or evaluate_now:
+            texts = decode_completions(tokenizer, completion_ids, mask)
+            rewards = torch.tensor([reward_fn(t, r) for t, r in zip(texts, prompts)], device=device)  # (B,)
             stopped = torch.isin(completion_ids, torch.tensor(stop_ids, device=device)).any(dim=1)  # (B,)
             metrics = {
                 **weighted_means(step_stats, "losses/"),
@@ -451,7 +408,7 @@ def main(args):
                 "losses/grad_norm": torch.stack(grad_norms).mean(),  # the mean over the optimizer steps
                 **timer.metrics(tokens=mask.sum()),
             }
-            samples = rollout_samples(group, texts, rewards, -masked_mean(sampled_kl, mask, dim=1))  # the mean A_t
+            samples = rollout_samples(prompts, texts, rewards, -masked_mean(sampled_kl, mask, dim=1))  # the mean A_t
             if evaluate_now:
                 metrics.update(evaluate(policy, tokenizer, eval_records, args, stop_ids, samples, args.eval_samples))
             reduce_and_log(output_dir, step, metrics, samples)
@@ -477,6 +434,26 @@ def last_states(model, input_ids, attention_mask, prompt_len, batch_size):
         hidden = hidden_states(model, ids, mask)[:, -kept - 1 : -1]  # (b, T', d): the state at P - 1 + t predicts t
         states.append(torch.nn.functional.pad(hidden, (0, 0, 0, length - kept)))  # (b, T, d)
     return torch.cat(states)[order.argsort()]  # in the batch's order again
+
+
+def token_jsd(
+    policy, teacher, teacher_states, input_ids, attention_mask, prompt_len, temperature, beta, chunk_values=2**24
+):
+    """At each completion token's prefix, (B, T) each: generalized_jsd between the policy's and the teacher's next-token
+    distributions at temperature, with gradient; and without gradient the reverse KL's sampled estimate
+    log pi(o_t) - log pi_T(o_t), the reverse KL itself, sum over the vocabulary of pi log(pi / pi_T), and log pi(o_t).
+    teacher_states (B, T, d_T): the teacher's last hidden states (last_states); input_ids, attention_mask and
+    prompt_len as token_logprobs takes them. Both models' logits a chunk_values at a time (over_vocabulary)."""
+
+    def terms(logits, teacher_logits, targets):  # (n, vocab), (n, vocab), (n,)
+        jsd = generalized_jsd(logits, teacher_logits, beta)
+        with torch.no_grad():
+            s, t = logits.log_softmax(dim=-1), teacher_logits.log_softmax(dim=-1)
+            logprob, sampled = (x.gather(-1, targets[:, None]).squeeze(-1) for x in (s, s - t))
+            return jsd, sampled, generalized_jsd(logits, teacher_logits, 1.0), logprob
+
+    state = (policy, teacher, teacher_states, input_ids, attention_mask, prompt_len, temperature, chunk_values)
+    return over_vocabulary(terms, *state)
 
 
 def over_vocabulary(terms, policy, teacher, teacher_states, input_ids, attention_mask, prompt_len, temperature, chunk):

@@ -201,6 +201,7 @@ def reward_fn(completion, record):
     return float(bool(expected) and (text == expected or text.endswith(" " + expected)))
 
 
+# ---- Only at scale: conversational records (chat messages; the plain tier reads text)
 def preference_pair(record, source):
     """{'prompt', 'chosen', 'rejected'} with text completions (other fields kept), from any of TRL's forms: text after
     a prompt; one assistant message or the whole conversation each; or, with no 'prompt', two conversations whose
@@ -243,14 +244,14 @@ def main(args):
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     # the pairs, made once at the start (without --dataset: sampled from the starting policy, not trained yet)
     train_pairs, eval_pairs = load_preferences(args, tokenizer, device, policy)
-    eval_records = addition_task(args.num_eval, args.task)[1] if args.dataset is None else None
+    eval_records = addition_task(args.num_eval, args.task)[1] if args.dataset is None else []  # with answers
     if not train_pairs or not eval_pairs:
         fail(f"no preference pairs to {'train' if not train_pairs else 'evaluate'} on; check --dataset")
     data_rng = random.Random(args.seed)
     # a new run starts at 1; --resume-from puts back its checkpoint's weights and states, and goes on after it
     first_step, _ = resume(checkpoint, {"policy": policy}, optimizer, [data_rng])
     scheduler = lr_scheduler(optimizer, args, first_step)
-    print(f"{args.run_name}: {len(train_pairs)} training pairs, {len(eval_pairs)} held out, device {device}")
+    print(f"{output_dir}: {len(train_pairs)} training pairs, {len(eval_pairs)} held out, device {device}")
     start = time.time()
     if first_step == 1:
         reduce_and_log(
@@ -258,9 +259,9 @@ def main(args):
         )
     for step in range(first_step, args.num_steps + 1):
         timer = Timer(device, start)
-        # 1. a batch of pairs (this process's share), in micro-batches that add up to one optimizer step
-        batch = data_rng.choices(train_pairs, k=args.batch_size)  # every process draws the same pairs
-        batch = batch[rank * batch_size : (rank + 1) * batch_size]  # and takes its share
+        # 1. a batch of pairs, in micro-batches that add up to one optimizer step
+        batch = data_rng.choices(train_pairs, k=args.batch_size)
+        batch = batch[rank * batch_size : (rank + 1) * batch_size]  # every process draws the same, takes its share
         policy.train()
         optimizer.zero_grad()
         step_stats, num_tokens = [], 0
@@ -417,7 +418,7 @@ def held_out_metrics(policy, ref_policy, tokenizer, eval_pairs, eval_records, ar
         margins.append(torch.where(tie, 0.0, args.beta * h))
     margins = torch.cat(margins)
     metrics = {"eval/pair_accuracy": pair_accuracy(margins)}  # the processes' shares are equal: log() averages
-    if eval_records is not None:
+    if eval_records:
         metrics.update(evaluate(policy, tokenizer, eval_records, args, stop_ids, None, args.eval_samples))
     samples = [
         {"prompt": p["prompt"], "chosen": p["chosen"], "rejected": p["rejected"], "margin": m}

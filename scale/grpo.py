@@ -194,8 +194,9 @@ def rollout_correction(old_logprobs, rollout_logprobs, mask, mode, cap):
     """The sampler's policy against the trainer's: the tokens were drawn with log-probs rollout_logprobs (the decode
     loop's own, or vLLM's), the loss takes old_logprobs as pi_old's, so each token's policy-gradient term is weighed by
     a constant w_t made from r_t = pi_old(o_t) / pi_rollout(o_t) (Yao et al. 2025, TIS; verl's rollout_corr; IcePop,
-    arXiv 2510.18855; docs/mismatch.md says which to pick). main() gives the loss w_t A as token t's advantage, which
-    for w_t >= 0 weighs the token's policy-gradient term by w_t and leaves the KL term alone:
+    arXiv 2510.18855; docs/mismatch.md says which to pick). Each file's main() applies them to its policy-gradient
+    term, through the advantages (GSPO: a sequence's, by the mean of its tokens' w_t) or RLOO's log-probs, so that the
+    loss functions stay the plain tier's, unweighted; for w_t >= 0 that weighs the term and no other (not the KL's):
 
         none        no weight (w_t = 1)
         token-tis   w_t = min(r_t, cap)                          truncated

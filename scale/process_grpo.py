@@ -160,7 +160,6 @@ def grpo_loss(
     beta=0.04,
     loss_agg="seq-mean-token-mean",
     max_completion_length=None,
-    is_weights=None,
 ):
     """GRPO's clipped surrogate plus beta times the k3 KL to the reference, to be minimised.
 
@@ -171,8 +170,6 @@ def grpo_loss(
     loss_agg: "seq-mean-token-mean"     1/B sum_i 1/|o_i| sum_t l_it   (the paper)
               "token-mean"              1/sum_i |o_i| sum_i sum_t l_it (DAPO)
               "seq-mean-token-sum-norm" 1/B sum_i sum_t l_it / max_completion_length (Dr. GRPO)
-    is_weights (B, T) or None (--rollout-correction): the clipped term of token t is multiplied by w_t
-    (rollout_correction).
     """
     m = mask.bool()
     log_ratio = torch.where(m, logprobs - old_logprobs, 0.0)  # padding never reaches exp()
@@ -180,8 +177,6 @@ def grpo_loss(
     adv = torch.where(m, advantages.reshape(len(advantages), -1), 0.0)  # (B, T): A_i, or A_it; 0 on padding
     clipped_ratio = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high)
     per_token = -torch.min(ratio * adv, clipped_ratio * adv)  # (B, T)
-    if is_weights is not None:  # the engine sampled the tokens, not pi_old
-        per_token = per_token * is_weights
     stats = {}
     if beta > 0:
         d = torch.where(m, ref_logprobs - logprobs, 0.0)
@@ -203,11 +198,14 @@ def grpo_loss(
     return loss, stats
 
 
+# ---- Only at scale: the sampler's policy against the trainer's (docs/mismatch.md)
 def rollout_correction(old_logprobs, rollout_logprobs, mask, mode, cap):
     """The sampler's policy against the trainer's: the tokens were drawn with log-probs rollout_logprobs (the decode
     loop's own, or vLLM's), the loss takes old_logprobs as pi_old's, so each token's policy-gradient term is weighed by
     a constant w_t made from r_t = pi_old(o_t) / pi_rollout(o_t) (Yao et al. 2025, TIS; verl's rollout_corr; IcePop,
-    arXiv 2510.18855; docs/mismatch.md says which to pick):
+    arXiv 2510.18855; docs/mismatch.md says which to pick). Each file's main() applies them to its policy-gradient
+    term, through the advantages (GSPO: a sequence's, by the mean of its tokens' w_t) or RLOO's log-probs, so that the
+    loss functions stay the plain tier's, unweighted; for w_t >= 0 that weighs the term and no other (not the KL's):
 
         none        no weight (w_t = 1)
         token-tis   w_t = min(r_t, cap)                          truncated
@@ -353,7 +351,8 @@ def main(args):
     policy = add_lora(load_model(args.model_name_or_path, args, device), args)  # --lora-r: the adapters alone train
     stop_ids = stop_token_ids(tokenizer, policy)
     policy = distribute(policy, args.fsdp)  # under torchrun: DDP, or FSDP2 with --fsdp
-    ref_policy = reference_model(policy, args, device) if args.beta > 0 else None
+    if args.beta > 0:
+        ref_policy = reference_model(policy, args, device)  # with --lora-r: the policy, its adapters off
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     engine = load_engine(args, device)  # with --vllm
     train_records, eval_records = load_steps_task(args)
@@ -362,25 +361,19 @@ def main(args):
     first_step, saved = resume(checkpoint, {"policy": policy}, optimizer, [data_rng, shuffle_gen])
     scheduler = lr_scheduler(optimizer, args, first_step)
     signal = saved.get("signal", 0)  # groups whose rewards differed in the first steps (no_signal_note)
-    print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
-    loss_args = dict(
-        clip_eps_low=args.clip_eps_low,
-        clip_eps_high=args.clip_eps_high,
-        beta=args.beta,
-        loss_agg=args.loss_agg,
-        max_completion_length=args.max_new_tokens,
-    )  # grpo_loss's constants
+    print(f"{output_dir}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
+    loss_args = dict(clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high, beta=args.beta)
+    loss_args.update(loss_agg=args.loss_agg, max_completion_length=args.max_new_tokens)  # grpo_loss's constants
     correction = dict(mode=args.rollout_correction, cap=args.rollout_cap)  # rollout_correction's
-    start = time.time()
+    start, samples = time.time(), []  # samples: a few held-out prompts with their completions, for samples.jsonl
     if first_step == 1:
-        samples = []  # a few held-out prompts with their completions, for samples.jsonl
         metrics = held_out_metrics(policy, tokenizer, eval_records, args, stop_ids, samples)
         reduce_and_log(output_dir, 0, metrics, samples)
     for step in range(first_step, args.num_steps + 1):
         timer = Timer(device, start)
         # 1. rollouts: G completions per prompt from pi_old, group-contiguous (prompt 0 G times, then prompt 1...)
-        prompts = data_rng.choices(train_records, k=args.prompts_per_step)  # every process draws the same prompts
-        prompts = prompts[rank * num_prompts : (rank + 1) * num_prompts]  # and takes its share
+        prompts = data_rng.choices(train_records, k=args.prompts_per_step)
+        prompts = prompts[rank * num_prompts : (rank + 1) * num_prompts]  # every process its share of the prompts
         group = [r for r in prompts for _ in range(args.group_size)]
         policy.eval()
         prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device, args)  # (B, P)
@@ -401,15 +394,16 @@ def main(args):
         # 3. log-probs of pi_old and pi_ref, once per batch, without gradient. With one update per batch, pi_old is
         # the policy being updated: its log-probs are the new ones, detached, and need no pass here.
         timer.lap()  # the rewards: no phase
-        old_logprobs = None
-        if args.num_iterations > 1 or args.num_minibatches > 1:
+        one_update = args.num_iterations == 1 and args.num_minibatches == 1
+        if not one_update:
             old_logprobs = batched_logprobs(
                 policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
             )
-        with adapters_off(ref_policy):  # None without a reference
-            ref_logprobs = batched_logprobs(
-                ref_policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
-            )
+        if args.beta > 0:
+            with adapters_off(ref_policy):
+                ref_logprobs = batched_logprobs(
+                    ref_policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
+                )
         timer.lap("logprob")
 
         # 4. num_iterations passes over the batch, each num_minibatches optimizer steps; a micro-batch's loss weighs
@@ -421,11 +415,11 @@ def main(args):
             optimizer.zero_grad()
             for i, share in micro_batches(minibatch, args.micro_batch_size, [policy], token_mask):
                 logprobs = token_logprobs(policy, input_ids[i], attention_mask[i], prompt_len, args.temperature)
-                old = logprobs.detach() if old_logprobs is None else old_logprobs[i]
+                old = logprobs.detach() if one_update else old_logprobs[i]
+                ref = ref_logprobs[i] if args.beta > 0 else None
                 is_weights, is_stats = rollout_correction(old, rollout_logprobs[i], mask[i], **correction)
-                loss, stats = grpo_loss(
-                    logprobs, old, rows(ref_logprobs, i), advantages[i], mask[i], **loss_args, is_weights=is_weights
-                )
+                adv = advantages[i] if is_weights is None else advantages[i] * is_weights  # (b, T)
+                loss, stats = grpo_loss(logprobs, old, ref, adv, mask[i], **loss_args)
                 check_finite(loss, step)
                 optimizer.scaler.scale(loss * share).backward()
                 # the loss as the optimizer weighed it; the token means (kl, clip_frac, ratio) by tokens

@@ -123,9 +123,7 @@ def last_token_scores(model, input_ids, attention_mask):
     hidden = hidden_states(model, input_ids, attention_mask)  # (B, T, hidden), positions as for the policy
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     last = (attention_mask * positions).argmax(dim=1)  # (B,) the index of the last real token
-    with autocast(model):  # the score head in the compute dtype, as the decoder ran
-        scores = unwrap(model).score(hidden[torch.arange(len(last), device=last.device), last])  # (B, 1)
-    return scores.squeeze(-1).float()  # (B,)
+    return score_head(model, hidden[torch.arange(len(last), device=last.device), last])  # (B,)
 
 
 def bradley_terry_loss(chosen_scores, rejected_scores, margin=None):
@@ -164,6 +162,7 @@ def reward_fn(completion, record):
     return float(bool(expected) and (text == expected or text.endswith(" " + expected)))
 
 
+# ---- Only at scale: conversational records (chat messages; the plain tier reads text)
 def preference_pair(record, source):
     """{'prompt', 'chosen', 'rejected'} with text completions (other fields kept), from any of TRL's forms: text after
     a prompt; one assistant message or the whole conversation each; or, with no 'prompt', two conversations whose
@@ -212,15 +211,15 @@ def main(args):
     # a new run starts at 1; --resume-from puts back its checkpoint's weights and states, and goes on after it
     first_step, _ = resume(checkpoint, {"model": model}, optimizer, [data_rng])
     scheduler = lr_scheduler(optimizer, args, first_step)
-    print(f"{args.run_name}: {len(train_pairs)} training pairs, {len(eval_pairs)} held out, device {device}")
+    print(f"{output_dir}: {len(train_pairs)} training pairs, {len(eval_pairs)} held out, device {device}")
     start = time.time()
     if first_step == 1:
         reduce_and_log(output_dir, 0, *held_out_metrics(model, tokenizer, eval_pairs, args))
     for step in range(first_step, args.num_steps + 1):
         timer = Timer(device, start)
-        # 1. a batch of prompts (this process's share), each with all its pairs
-        batch = data_rng.choices(groups, k=args.batch_size)  # every process draws the same prompts
-        batch = batch[rank * batch_size : (rank + 1) * batch_size]  # and takes its share
+        # 1. a batch of prompts, each with all its pairs
+        batch = data_rng.choices(groups, k=args.batch_size)
+        batch = batch[rank * batch_size : (rank + 1) * batch_size]  # every process its share of the prompts
         num_pairs = all_sum(torch.tensor(float(sum(map(len, batch))), device=device)) / world  # the processes' mean
         model.train()
         optimizer.zero_grad()
@@ -429,6 +428,14 @@ def completion_batch(tokenizer, prompts, completions, device, args, max_length=N
     mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in ids], device=device)  # (B, T)
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
     return input_ids, torch.cat([prompt_mask, mask], dim=1), prompt_ids.shape[1], mask
+
+
+def score_head(model, hidden):
+    """The score head's one output (...,) on hidden states (..., d): in the compute dtype, as the decoder ran, then
+    float32."""
+    with autocast(model):
+        scores = unwrap(model).score(hidden)  # (..., 1)
+    return scores.squeeze(-1).float()
 
 
 # ==== Everything below this line is the same in every file, byte for byte (tests/test_shared.py checks it) ====

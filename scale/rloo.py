@@ -126,26 +126,25 @@ def rloo_advantages(rewards, group_size):
     return (grouped - others_mean).view(-1)  # (B,)
 
 
-def rloo_loss(logprobs, advantages, mask, is_weights=None):
+def rloo_loss(logprobs, advantages, mask):
     """REINFORCE with the whole completion as one action, to be minimised.
 
     logprobs (B, T) carries the gradient; advantages (B,) are constants; mask (B, T) marks
     completion tokens.  loss = -1/B sum_i [sum_t logprobs_it] A_i
-    is_weights (B, T) or None (--rollout-correction): loss = -1/B sum_i [sum_t w_it logprobs_it] A_i
-    (rollout_correction).
     """
     seq_logprobs = torch.where(mask.bool(), logprobs, 0.0).sum(dim=1)  # (B,), padding masked out
-    if is_weights is not None:  # the engine sampled the tokens, not pi_old: each token's term weighed
-        seq_logprobs = torch.where(mask.bool(), logprobs * is_weights, 0.0).sum(dim=1)
     loss = -(seq_logprobs * advantages).mean()
     return loss, {"seq_logprob": seq_logprobs.mean().detach()}
 
 
+# ---- Only at scale: the sampler's policy against the trainer's (docs/mismatch.md)
 def rollout_correction(old_logprobs, rollout_logprobs, mask, mode, cap):
     """The sampler's policy against the trainer's: the tokens were drawn with log-probs rollout_logprobs (the decode
     loop's own, or vLLM's), the loss takes old_logprobs as pi_old's, so each token's policy-gradient term is weighed by
     a constant w_t made from r_t = pi_old(o_t) / pi_rollout(o_t) (Yao et al. 2025, TIS; verl's rollout_corr; IcePop,
-    arXiv 2510.18855; docs/mismatch.md says which to pick):
+    arXiv 2510.18855; docs/mismatch.md says which to pick). Each file's main() applies them to its policy-gradient
+    term, through the advantages (GSPO: a sequence's, by the mean of its tokens' w_t) or RLOO's log-probs, so that the
+    loss functions stay the plain tier's, unweighted; for w_t >= 0 that weighs the term and no other (not the KL's):
 
         none        no weight (w_t = 1)
         token-tis   w_t = min(r_t, cap)                          truncated
@@ -231,7 +230,8 @@ def main(args):
     policy = add_lora(load_model(args.model_name_or_path, args, device), args)  # --lora-r: the adapters alone train
     stop_ids = stop_token_ids(tokenizer, policy)
     policy = distribute(policy, args.fsdp)  # under torchrun: DDP, or FSDP2 with --fsdp
-    ref_policy = reference_model(policy, args, device) if args.beta > 0 else None
+    if args.beta > 0:
+        ref_policy = reference_model(policy, args, device)  # with --lora-r: the policy, its adapters off
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     engine = load_engine(args, device)  # with --vllm
     train_records, eval_records = load_task(args)
@@ -240,18 +240,17 @@ def main(args):
     first_step, saved = resume(checkpoint, {"policy": policy}, optimizer, [data_rng])
     scheduler = lr_scheduler(optimizer, args, first_step)
     signal = saved.get("signal", 0)  # groups whose rewards differed in the first steps (no_signal_note)
-    print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
+    print(f"{output_dir}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
     correction = dict(mode=args.rollout_correction, cap=args.rollout_cap)  # rollout_correction's
-    start = time.time()
+    start, samples = time.time(), []  # samples: a few held-out prompts with their completions, for samples.jsonl
     if first_step == 1:
-        samples = []  # a few held-out prompts with their completions, for samples.jsonl
         metrics = evaluate(policy, tokenizer, eval_records, args, stop_ids, samples, args.eval_samples)
         reduce_and_log(output_dir, 0, metrics, samples)
     for step in range(first_step, args.num_steps + 1):
         timer = Timer(device, start)
         # 1. rollouts: G completions per prompt from pi_old, group-contiguous (prompt 0 G times, then prompt 1...)
-        prompts = data_rng.choices(train_records, k=args.prompts_per_step)  # every process draws the same prompts
-        prompts = prompts[rank * num_prompts : (rank + 1) * num_prompts]  # and takes its share
+        prompts = data_rng.choices(train_records, k=args.prompts_per_step)
+        prompts = prompts[rank * num_prompts : (rank + 1) * num_prompts]  # every process its share of the prompts
         group = [r for r in prompts for _ in range(args.group_size)]
         policy.eval()
         prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device, args)  # (B, P)
@@ -271,7 +270,7 @@ def main(args):
         # with log-probs computed once without gradient; then the leave-one-out advantage
         timer.lap()  # the rewards: no phase
         kl = torch.zeros_like(rewards)  # (B,)
-        if ref_policy is not None:
+        if args.beta > 0:
             old_logprobs = batched_logprobs(
                 policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
             )  # (B, T)
@@ -283,21 +282,22 @@ def main(args):
         advantages = rloo_advantages(rewards - args.beta * kl, args.group_size)  # (B,)
         timer.lap("logprob")
 
-        # 4. one on-policy optimizer step over the whole batch (one minibatch, in order), accumulated over micro-batches
+        # 4. one on-policy optimizer step over the whole batch (no ratio, no clipping), accumulated over micro-batches:
+        # a micro-batch's loss weighs its share of the batch's completions
         policy.train()
-        step_stats, rollout_stats, grad_norms = [], [], []
-        for minibatch in [torch.arange(batch_size, device=device)]:
-            optimizer.zero_grad()
-            for i, share in micro_batches(minibatch, args.micro_batch_size, [policy]):
-                logprobs = token_logprobs(policy, input_ids[i], attention_mask[i], prompt_len, args.temperature)
-                old = logprobs.detach()  # on-policy: pi_old is the policy being updated
-                is_weights, is_stats = rollout_correction(old, rollout_logprobs[i], mask[i], **correction)
-                loss, stats = rloo_loss(logprobs, advantages[i], mask[i], is_weights)
-                check_finite(loss, step)
-                optimizer.scaler.scale(loss * share).backward()  # the micro-batches add up to the batch's mean
-                step_stats.append(({"loss": loss.detach(), **stats}, len(i)))  # sequence means
-                rollout_stats.append((is_stats, mask[i].sum()))
-            grad_norms.append(clipped_step(optimizer, policy.parameters(), args.max_grad_norm))
+        optimizer.zero_grad()
+        step_stats, rollout_stats = [], []
+        for i, share in micro_batches(torch.arange(batch_size, device=device), args.micro_batch_size, [policy]):
+            logprobs = token_logprobs(policy, input_ids[i], attention_mask[i], prompt_len, args.temperature)
+            is_weights, is_stats = rollout_correction(logprobs.detach(), rollout_logprobs[i], mask[i], **correction)
+            if is_weights is not None:  # constants: sum_t w_t log pi(o_t) A_i, token t's advantage w_t A_i
+                logprobs = logprobs * is_weights
+            loss, stats = rloo_loss(logprobs, advantages[i], mask[i])
+            check_finite(loss, step)
+            optimizer.scaler.scale(loss * share).backward()
+            step_stats.append(({"loss": loss.detach(), **stats}, len(i)))  # sequence means
+            rollout_stats.append((is_stats, mask[i].sum()))
+        grad_norm = clipped_step(optimizer, policy.parameters(), args.max_grad_norm)
         timer.lap("update")
 
         # 5. log, and evaluate on the held-out prompts
@@ -312,7 +312,7 @@ def main(args):
                 "charts/completion_length": mask.sum(dim=1).float().mean(),
                 "losses/kl": kl.mean(),  # the sequence's sampled KL to the reference (0 when beta is 0)
                 "charts/learning_rate": optimizer.param_groups[0]["lr"],
-                "losses/grad_norm": torch.stack(grad_norms).mean(),  # the mean over the optimizer steps
+                "losses/grad_norm": grad_norm,
                 **timer.metrics(tokens=mask.sum()),
             }
             samples = rollout_samples(group, texts, rewards, advantages)

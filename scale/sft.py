@@ -199,6 +199,7 @@ def reward_fn(completion, record):
     return float(bool(expected) and (text == expected or text.endswith(" " + expected)))
 
 
+# ---- Only at scale: conversational records (chat messages; the plain tier reads text)
 def sft_record(record, source):
     """{'prompt', 'completion'} (and the record's other fields), the completion as text, from a prompt/completion
     record (the completion text or one assistant message; the prompt text or messages) or a {'messages'}
@@ -225,9 +226,11 @@ def main(args):
     # the model: built from a config (the default), or loaded from a folder or the hub
     if args.model_name_or_path is None:
         tokenizer, model = build_tiny_model(args)
+        model = load_model(None, args, device, model=model)  # prepared as a loaded model is
     else:
-        tokenizer, model = load_tokenizer(args.model_name_or_path, args.trust_remote_code), None
-    model = add_lora(load_model(args.model_name_or_path, args, device, model=model), args)  # --lora-r: adapters
+        tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+        model = load_model(args.model_name_or_path, args, device)
+    model = add_lora(model, args)  # --lora-r: the adapters alone train
     stop_ids = stop_token_ids(tokenizer, model)
     num_params = sum(p.numel() for p in model.parameters())
     model = distribute(model, args.fsdp)  # under torchrun: DDP, or FSDP2 with --fsdp
@@ -238,21 +241,24 @@ def main(args):
     # a new run starts at 1; --resume-from puts back its checkpoint's weights and states, and goes on after it
     first_step, _ = resume(checkpoint, {"model": model}, optimizer, [data_rng])
     scheduler = lr_scheduler(optimizer, args, first_step)
-    print(f"{args.run_name}: {num_params} parameters, {len(train_records)} training records, device {device}")
+    print(f"{output_dir}: {num_params} parameters, {len(train_records)} training records, device {device}")
     start = time.time()
     if first_step == 1:
         reduce_and_log(output_dir, 0, *held_out_metrics(model, tokenizer, eval_records, args, stop_ids))
     for step in range(first_step, args.num_steps + 1):
         timer = Timer(device, start)
-        batch = data_rng.choices(train_records, k=args.batch_size)  # every process draws the same records
-        batch = batch[rank * batch_size : (rank + 1) * batch_size]  # and takes its share
+        # 1. a batch of demonstrations: each prompt (left-padded) then its completion and EOS (right-padded)
+        batch = data_rng.choices(train_records, k=args.batch_size)
+        batch = batch[rank * batch_size : (rank + 1) * batch_size]  # every process draws the same, takes its share
         model.train()
         optimizer.zero_grad()
         prompts, completions = [r["prompt"] for r in batch], [r["completion"] for r in batch]
         input_ids, attention_mask, prompt_len, mask = completion_batch(
             tokenizer, prompts, completions, device, args, args.max_length
         )  # (B, P + T)
-        # the micro-batches add up to the token mean of the batch (of all processes)
+        # 2. the cross-entropy of the completion tokens; the micro-batches add up to the token mean of the batch,
+        # each weighed by its share of the batch's tokens
+        # (under torchrun, the tokens of every process: micro_batches sums them)
         batch_loss = 0.0
         for i, share in micro_batches(torch.arange(batch_size), args.micro_batch_size, [model], mask):
             logprobs = token_logprobs(model, input_ids[i], attention_mask[i], prompt_len)  # (b, T)
@@ -262,6 +268,7 @@ def main(args):
             batch_loss += loss.item() * share.item()
         grad_norm = clipped_step(optimizer, model.parameters(), args.max_grad_norm)
 
+        # 3. log, and evaluate on the held-out records
         evaluate_now = step % args.eval_every == 0 or step == args.num_steps
         if step % args.log_every == 0 or evaluate_now:
             metrics = {

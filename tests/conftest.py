@@ -26,27 +26,25 @@ if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}_{os.environ['ATEN_CPU_CAPABILITY']}"
-# the files run_script runs in this process; none where vLLM is installed: its engine starts a process group, and a
-# run ends its process when there is one
-IN_PROCESS = (
-    set()
-    if importlib.util.find_spec("vllm")
-    else {
-        "grpo.py",
-        "rloo.py",
-        "gspo.py",
-        "cispo.py",
-        "ppo.py",
-        "dpo.py",
-        "reward_model.py",
-        "sft.py",
-        "process_grpo.py",
-        "tool_grpo.py",
-        "dapo.py",
-        "distill.py",
-        "async_grpo.py",
-    }
-)
+# the files run_script runs in this process: the plain tier's always, the scale tier's where vLLM is not installed (its
+# engine starts a process group, and a run ends its process when there is one)
+ALGORITHMS = [
+    "grpo.py",
+    "rloo.py",
+    "gspo.py",
+    "cispo.py",
+    "ppo.py",
+    "dpo.py",
+    "reward_model.py",
+    "sft.py",
+    "process_grpo.py",
+    "tool_grpo.py",
+    "dapo.py",
+    "distill.py",
+    "async_grpo.py",
+]
+PLAIN = [name for name in ALGORITHMS if os.path.exists(os.path.join(ROOT, name))]  # the top level: the plain tier
+IN_PROCESS = set(PLAIN) | (set() if importlib.util.find_spec("vllm") else {f"scale/{name}" for name in ALGORITHMS})
 
 
 def pytest_configure(config):

@@ -10,7 +10,8 @@ import torch
 from conftest import read_metrics, run_script
 from test_resume import assert_same_records, untimed
 
-from async_grpo import behaviour_weights, decoupled_loss, version_metrics
+from async_grpo import behaviour_weights, decoupled_loss
+from scale.async_grpo import version_metrics
 
 L = math.log
 PAD = 1e4  # a large sentinel at the padded positions: it must reach neither the loss nor the gradient
@@ -90,8 +91,8 @@ def test_eta_0_is_grpo(tmp_path):
     the first update: after it the two models' weights may differ in the last bits (the weights w are 1 to rounding),
     and a later draw near an edge may then go either way."""
     flags = RL + ["--num-steps", "4", "--num-iterations", "2"]
-    run_script("async_grpo.py", *flags, "--max-staleness", "0", "--output-dir", str(tmp_path / "async"))
-    run_script("grpo.py", *flags, "--output-dir", str(tmp_path / "grpo"))
+    run_script("scale/async_grpo.py", *flags, "--max-staleness", "0", "--output-dir", str(tmp_path / "async"))
+    run_script("scale/grpo.py", *flags, "--output-dir", str(tmp_path / "grpo"))
     asynchronous, synchronous = read_metrics(str(tmp_path / "async")), read_metrics(str(tmp_path / "grpo"))
     # grpo.py's sampler against its pi_old (rollout/): this file weighs its generator's log-probs instead (behav_)
     synchronous = [{k: v for k, v in m.items() if not k.startswith("rollout/")} for m in synchronous]
@@ -106,7 +107,9 @@ def test_eta_0_is_grpo(tmp_path):
     assert len(shared[1]) >= 10  # rewards, losses, accuracy ...
     # with interruption too: at eta 0 a batch starts with the newest version there is, and never switches
     interrupted = str(tmp_path / "interrupted")
-    run_script("async_grpo.py", *flags, "--max-staleness", "0", "--interrupt-every", "1", "--output-dir", interrupted)
+    run_script(
+        "scale/async_grpo.py", *flags, "--max-staleness", "0", "--interrupt-every", "1", "--output-dir", interrupted
+    )
     steps = [m for m in read_metrics(interrupted) if m["step"] > 0]
     assert all(m["charts/switches"] == 0 and m["charts/token_share_lag0"] == 1 for m in steps)
     shared = [
@@ -120,7 +123,7 @@ def test_eta_2_stays_within_its_staleness_and_learns(tmp_path):
     ran ahead as far as it may), none more; the decoupled weights stay near 1; held-out accuracy rises by 20 points."""
     out = str(tmp_path / "run")
     run_script(
-        "async_grpo.py",
+        "scale/async_grpo.py",
         "--max-staleness",
         "2",
         "--num-steps",
@@ -147,7 +150,7 @@ def test_the_behaviour_weight_is_the_samplers_at_every_lag(tmp_path):
     pi_prox at lag 0 logged exactly 1.0 there, and the mismatch only from lag 1 on.)"""
     out = str(tmp_path / "run")
     run_script(
-        "async_grpo.py",
+        "scale/async_grpo.py",
         "--max-staleness",
         "0",
         "--dtype",
@@ -189,7 +192,7 @@ def test_same_seed_same_metrics_with_activation_checkpointing(tmp_path):
         "50",
     ]
     for name in ("a", "b"):
-        run_script("async_grpo.py", *flags, "--output-dir", str(tmp_path / name))
+        run_script("scale/async_grpo.py", *flags, "--output-dir", str(tmp_path / name))
     a, b = (untimed(read_metrics(str(tmp_path / name))) for name in ("a", "b"))
     assert len(a) == 9
     assert_same_records(a, b)
@@ -219,7 +222,7 @@ def test_interrupted_rollouts_take_each_tokens_log_prob_from_the_version_that_sa
     first tokens' behaviour log-probs are version 0's, the later ones version 1's, each equal to a fresh forward
     pass of that version over the same prefix; batch 1, which no newer version may reach (its step trains version
     0), never switches."""
-    import async_grpo
+    from scale import async_grpo
 
     args = async_grpo.Args(dtype="float32", num_steps=3, max_staleness=1, interrupt_every=1, cuda=False)
     args.prompts_per_step, args.group_size = 4, 2
@@ -254,7 +257,7 @@ def test_same_seed_same_run_with_interruption(tmp_path):
     schedule fixes, whatever the threads' timing), with switches made and tokens of more than one version."""
     flags = RL + ["--max-staleness", "2", "--interrupt-every", "2", "--num-steps", "6"]
     for name in ("a", "b"):
-        run_script("async_grpo.py", *flags, "--output-dir", str(tmp_path / name))
+        run_script("scale/async_grpo.py", *flags, "--output-dir", str(tmp_path / name))
     a, b = (untimed(read_metrics(str(tmp_path / name))) for name in ("a", "b"))
     assert len(a) == 7
     assert_same_records(a, b)
@@ -268,7 +271,7 @@ def test_publish_copies_the_weights_only_once_the_generator_took_the_last_ones()
     copy could wait beside the one not yet taken)."""
     import threading
 
-    from async_grpo import Generator
+    from scale.async_grpo import Generator
 
     copies = []
     policy = torch.nn.Module()  # a model whose state_dict counts its calls
@@ -295,7 +298,7 @@ def test_no_switch_once_every_row_has_stopped():
     generator then neither waits for the trainer nor counts a switch; while a row goes on, it switches."""
     import threading
 
-    from async_grpo import Generator
+    from scale.async_grpo import Generator
 
     generator = Generator.__new__(Generator)
     generator.args = SimpleNamespace(interrupt_every=2)
@@ -323,7 +326,7 @@ def test_the_generator_draws_nothing_while_evaluate_samples(pause, monkeypatch):
     import threading
     import time
 
-    import async_grpo
+    from scale import async_grpo
 
     fork_open, drawn_inside, evaluated = threading.Event(), threading.Event(), threading.Event()
     generator = None
@@ -384,12 +387,13 @@ def test_the_generator_draws_nothing_while_evaluate_samples(pause, monkeypatch):
 )
 def test_bad_input_is_one_line(flags, env, message, tmp_path):
     out = tmp_path / "run"
-    proc = run_script("async_grpo.py", *flags, "--output-dir", str(out), env=env, expect_ok=False)
+    proc = run_script("scale/async_grpo.py", *flags, "--output-dir", str(out), env=env, expect_ok=False)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"error: {message}"), proc.stderr[-2000:]
     assert not out.exists()
 
 
+@pytest.mark.long
 def test_the_async_benchmark_writes_its_table_and_figure_from_the_runs(tmp_path):
     """benchmarks/async_benchmark.py, one row for 2 steps: its page gets the results block with that row, whose
     cells are the run's own numbers, and the figure; the page's text outside the markers stays."""
@@ -432,7 +436,7 @@ def test_a_gpu_run_on_a_torch_before_2_14_stops_with_one_line(monkeypatch):
     which these stand-in arguments fail)."""
     from torch.torch_version import TorchVersion
 
-    import async_grpo
+    from scale import async_grpo
 
     def generator(version, compiled):
         with monkeypatch.context() as m:

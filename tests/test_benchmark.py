@@ -1,5 +1,6 @@
 """The benchmark command's quick variant, run as the README says, and what it writes."""
 
+import importlib
 import json
 import os
 import re
@@ -73,6 +74,7 @@ def table_rows(text, heading):
     return rows[2:]  # past the header and the separator
 
 
+@pytest.mark.long
 def test_every_algorithm_has_a_row_that_matches_its_metrics(quick):
     out, text, _ = quick
     rows = {row[0]: row for row in table_rows(text, "## Every algorithm on the bundled task")}
@@ -110,7 +112,7 @@ def test_every_quick_command_is_a_valid_command_of_its_file(name):
     does not run included)."""
     import tyro
 
-    module = __import__(name.split("-")[0])
+    module = importlib.import_module(f"scale.{name.split('-')[0]}")  # the benchmark runs the scale tier
     argv = [
         "--seed",
         "1",
@@ -128,6 +130,7 @@ def test_every_quick_command_is_a_valid_command_of_its_file(name):
     assert args.num_eval == (2 if name in REAL_FLAGS else 8)  # a row's own flags win over the common ones
 
 
+@pytest.mark.long
 def test_every_run_saved_a_model_that_loads(quick):
     """What the README's test runs for a command: the saved model loads, the arguments are recorded."""
     out, _, _ = quick
@@ -145,6 +148,7 @@ def test_every_run_saved_a_model_that_loads(quick):
             assert tokenizer.eos_token == "<|im_end|>" and "<|im_start|>" in tokenizer.chat_template
 
 
+@pytest.mark.long
 def test_the_time_breakdown_adds_up(quick):
     _, text, _ = quick
     rows = table_rows(text, "## Where a training step's time goes")
@@ -156,6 +160,7 @@ def test_the_time_breakdown_adds_up(quick):
         assert percents[0] > 0 and percents[2] > 0  # every online step samples and trains
 
 
+@pytest.mark.long
 def test_the_bfloat16_rows_compare_the_same_command_in_two_dtypes(quick):
     """grpo-smollm2-bf16 is grpo-smollm2 with --dtype bfloat16 and nothing else, and its row's numbers are its runs'."""
     out, text, _ = quick
@@ -172,6 +177,7 @@ def test_the_bfloat16_rows_compare_the_same_command_in_two_dtypes(quick):
     assert re.search(r"This CPU's bfloat16 instructions: ([a-z0-9_]+(, )?)+\.", text)
 
 
+@pytest.mark.long
 def test_the_memory_cases_compute_the_same_log_probs(quick):
     _, text, _ = quick
     rows = table_rows(text, "## Memory of the log-prob computation")
@@ -194,6 +200,7 @@ def test_the_memory_cases_compute_the_same_log_probs(quick):
 
 
 @pytest.mark.parametrize("figure", ["learning_curves.png", "overoptimisation.png"])
+@pytest.mark.long
 def test_the_figures_are_pngs(quick, figure):
     out, text, _ = quick
     assert f"]({figure})" in text
@@ -204,6 +211,7 @@ def test_the_figures_are_pngs(quick, figure):
     assert width > 800 and height > 300
 
 
+@pytest.mark.long
 def test_the_one_pair_rows_run_the_old_setting(quick):
     """The over-optimisation figure's old setting is the pipeline's flags before: one pair, raw score, fixed beta."""
     out, _, _ = quick
@@ -221,6 +229,7 @@ def test_the_one_pair_rows_run_the_old_setting(quick):
     assert all("charts/kl_coef" in m for m in metrics[1:])
 
 
+@pytest.mark.long
 def test_the_page_says_which_machine_and_date(quick):
     _, text, _ = quick
     assert re.search(r"- Date: \d{4}-\d\d-\d\d( to \d{4}-\d\d-\d\d)? \(UTC\)", text)  # a run over midnight: two
@@ -230,6 +239,7 @@ def test_the_page_says_which_machine_and_date(quick):
     assert "--quick" in text and "they measure nothing" in text
 
 
+@pytest.mark.long
 def test_a_finished_run_is_read_again_only_for_the_same_command(quick, tmp_path):
     out, _, _ = quick
     runs = tmp_path / "runs"
@@ -315,14 +325,14 @@ def test_the_readme_defaults_are_among_the_benchmark_runs():
     """test_scripts.py leaves the README's bare defaults to this file: each must be a benchmark run."""
     from test_scripts import readme_commands
 
-    bare = {c.split()[1] for c in readme_commands() if re.fullmatch(r"python \w+\.py", c)}
+    bare = {c.split()[1] for c in readme_commands() if re.fullmatch(r"python \w+\.py", c)}  # the plain files
     # async_grpo.py's default has its own benchmark (benchmarks/async_benchmark.py), and test_async_grpo.py runs it
     # for 40 steps; so have process_grpo.py's and tool_grpo.py's (benchmarks/process_benchmark.py and
     # tool_benchmark.py), which test_scripts.py and test_tool_grpo.py run for 10 and 5; dapo.py's (dapo_benchmark.py),
     # which test_learns runs for 10; distill.py's (distill_benchmark.py), which test_distill.py runs for 2 with its
     # default teacher (and 20 steps from a noisy student, where accuracy must climb)
     own = {"async_grpo.py", "process_grpo.py", "tool_grpo.py", "dapo.py", "distill.py"}
-    assert "grpo.py" in bare and bare <= {f"{name}.py" for name in benchmark.ALGORITHMS} | own
+    assert "grpo.py" in bare and bare <= {f"{name.split('-')[0]}.py" for name in benchmark.ALGORITHMS} | own
 
 
 def test_the_readme_real_model_commands_are_the_benchmark_runs():
@@ -333,9 +343,9 @@ def test_the_readme_real_model_commands_are_the_benchmark_runs():
     # again with an output folder (its teacher), then distill.py's, which test_real_model.py runs
     readme = sorted(
         {
-            tuple(argv[:-2] if argv[-2] == "--output-dir" else argv)
+            tuple([os.path.basename(argv[0]), *(argv[1:-2] if argv[-2] == "--output-dir" else argv[1:])])
             for argv in (shlex.split(c)[1:] for c in readme_commands() if "--task addition-question" in c)
-            if argv[0] != "distill.py"
+            if os.path.basename(argv[0]) != "distill.py"
         }
     )
     expected = sorted(
@@ -346,6 +356,7 @@ def test_the_readme_real_model_commands_are_the_benchmark_runs():
     assert readme == expected
     # and the --vllm ones, in docs/vllm.md's `shell` block (run in vLLM's own environment)
     readme = [shlex.split(c)[1:] for c in readme_commands("shell") if "--task addition-question" in c]
+    readme = [[os.path.basename(argv[0]), *argv[1:]] for argv in readme]
     expected = [
         [f"{name.split('-')[0]}.py"] + REAL_COMMON + flags + ["--vllm"]
         for name, flags in REAL_FLAGS.items()
@@ -362,7 +373,7 @@ def test_a_benchmark_run_is_read_again_only_with_the_same_command_and_data(tmp_p
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "1+1=", "completion": "2"}\n' * 40)
     out = str(tmp_path / "run")
-    command = ["sft.py", "--model-name-or-path", "tiny-adder", "--dataset", str(data), "--num-steps", "1"]
+    command = ["scale/sft.py", "--model-name-or-path", "tiny-adder", "--dataset", str(data), "--num-steps", "1"]
     command += ["--num-eval", "4", "--eval-every", "1", "--output-dir", out]
     metrics = tmp_path / "run" / "metrics.jsonl"
     async_benchmark.run_once("sft", command, out)
@@ -380,7 +391,7 @@ def test_in_turn_finds_the_phase_a_change_slowed(tmp_path, capsys):
     import in_turn
 
     slowed = tmp_path / "grpo.py"
-    source = open(os.path.join(ROOT, "grpo.py")).read()
+    source = open(os.path.join(ROOT, "scale/grpo.py")).read()
     wrapper = "\n_sample = sample\n\n\ndef sample(*args, **kwargs):\n    time.sleep(0.05)\n"
     wrapper += "    return _sample(*args, **kwargs)\n"
     slowed.write_text(source.replace('\nif __name__ == "__main__":', wrapper + '\nif __name__ == "__main__":'))

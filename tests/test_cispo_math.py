@@ -1,4 +1,4 @@
-"""cispo.py's loss against numbers worked out by hand."""
+"""scale/cispo.py's loss against numbers worked out by hand."""
 
 import pytest
 import torch

@@ -9,9 +9,9 @@ import torch
 from conftest import FIXTURES, ROOT, read_metrics, run_script
 from transformers import AutoTokenizer
 
-from dpo import preference_pair
-from grpo import Args, tokenize_prompts
-from sft import sft_record
+from scale.dpo import preference_pair
+from scale.grpo import Args, tokenize_prompts
+from scale.sft import sft_record
 
 USER, ASSISTANT = "user", "assistant"
 
@@ -99,7 +99,7 @@ def test_without_a_chat_template_conversations_and_a_system_prompt_stop_with_one
             (["--system-prompt", "Be brief."], "--system-prompt"),
         )
     ):
-        proc = run_script("grpo.py", *flags, "--output-dir", str(tmp_path / f"o{i}"), expect_ok=False)
+        proc = run_script("scale/grpo.py", *flags, "--output-dir", str(tmp_path / f"o{i}"), expect_ok=False)
         assert proc.returncode == 1 and "Traceback" not in proc.stderr
         assert proc.stderr.strip().splitlines()[-1] == (
             f"error: {what} need a tokenizer with a chat template, and tiny-adder has none"
@@ -109,15 +109,15 @@ def test_without_a_chat_template_conversations_and_a_system_prompt_stop_with_one
 @pytest.mark.parametrize(
     "script, data, flags",
     [
-        ("grpo.py", "prompts_chat.jsonl", ["--prompts-per-step", "2", "--group-size", "2"]),
+        ("scale/grpo.py", "prompts_chat.jsonl", ["--prompts-per-step", "2", "--group-size", "2"]),
         (
-            "grpo.py",
+            "scale/grpo.py",
             "gsm8k_tiny.jsonl",
             ["--prompts-per-step", "2", "--group-size", "2", "--system-prompt", "Be brief."],
         ),
-        ("dpo.py", "pairs_chat.jsonl", ["--batch-size", "2"]),
-        ("reward_model.py", "pairs_chat.jsonl", ["--batch-size", "2"]),
-        ("sft.py", "sft_messages.jsonl", ["--batch-size", "2"]),
+        ("scale/dpo.py", "pairs_chat.jsonl", ["--batch-size", "2"]),
+        ("scale/reward_model.py", "pairs_chat.jsonl", ["--batch-size", "2"]),
+        ("scale/sft.py", "sft_messages.jsonl", ["--batch-size", "2"]),
     ],
 )
 def test_each_file_trains_on_conversational_records(script, data, flags, chat_model_dir, tmp_path):

@@ -11,9 +11,8 @@ import torch
 from conftest import ROOT, read_metrics, run_script
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import dapo
-import grpo
 from dapo import overlong_penalty
+from scale import dapo, grpo
 
 
 def test_overlong_penalty_by_hand():
@@ -99,8 +98,8 @@ def test_with_dapos_changes_off_it_logs_what_grpo_py_logs(tmp_path):
     small += ["--num-eval", "40", "--eval-every", "3", "--log-every", "1", "--num-minibatches", "2"]
     grpo_flags = ["--no-dynamic-sampling", "--no-overlong-shaping", "--clip-eps-high", "0.2", "--beta", "0.04"]
     grpo_flags += ["--loss-agg", "seq-mean-token-mean"]
-    run_script("grpo.py", *small, "--output-dir", str(tmp_path / "grpo"))
-    run_script("dapo.py", *small, *grpo_flags, "--output-dir", str(tmp_path / "dapo"))
+    run_script("scale/grpo.py", *small, "--output-dir", str(tmp_path / "grpo"))
+    run_script("scale/dapo.py", *small, *grpo_flags, "--output-dir", str(tmp_path / "dapo"))
     timed = ("_time", "tokens_per_sec")
     for x, y in zip(read_metrics(tmp_path / "grpo"), read_metrics(tmp_path / "dapo"), strict=True):
         assert x["step"] == y["step"]
@@ -122,7 +121,7 @@ def test_a_short_run_logs_the_sampling_and_bad_input_stops_with_one_line(tmp_pat
     small = ["--num-steps", "2", "--prompts-per-step", "8", "--group-size", "4", "--micro-batch-size", "32"]
     small += ["--num-eval", "20", "--eval-every", "2", "--log-every", "1", "--max-new-tokens", "4"]
     out = tmp_path / "run"
-    run_script("dapo.py", *small, "--overlong-filter", "--output-dir", str(out))
+    run_script("scale/dapo.py", *small, "--overlong-filter", "--output-dir", str(out))
     for m in read_metrics(out)[1:]:
         assert 1 <= m["charts/sample_batches"] <= 3 and m["charts/dropped_groups"] >= 0
         assert 0 <= m["charts/filled_groups"] <= 8 and 0 <= m["charts/overlong_share"] <= 1
@@ -130,7 +129,7 @@ def test_a_short_run_logs_the_sampling_and_bad_input_stops_with_one_line(tmp_pat
     assert steps[-1]["charts/rollouts_sampled"] == 32 * sum(m["charts/sample_batches"] for m in steps)
     # every completion cut (2 new tokens; an answer and its EOS need 3): the filter leaves no token, no update
     cut = ["--max-new-tokens", "2", "--overlong-cache", "1", "--max-sample-batches", "1", "--num-steps", "1"]
-    proc = run_script("dapo.py", *small, *cut, "--overlong-filter", "--output-dir", str(tmp_path / "cut"))
+    proc = run_script("scale/dapo.py", *small, *cut, "--overlong-filter", "--output-dir", str(tmp_path / "cut"))
     assert "step 1: every completion was cut at --max-new-tokens and --overlong-filter" in proc.stdout
     step = read_metrics(tmp_path / "cut")[1]
     assert step["charts/overlong_share"] == 1 and "losses/loss" not in step and "losses/grad_norm" not in step
@@ -141,10 +140,11 @@ def test_a_short_run_logs_the_sampling_and_bad_input_stops_with_one_line(tmp_pat
         (["--overlong-cache", "9"], "error: --overlong-cache 9: the penalty's zone lies within --max-new-tokens 8"),
         (["--max-sample-batches", "0"], "error: --max-sample-batches"),
     ]:
-        proc = run_script("dapo.py", *flags, "--output-dir", str(tmp_path / "bad"), expect_ok=False)
+        proc = run_script("scale/dapo.py", *flags, "--output-dir", str(tmp_path / "bad"), expect_ok=False)
         assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith(line), proc.stderr[-500:]
 
 
+@pytest.mark.long
 def test_the_benchmark_writes_its_table_from_the_runs(tmp_path):
     """benchmarks/dapo_benchmark.py, the bundled rows for 2 small steps: each row's accuracy and rollouts sampled
     are its runs' (grpo.py's a batch a step), the sampling counts dapo.py's; the figure is written."""
@@ -172,7 +172,7 @@ def test_every_benchmark_row_is_a_valid_command_of_its_file():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import dapo_benchmark
 
-    files = {"dapo.py": dapo, "grpo.py": grpo}
+    files = {"scale/dapo.py": dapo, "scale/grpo.py": grpo}
     parsed = {
         name: tyro.cli(files[script].Args, args=["--seed", "1", *flags, "--output-dir", "out"])
         for name, (script, flags) in dapo_benchmark.ROWS.items()

@@ -13,8 +13,8 @@ from conftest import ROOT, run_script
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig
 
-import grpo
-from grpo import completion_mask, draw, forward, generate, token_logprobs
+from scale import grpo
+from scale.grpo import completion_mask, draw, forward, generate, token_logprobs
 
 TINY_ADDER = os.path.join(ROOT, "tiny-adder")
 
@@ -614,6 +614,7 @@ def test_the_compiled_step_runs_without_deterministic_algorithms_and_the_same_se
         torch._dynamo.reset()
 
 
+@pytest.mark.long
 def test_inductor_compiles_the_step_and_it_samples_the_eager_steps_tokens(monkeypatch):
     """The compiled step as inductor lowers it (on this CPU: C++ kernels, no CUDA graphs), a 1-layer model with 2
     key-value heads for 4 query heads and left-padded prompts: one graph, and, its tokens forced through the eager
@@ -639,6 +640,7 @@ def test_inductor_compiles_the_step_and_it_samples_the_eager_steps_tokens(monkey
     torch._dynamo.reset()
 
 
+@pytest.mark.long
 def test_the_gpu_benchmark_runs_on_the_cpu(real_model_dir):
     """benchmarks/gpu_benchmark.py at its small shape (a random 2-layer Qwen2 with Qwen's 151,936-token vocabulary
     and SmolLM2's tokenizer) prints each step's split, its decode mode the loop's ms and waits a token, --host the

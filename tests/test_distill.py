@@ -11,7 +11,8 @@ import torch
 from conftest import ROOT, read_metrics, run_here, run_script
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from distill import aggregate, generalized_jsd, last_states, pg_loss, teacher_advantages, token_jsd
+from distill import aggregate, generalized_jsd, pg_loss, teacher_advantages
+from scale.distill import last_states, token_jsd
 
 SENTINEL = 1e6  # a padded position holds this; it must not reach the loss, the stats or the gradient
 L = math.log
@@ -311,7 +312,7 @@ SMALL += ["--num-eval", "4", "--eval-every", "2", "--log-every", "1", "--max-new
 def test_a_bad_teacher_stops_before_training_with_one_line(teacher, says, teachers, tmp_path):
     out = tmp_path / "run"
     proc = run_script(
-        "distill.py", "--teacher-path", teachers[teacher], *SMALL, "--output-dir", str(out), expect_ok=False
+        "scale/distill.py", "--teacher-path", teachers[teacher], *SMALL, "--output-dir", str(out), expect_ok=False
     )
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
@@ -326,7 +327,7 @@ def test_both_losses_run_and_log_the_teacher(loss, teachers, tmp_path):
     and the teacher pass's time (and, with --loss jsd, the exact reverse KL)."""
     out = tmp_path / "run"
     proc = run_script(
-        "distill.py", "--teacher-path", teachers["stops"], "--loss", loss, *SMALL, "--output-dir", str(out)
+        "scale/distill.py", "--teacher-path", teachers["stops"], "--loss", loss, *SMALL, "--output-dir", str(out)
     )
     assert "note: the teacher's stop tokens [2, 17] are not the student's [2]" in proc.stdout
     metrics = read_metrics(out)
@@ -347,7 +348,7 @@ def test_distillation_moves_the_student_toward_the_teacher(teachers, tmp_path):
     accuracy climbs toward the teacher's, and the sampled reverse KL falls."""
     out = tmp_path / "run"
     flags = ["--teacher-path", "tiny-adder", "--num-steps", "20", "--num-eval", "100", "--eval-every", "20"]
-    run_script("distill.py", "--model-name-or-path", teachers["student"], *flags, "--output-dir", str(out))
+    run_script("scale/distill.py", "--model-name-or-path", teachers["student"], *flags, "--output-dir", str(out))
     metrics = read_metrics(out)
     (before, after), teacher = (metrics[i]["eval/accuracy"] for i in (0, -1)), metrics[0]["eval/teacher_accuracy"]
     assert teacher >= before + 0.1, (before, teacher)
@@ -372,6 +373,7 @@ def test_the_benchmark_reads_its_targets_by_hand():
     assert b.equal_steps({"grpo": [(runs[0], 1.0)], "distill": [(runs[0][:9], 1.0)]}) == [25, 50, 100, 200]
 
 
+@pytest.mark.long
 def test_the_benchmark_writes_its_table_from_the_runs(tmp_path):
     """benchmarks/distill_benchmark.py, grpo.py's and distill.py's rows for 2 small steps of seed 1: each row's
     accuracy is its run's, the teacher's accuracy names the target, the figure is written."""
@@ -392,6 +394,7 @@ def test_the_benchmark_writes_its_table_from_the_runs(tmp_path):
     assert (tmp_path / "distill.png").stat().st_size > 0
 
 
+@pytest.mark.long
 def test_the_chain_rows_quick_form(tmp_path):
     """benchmarks/distill_chain.py's suite form: a teacher of 2 steps more, each row 2 steps of 8 completions, 16
     held-out chain prompts. Both rows start from the same student on the same prompts (the same accuracy at step 0);

@@ -248,7 +248,7 @@ def test_the_gpu_page_gives_the_memory_estimate_of_its_commands():
         ]  # one machine
         assert len(matches) == 1, f"no single command on the pages for the row {c.name!r}"
         argv = matches[0]
-        pairs = 2 if script in ("dpo.py", "reward_model.py") else 1  # a pair is two sequences
+        pairs = 2 if script in ("scale/dpo.py", "scale/reward_model.py") else 1  # a pair is two sequences
         assert int(argv[argv.index("--micro-batch-size") + 1]) * pairs == c.micro_batch, c.name
         assert ("--gradient-checkpointing" in argv) == c.checkpointing, c.name
         if c.processes > 1:
@@ -260,10 +260,10 @@ def test_the_async_page_says_its_grpo_wall_time_is_another_benchmarks_run():
     eta > 0, grpo.py's), and names results.md's wall time of the same command as another set of runs."""
     page, rows = read("docs/async_grpo.md"), table_rows("docs/async_grpo.md", columns=8)
     ahead = [cells for name, cells in rows.items() if name.startswith("eta") and "interrupt" not in name]
-    assert len(ahead) == 6 and {"grpo.py", "sync"} <= set(rows)
+    assert len(ahead) == 6 and {"scale/grpo.py", "sync"} <= set(rows)
     walls = sorted(int(cells[7].split(" ± ")[0]) for cells in ahead)
     sync = rows["sync"][7].split(" ± ")[0]
-    assert f"(the runs {sync} s against {walls[0]} to {walls[-1]} s; grpo.py {rows['grpo.py'][7]} s" in page
+    assert f"(the runs {sync} s against {walls[0]} to {walls[-1]} s; grpo.py {rows['scale/grpo.py'][7]} s" in page
     assert (
         f"which [results.md](results.md)'s benchmark, another set of runs of the same command, measured at"
         f" {results()['grpo'][4]} s"

@@ -1,4 +1,4 @@
-"""dpo.py's loss and sequence log-probs against numbers worked out by hand."""
+"""scale/dpo.py's loss and sequence log-probs against numbers worked out by hand."""
 
 import math
 import os
@@ -9,7 +9,8 @@ import torch
 from conftest import ROOT
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from dpo import addition_task, completion_logps, dpo_loss, load_model, load_tokenizer, pair_batch, rounding_tolerance
+from dpo import addition_task, completion_logps, dpo_loss, rounding_tolerance
+from scale.dpo import load_model, load_tokenizer, pair_batch
 
 # one pair with log-probs: policy chosen -10, rejected -12; reference chosen -11, rejected -11
 # log-ratios: chosen +1, rejected -1, so h = 2
@@ -82,7 +83,7 @@ def test_a_margin_within_the_tolerance_is_a_tie():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_two_copies_of_the_bundled_model_tie_within_rounding_and_a_changed_one_does_not(dtype):
-    """dpo.py's step 0: the policy and a frozen reference loaded from one folder. Their margins may
+    """scale/dpo.py's step 0: the policy and a frozen reference loaded from one folder. Their margins may
     differ from 0 in the last bits (they do on some CPUs), but stay inside rounding_tolerance; a
     reference whose weights really differ (by about one per cent) is ranked outside it, in bfloat16
     compute too (a tolerance from bfloat16's eps, 0.2 nats here, counted nearly all of them as ties)."""

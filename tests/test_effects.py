@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import ROOT
 
-import grpo
+from scale import grpo
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import effects  # noqa: E402
@@ -93,6 +93,7 @@ def test_reward_noise_becomes_a_whole_advantage_only_where_the_rewards_are_scale
         effects.patched(grpo.main, "no such line", "")
 
 
+@pytest.mark.long
 def test_every_rows_quick_form(tmp_path):
     """The suite's form of `python benchmarks/effects.py`: 1 seed, 2 steps a run, 64 held-out prompts."""
     settings = sys.argv, torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
@@ -146,9 +147,11 @@ def test_every_rows_quick_form(tmp_path):
         assert policy["tokens"] > 64 and policy["exact"] > 0
         assert policy["k1"]["negative"] > 0 and policy["k2"]["negative"] == policy["k3"]["negative"] == 0
     clipped = results["cispo-clipped"]
-    assert clipped["grpo.py"]["clip_frac_max"][0] > 0  # the later passes move the ratio past the clip
-    assert all(0 <= f <= 1 for name, row in clipped.items() if name != "dapo.py" for f in row["clip_frac"])
-    assert clipped["dapo.py"]["learning_rate"] == 5e-5 and clipped["dapo.py"]["rollouts_sampled"][0] >= 2 * 256
+    assert clipped["scale/grpo.py"]["clip_frac_max"][0] > 0  # the later passes move the ratio past the clip
+    assert all(0 <= f <= 1 for name, row in clipped.items() if name != "scale/dapo.py" for f in row["clip_frac"])
+    assert (
+        clipped["scale/dapo.py"]["learning_rate"] == 5e-5 and clipped["scale/dapo.py"]["rollouts_sampled"][0] >= 2 * 256
+    )
     # the files' defaults: 300 steps of 32 prompts x 8 completions (rloo.py), of 128 prompts x 1 (ppo.py)
     ppo_rloo = results["rloo-vs-ppo"]
     assert (ppo_rloo["rloo"]["rollouts"], ppo_rloo["ppo"]["rollouts"]) == (76_800, 38_400)
@@ -174,10 +177,10 @@ def test_a_run_is_read_again_only_with_the_same_flags_and_data(tmp_path):
     flags = ["--model-name-or-path", os.path.join(ROOT, "tiny-adder"), "--dataset", str(data), "--num-steps", "1"]
     flags += ["--num-eval", "4", "--eval-every", "1"]
     args, metrics = SimpleNamespace(runs_dir=str(tmp_path)), tmp_path / "sft-1" / "metrics.jsonl"
-    effects.train(args, "sft.py", flags, "sft", 1)
+    effects.train(args, "scale/sft.py", flags, "sft", 1)
     first = metrics.stat().st_mtime_ns
-    effects.train(args, "sft.py", flags, "sft", 1)
+    effects.train(args, "scale/sft.py", flags, "sft", 1)
     assert metrics.stat().st_mtime_ns == first  # read again
     data.write_text('{"prompt": "1+1=", "completion": "3"}\n' * 40)
-    effects.train(args, "sft.py", flags, "sft", 1)
+    effects.train(args, "scale/sft.py", flags, "sft", 1)
     assert metrics.stat().st_mtime_ns != first  # run again, in a fresh folder

@@ -5,6 +5,7 @@ The ranges below are written out here, from what each flag means, not read from 
 check is missing or wrong for a flag fails, and so does a numeric flag that this table does not know.
 """
 
+import importlib
 import json
 import math
 import os
@@ -17,23 +18,22 @@ import torch
 from conftest import ROOT, run_script
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-import grpo
-import ppo
+from scale import grpo, ppo
 
 SCRIPTS = [
-    "grpo.py",
-    "rloo.py",
-    "gspo.py",
-    "cispo.py",
-    "ppo.py",
-    "dpo.py",
-    "reward_model.py",
-    "sft.py",
-    "async_grpo.py",
-    "process_grpo.py",
-    "tool_grpo.py",
-    "dapo.py",
-    "distill.py",
+    "scale/grpo.py",
+    "scale/rloo.py",
+    "scale/gspo.py",
+    "scale/cispo.py",
+    "scale/ppo.py",
+    "scale/dpo.py",
+    "scale/reward_model.py",
+    "scale/sft.py",
+    "scale/async_grpo.py",
+    "scale/process_grpo.py",
+    "scale/tool_grpo.py",
+    "scale/dapo.py",
+    "scale/distill.py",
 ]
 
 # (low, low included, high, high included); None: no bound on that side
@@ -66,9 +66,9 @@ PAIRS = {"num_train_prompts": POSITIVE, "pair_samples": POSITIVE, "pair_temperat
 LENGTH = {"max_length": (2, True, None, False)}  # with --max-prompt-length below it
 VLLM = {"vllm_kv_cache_gib": POSITIVE, "rollout_cap": (1, True, None, False)}  # the files that sample
 RANGES = {
-    "grpo.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM, "beta": NON_NEGATIVE},
-    "process_grpo.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM, "beta": NON_NEGATIVE},
-    "dapo.py": {
+    "scale/grpo.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM, "beta": NON_NEGATIVE},
+    "scale/process_grpo.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM, "beta": NON_NEGATIVE},
+    "scale/dapo.py": {
         **COMMON,
         **TRAINED_LM,
         **GROUP,
@@ -78,7 +78,7 @@ RANGES = {
         "max_sample_batches": POSITIVE,
         "overlong_cache": POSITIVE,
     },
-    "tool_grpo.py": {
+    "scale/tool_grpo.py": {
         **COMMON,
         **TRAINED_LM,
         **GROUP,
@@ -88,7 +88,7 @@ RANGES = {
         "tool_reward": NON_NEGATIVE,
         "rollout_cap": VLLM["rollout_cap"],  # no --vllm, but the corrections
     },
-    "async_grpo.py": {
+    "scale/async_grpo.py": {
         **COMMON,
         **TRAINED_LM,
         **GROUP,
@@ -98,11 +98,11 @@ RANGES = {
         "interrupt_every": NON_NEGATIVE,
         "behav_imp_cap": (1, True, None, False),
     },
-    "rloo.py": {**COMMON, **TRAINED_LM, **GROUP, **VLLM, "beta": NON_NEGATIVE},
-    "distill.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM, "group_size": POSITIVE, "jsd_beta": UNIT},
-    "gspo.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM},
-    "cispo.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM},
-    "ppo.py": {
+    "scale/rloo.py": {**COMMON, **TRAINED_LM, **GROUP, **VLLM, "beta": NON_NEGATIVE},
+    "scale/distill.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM, "group_size": POSITIVE, "jsd_beta": UNIT},
+    "scale/gspo.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM},
+    "scale/cispo.py": {**COMMON, **TRAINED_LM, **GROUP, **CLIPPED, **VLLM},
+    "scale/ppo.py": {
         **COMMON,
         **TRAINED_LM,
         **VLLM,
@@ -120,9 +120,16 @@ RANGES = {
         "lam": UNIT,
         "missing_eos_penalty": NON_NEGATIVE,
     },
-    "dpo.py": {**COMMON, **TRAINED_LM, **PAIRS, **LENGTH, "beta": POSITIVE, "label_smoothing": (0, True, 0.5, False)},
-    "reward_model.py": {**COMMON, **PAIRS, **LENGTH},
-    "sft.py": {
+    "scale/dpo.py": {
+        **COMMON,
+        **TRAINED_LM,
+        **PAIRS,
+        **LENGTH,
+        "beta": POSITIVE,
+        "label_smoothing": (0, True, 0.5, False),
+    },
+    "scale/reward_model.py": {**COMMON, **PAIRS, **LENGTH},
+    "scale/sft.py": {
         **COMMON,
         **TRAINED_LM,
         **LENGTH,
@@ -135,9 +142,12 @@ RANGES = {
 }
 # a valid value at an edge can still make a batch that does not divide: these flags keep the rest valid
 VALID_WITH = {
-    ("ppo.py", "prompts_per_step"): ["--num-minibatches", "1"],
-    ("sft.py", "hidden_size"): ["--num-heads", "1"],
-    **{(script, "max_length"): ["--max-prompt-length", "1"] for script in ("dpo.py", "reward_model.py", "sft.py")},
+    ("scale/ppo.py", "prompts_per_step"): ["--num-minibatches", "1"],
+    ("scale/sft.py", "hidden_size"): ["--num-heads", "1"],
+    **{
+        (script, "max_length"): ["--max-prompt-length", "1"]
+        for script in ("scale/dpo.py", "scale/reward_model.py", "scale/sft.py")
+    },
 }
 
 # runs each script's cases in one process, as `python script ...` does: `main(parse_args())` with the case's argv, the
@@ -218,7 +228,7 @@ def edges(low, low_in, high, high_in, integer):
 def edge_cases(script, folder):
     """For each numeric flag of a script: the argvs of its first invalid and its valid edge values, each with
     (flag, value, valid, its output folder); then an output folder that cannot be made (its parent is a file)."""
-    module = __import__(script[:-3])
+    module = importlib.import_module(script[:-3].replace("/", "."))
     cases, expected = [], []
     for i, (name, (low, low_in, high, high_in)) in enumerate(sorted(RANGES[script].items())):
         flag, integer = "--" + name.replace("_", "-"), is_int(module, name)
@@ -258,13 +268,13 @@ def harness_results(tmp_path_factory):
     {name: (folder, the argvs' expectations, their results)}."""
     cases, expected, folders = {}, {}, {}
     for script in SCRIPTS:
-        folders[script] = tmp_path_factory.mktemp(script[:-3])
+        folders[script] = tmp_path_factory.mktemp(os.path.basename(script)[:-3])
         argvs, expected[script] = edge_cases(script, folders[script])
         cases[script] = [script, argvs]
     folders["conflicts"] = tmp_path_factory.mktemp("conflicts")
     expected["conflicts"] = [str(folders["conflicts"] / f"out{i}") for i in range(len(CONFLICTS))]
     cases["conflicts"] = [
-        "grpo.py",
+        "scale/grpo.py",
         [flags + ["--output-dir", out] for (flags, _), out in zip(CONFLICTS, expected["conflicts"])],
     ]
     results = run_harness(cases)
@@ -278,7 +288,7 @@ def test_every_numeric_flag_is_checked_at_its_edges_before_anything_is_loaded(sc
     stops with one line that names the flag, the value and the range, before a model is built and before the
     output folder is made; the valid value at each edge gets past every check (to the first model). An output
     folder that cannot be made is refused before a model is built too."""
-    module = __import__(script[:-3])
+    module = importlib.import_module(script[:-3].replace("/", "."))
     assert numeric_flags(module) == set(RANGES[script]), "a numeric flag without a range here, or one gone"
     folder, expected, results = harness_results[script]
     results = list(results)
@@ -349,7 +359,7 @@ def test_a_script_stops_on_a_null_field_with_one_line(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_text('{"prompt": "1+1=", "answer": "2"}\n' * 3 + '{"prompt": null, "answer": "2"}\n')
     proc = run_script(
-        "grpo.py", "--dataset", str(path), "--num-eval", "1", "--output-dir", str(tmp_path / "o"), expect_ok=False
+        "scale/grpo.py", "--dataset", str(path), "--num-eval", "1", "--output-dir", str(tmp_path / "o"), expect_ok=False
     )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (

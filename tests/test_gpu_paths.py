@@ -8,11 +8,12 @@ import threading
 import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig
 
-import grpo
-from grpo import add_lora, hidden_states, load_model, token_logprobs
+from scale import grpo
+from scale.grpo import add_lora, hidden_states, load_model, token_logprobs
 
 
 def tiny_llama(path, vocab_size=300):
@@ -169,6 +170,7 @@ def test_rows_rolled_left_give_the_padded_rows_log_probs_and_gradients(tmp_path,
     assert a.shape == b.shape and (a - b)[attention_mask.bool()].abs().max() < 1e-5
 
 
+@pytest.mark.long
 def test_the_layers_compiled_for_whole_sequences_give_the_eager_layers_log_probs_gradients_and_rollouts(
     tmp_path, monkeypatch
 ):
@@ -240,6 +242,7 @@ def test_the_layers_compiled_for_whole_sequences_give_the_eager_layers_log_probs
     torch._dynamo.reset()
 
 
+@pytest.mark.long
 def test_the_compiled_layers_benchmark_counts_fewer_operations_compiled(monkeypatch):
     """benchmarks/compiled_layers.py at a small layer shape: a compiled layer runs fewer ATen operations than an eager
     one, the rest in kernels inductor generated."""
@@ -277,7 +280,7 @@ def test_a_checkpoints_random_states_bring_back_numpys_too(tmp_path):
 
     import numpy
 
-    from grpo import resume, save_checkpoint
+    from scale.grpo import resume, save_checkpoint
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama(tmp_path / "m"))
     optimizer = torch.optim.AdamW(model.parameters())
@@ -337,7 +340,7 @@ def test_lora_under_bfloat16_casts_no_frozen_decoder_weight_at_every_token(tmp_p
     and generate() multiplies the output layer in float32 too, so no frozen weight is cast (docs/gpu.md)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from grpo import generate
+    from scale.grpo import generate
 
     device, path = torch.device("cpu"), tiny_llama(tmp_path / "m")
     policy = add_lora(load_model(path, lora_flags("bfloat16"), device), lora_flags("bfloat16"))
@@ -384,7 +387,7 @@ def test_the_engine_takes_the_merged_weights_a_layer_at_a_time(tmp_path):
     import gc
     import weakref
 
-    from grpo import sync_engine
+    from scale.grpo import sync_engine
 
     device, path = torch.device("cpu"), tiny_llama(tmp_path / "m")
     policy = add_lora(load_model(path, lora_flags("float32"), device), lora_flags("float32"))
@@ -437,6 +440,7 @@ def test_the_lora_cast_benchmark_counts_the_casts_both_ways():
     assert all(speed > 0 for _, _, speed in found.values())
 
 
+@pytest.mark.long
 def test_the_gpu_check_runs_every_step_on_the_cpu():
     """benchmarks/gpu_benchmark.py --check, the decode loop's GPU half step by step (issue 63), at a small shape on
     the CPU (nothing compiled, no GPU memory): its ten steps in order, the eager bfloat16 rollout's tokens, the
@@ -472,6 +476,7 @@ def test_the_gpu_check_runs_every_step_on_the_cpu():
     assert float(linears.split("outputs ")[1].split(" apart")[0]) < 1e-2, linears  # the same products, fused
 
 
+@pytest.mark.long
 def test_a_run_as_on_a_gpu_compiles_whole_and_writes_a_runs_metrics(tmp_path, monkeypatch):
     """benchmarks/as_on_a_gpu.py: grpo.py's run on the path only a GPU takes (compiles() yes: the layers and the
     rollouts' step compiled by inductor, the output layer's bfloat16 parts, rows rolled, bfloat16), two steps with a
@@ -484,7 +489,7 @@ def test_a_run_as_on_a_gpu_compiles_whole_and_writes_a_runs_metrics(tmp_path, mo
     out = tmp_path / "run"
     small = ["--num-steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--micro-batch-size", "2"]
     small += ["--num-eval", "2", "--eval-every", "2", "--max-new-tokens", "6"]
-    proc = run_script("benchmarks/as_on_a_gpu.py", "grpo.py", *small, "--output-dir", str(out))
+    proc = run_script("benchmarks/as_on_a_gpu.py", "scale/grpo.py", *small, "--output-dir", str(out))
     summary = r"grpo.py as on a GPU: \S+ s; (\d+) graphs, (\d+) kinds of graph break, (\d+) frames left eager, (\d+)"
     ran = re.search(summary, proc.stdout)
     assert ran and int(ran[1]) >= 3 and int(ran[2]) == int(ran[3]) == 0 and int(ran[4]) > 0, proc.stdout[-2000:]

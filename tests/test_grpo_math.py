@@ -1,4 +1,4 @@
-"""grpo.py's advantage and loss against numbers worked out by hand."""
+"""scale/grpo.py's advantage and loss against numbers worked out by hand."""
 
 import math
 
@@ -116,7 +116,7 @@ def test_grpo_loss_at_ratio_one_is_minus_the_advantage():
 def test_weighted_means_by_hand():
     """Micro-batch token means 1.0 over 1 token and 0.0 over 3 tokens: the step's token mean is 1/4, not 1/2; a
     statistic that only some records hold is averaged over those; a tensor weight counts as its value."""
-    from grpo import weighted_means
+    from scale.grpo import weighted_means
 
     records = [({"kl": torch.tensor(1.0), "loss": 2.0}, 1), ({"kl": 0.0}, torch.tensor(3)), ({"loss": 5.0}, 2.0)]
     assert weighted_means(records) == pytest.approx({"kl": 0.25, "loss": (2.0 * 1 + 5.0 * 2) / 3})

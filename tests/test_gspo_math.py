@@ -1,4 +1,4 @@
-"""gspo.py's loss against numbers worked out by hand."""
+"""scale/gspo.py's loss against numbers worked out by hand."""
 
 import math
 

@@ -10,9 +10,9 @@ import torch
 import tyro
 from conftest import read_metrics, run_script
 
-import grpo
+from scale import grpo
 
-SAMPLING = ["grpo", "rloo", "gspo", "cispo", "dapo", "distill", "ppo", "process_grpo"]
+SAMPLING = [f"scale.{name}" for name in ("grpo", "rloo", "gspo", "cispo", "dapo", "distill", "ppo", "process_grpo")]
 
 
 def rows():
@@ -64,7 +64,7 @@ def test_every_sampling_file_offers_the_corrections_with_the_same_default(monkey
         monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # as if vLLM were installed
         assert module.Args().rollout_correction == "auto" and module.Args().rollout_cap == 2.0, name
         for vllm, mode, settled in ((False, "auto", "none"), (True, "auto", "token-tis"), (True, "icepop", "icepop")):
-            sampled_loss = {"loss": "reverse-kl"} if name == "distill" else {}  # distill's jsd weighs no token
+            sampled_loss = {"loss": "reverse-kl"} if name == "scale.distill" else {}  # distill's jsd weighs no token
             args = module.Args(vllm=vllm, rollout_correction=mode, **sampled_loss)
             module.check_args(args)
             assert args.rollout_correction == settled, name
@@ -81,14 +81,14 @@ def test_the_help_names_the_flag_and_its_default(capsys):
         assert "(default: auto)" in correction[: correction.index("--rollout-cap")], name
         assert "(default: 2.0)" in correction[correction.index("--rollout-cap") :], name
     with pytest.raises(SystemExit):  # tool_grpo.py has no --vllm, so no auto: none, its own decode loop
-        tyro.cli(importlib.import_module("tool_grpo").Args, args=["--help"])
+        tyro.cli(importlib.import_module("scale.tool_grpo").Args, args=["--help"])
     flat = " ".join(line.strip("│ ") for line in capsys.readouterr().out.splitlines())
     correction = flat[flat.index("--rollout-correction") :]
     assert "{none,token-tis,token-mis,seq-tis,seq-mis,icepop}" in correction
     assert "(default: none)" in correction[: correction.index("--rollout-cap")]
 
 
-@pytest.mark.parametrize("name", ["grpo.py", "ppo.py", "tool_grpo.py"])
+@pytest.mark.parametrize("name", ["scale/grpo.py", "scale/ppo.py", "scale/tool_grpo.py"])
 def test_a_run_measures_its_own_decode_loops_mismatch(name, tmp_path):
     """The decode loop returns each sampled token's log-prob, and the loss takes pi_old from the training forward
     pass: on this CPU, in float32, the two are the same computation to rounding (docs/gpu.md: 1e-5), so the logged
@@ -97,7 +97,7 @@ def test_a_run_measures_its_own_decode_loops_mismatch(name, tmp_path):
     policy's tokens alone, also where the tool's carry loss (--no-mask-tool-tokens, with none), and refuses a
     correction there, which would weigh them 0."""
     small = ["--num-steps", "2", "--prompts-per-step", "4", "--num-eval", "8", "--log-every", "1"]
-    tool = name == "tool_grpo.py"
+    tool = name == "scale/tool_grpo.py"
     for mode in ("none" if tool else "auto", "token-tis"):
         out = tmp_path / mode
         ablation = ["--no-mask-tool-tokens"] * (tool and mode == "none")
@@ -110,22 +110,28 @@ def test_a_run_measures_its_own_decode_loops_mismatch(name, tmp_path):
         else:  # none, or auto without --vllm: none, so no weights
             assert not any("rollout/is_weight" in m for m in steps), steps
     if tool:
-        tool_grpo = importlib.import_module("tool_grpo")
+        tool_grpo = importlib.import_module("scale.tool_grpo")
         with pytest.raises(SystemExit, match="--rollout-correction icepop weighs tool tokens 0 under --no-mask"):
             tool_grpo.check_args(tool_grpo.Args(mask_tool_tokens=False, rollout_correction="icepop"))
 
 
 def test_distillation_over_the_vocabulary_measures_the_mismatch_and_refuses_a_correction(tmp_path):
-    """distill.py's default loss (jsd) samples no token for its loss, so it weighs none; it still logs its rollouts'
-    mismatch to the student's log-probs, and a correction asked for with it stops the run in one line."""
+    """scale/distill.py's default loss (jsd) samples no token for its loss, so it weighs none; it still logs its
+    rollouts' mismatch to the student's log-probs, and a correction asked for with it stops the run in one line."""
     small = ["--num-steps", "2", "--prompts-per-step", "8", "--num-eval", "8", "--log-every", "1"]
     out = tmp_path / "run"
-    run_script("distill.py", *small, "--output-dir", str(out))
+    run_script("scale/distill.py", *small, "--output-dir", str(out))
     steps = [m for m in read_metrics(out) if m["step"] > 0]
     assert len(steps) == 2 and all(m["rollout/logprob_diff"] < 1e-4 and m["rollout/beyond_2"] == 0 for m in steps)
     assert not any("rollout/is_weight" in m for m in steps), steps
     refused = run_script(
-        "distill.py", *small, "--rollout-correction", "icepop", "--output-dir", str(tmp_path / "no"), expect_ok=False
+        "scale/distill.py",
+        *small,
+        "--rollout-correction",
+        "icepop",
+        "--output-dir",
+        str(tmp_path / "no"),
+        expect_ok=False,
     )
     lines = refused.stderr.strip().splitlines()
     assert refused.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: --rollout-correction:"), lines

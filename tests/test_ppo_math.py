@@ -1,4 +1,4 @@
-"""ppo.py's rewards, GAE, whitening and both clipped losses against numbers worked out by hand."""
+"""scale/ppo.py's rewards, GAE, whitening and both clipped losses against numbers worked out by hand."""
 
 import math
 

@@ -34,17 +34,17 @@ SMALL = ["--num-steps", "2", "--learning-rate", "1e-6", "--num-eval", "4", "--ev
 TRAINED = {  # script, the model it trains, flags that keep it small
     # 8 groups a step: some group has a reward that varies (4 groups drew none in either step of seed 1, the decode
     # loop's random numbers since issue 54)
-    "policy (grpo.py)": ("grpo.py", "policy", ["--prompts-per-step", "8", "--group-size", "4"]),
-    "sft.py": ("sft.py", "model", ["--model-name-or-path", "tiny-adder", "--batch-size", "16"]),
-    "reward_model.py": (
-        "reward_model.py",
+    "policy (grpo.py)": ("scale/grpo.py", "policy", ["--prompts-per-step", "8", "--group-size", "4"]),
+    "scale/sft.py": ("scale/sft.py", "model", ["--model-name-or-path", "tiny-adder", "--batch-size", "16"]),
+    "scale/reward_model.py": (
+        "scale/reward_model.py",
         "model",
         ["--batch-size", "8", "--num-train-prompts", "40", "--num-eval", "20"],
     ),
     # from a reward model (a random head): the verifier's value head starts at zero, and no gradient reaches the
     # decoder through a zero head
     "value model (ppo.py)": (
-        "ppo.py",
+        "scale/ppo.py",
         "value_model",
         ["--prompts-per-step", "8", "--num-minibatches", "1", "--reward-model-path", "{rm}"],
     ),
@@ -94,7 +94,7 @@ def test_bfloat16_compute_moves_the_weights_as_float32_does(what, trained):
         assert f32 > 1e-7, f"{what}: {k} hardly moved in float32 ({f32})"
         assert 0.7 <= b16 / f32 <= 1.4, f"{what}: {k} moved {b16:.2e} in bfloat16 against {f32:.2e} in float32"
     # what is trained stays float32, and the saved checkpoint too
-    if script != "ppo.py":
+    if script != "scale/ppo.py":
         saved = load_file(os.path.join(out, "bfloat16", "model.safetensors"))
         assert {t.dtype for t in saved.values()} == {torch.float32}
 
@@ -102,7 +102,7 @@ def test_bfloat16_compute_moves_the_weights_as_float32_does(what, trained):
 def test_float16_trains_on_a_gpu_alone_and_a_cpu_run_says_so(tmp_path):
     """--dtype float16 trains with a loss scaler (clipped_step) on GPUs, under one process or DDP; on a CPU the
     command line stops in one line that names bfloat16, before anything is made."""
-    proc = run_script("grpo.py", "--dtype", "float16", "--output-dir", str(tmp_path / "o"), expect_ok=False)
+    proc = run_script("scale/grpo.py", "--dtype", "float16", "--output-dir", str(tmp_path / "o"), expect_ok=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "error: --dtype float16 trains on GPUs" in proc.stderr and "--dtype bfloat16" in proc.stderr
     assert not os.path.exists(tmp_path / "o")
@@ -113,7 +113,7 @@ def test_the_loss_scaler_steps_as_the_plain_loss_and_skips_a_step_that_overflowe
     2^10 and unscaled by clipped_step clips and steps as the plain loss does (the weights within 1e-6); an infinite
     gradient skips the step, leaves the weights alone and halves the scale; the scaler is off for a model that does
     not compute in float16, and its step is the plain one; and a checkpoint keeps the scale for a resumed run."""
-    import grpo
+    from scale import grpo
 
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import ROOT, read_metrics, run_script
 
-import process_grpo
 from process_grpo import grpo_loss, process_advantages, reward_steps, scored_steps, step_rewards_fn
+from scale import process_grpo
 
 SENTINEL = 1e6  # where no step ends, and in the padding: it must reach neither the advantage nor the loss
 
@@ -42,7 +42,7 @@ def test_equal_steps_a_single_step_and_no_steps_give_zeros():
 def test_one_step_a_completion_at_its_end_is_grpo():
     """Outcome supervision: each completion one step, ending at its last token; the advantage is GRPO's z-score
     of the group, on every token up to the end, and 0 after it."""
-    from grpo import group_advantages
+    from scale.grpo import group_advantages
 
     outcome = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0])
     lengths = [3, 1, 2, 3, 2, 1]
@@ -162,6 +162,7 @@ def test_the_text_lengths_of_one_pass_are_those_of_every_prefix_decoded(real_mod
             assert process_grpo.text_lengths(tokenizer, ids) == prefix_lengths(tokenizer, ids), (path, ids)
 
 
+@pytest.mark.long
 def test_the_benchmark_runs_both_supervisions_and_writes_their_table(tmp_path):
     """benchmarks/process_benchmark.py (results.md's comparison), with small runs: process and outcome supervision
     each log the trace error with its denominator at every evaluation, and the table and figure are written."""

@@ -85,7 +85,8 @@ ONE_STEP = ["--num-steps", "1", "--eval-every", "1"]  # a step of a 135M model's
 
 # ppo.py and reward_model.py run in the next test; grpo.py on the real model in the quick benchmark
 # (test_benchmark.py), with the README's flags shortened, and its saved model is loaded there
-@pytest.mark.parametrize("script", ["rloo.py", "gspo.py", "cispo.py", "dpo.py", "sft.py"])
+@pytest.mark.parametrize("script", ["scale/rloo.py", "scale/gspo.py", "scale/cispo.py", "scale/dpo.py", "scale/sft.py"])
+@pytest.mark.long
 def test_every_file_runs_on_the_real_model(script, real_model_dir, tmp_path):
     out = str(tmp_path / "run")
     run_script(
@@ -95,7 +96,7 @@ def test_every_file_runs_on_the_real_model(script, real_model_dir, tmp_path):
         "--task",
         "addition-question",
         *SMALL[script],
-        *(PAIRS if script == "dpo.py" else ["--num-eval", "2"]),
+        *(PAIRS if script == "scale/dpo.py" else ["--num-eval", "2"]),
         *ONE_STEP,
         "--output-dir",
         out,
@@ -104,16 +105,17 @@ def test_every_file_runs_on_the_real_model(script, real_model_dir, tmp_path):
     assert "eval/accuracy" in metrics[0]
 
 
+@pytest.mark.long
 def test_reward_model_then_ppo_against_it_on_the_real_model(real_model_dir, tmp_path):
     """A LlamaForSequenceClassification reward model (pad = EOS), then PPO against it, its critic started from it."""
     rm = str(tmp_path / "rm")
     run_script(
-        "reward_model.py",
+        "scale/reward_model.py",
         "--model-name-or-path",
         real_model_dir,
         "--task",
         "addition-question",
-        *SMALL["reward_model.py"],
+        *SMALL["scale/reward_model.py"],
         *PAIRS,
         *ONE_STEP,
         "--output-dir",
@@ -122,14 +124,14 @@ def test_reward_model_then_ppo_against_it_on_the_real_model(real_model_dir, tmp_
     assert "eval/pair_accuracy" in check_saved(rm, AutoModelForSequenceClassification)[-1]
     ppo = str(tmp_path / "ppo")
     run_script(
-        "ppo.py",
+        "scale/ppo.py",
         "--model-name-or-path",
         real_model_dir,
         "--task",
         "addition-question",
         "--reward-model-path",
         rm,
-        *SMALL["ppo.py"],
+        *SMALL["scale/ppo.py"],
         *["--prompts-per-step", "2", "--num-minibatches", "1", "--ppo-epochs", "1", "--num-eval", "2"],  # one pass
         *ONE_STEP,
         "--output-dir",
@@ -138,6 +140,7 @@ def test_reward_model_then_ppo_against_it_on_the_real_model(real_model_dir, tmp_
     assert "charts/score" in check_saved(ppo)[-1]
 
 
+@pytest.mark.long
 def test_the_distillation_pages_commands_on_the_real_model(real_model_dir, tmp_path):
     """docs/distill.md's SmolLM2 pair: the teacher is the GRPO command's output folder (test_benchmark.py checks that
     command is the benchmark's), and distill.py's command runs a step with small flags, the SmolLM2 folder standing
@@ -145,13 +148,13 @@ def test_the_distillation_pages_commands_on_the_real_model(real_model_dir, tmp_p
     from test_scripts import readme_commands
 
     commands = readme_commands()
-    (command,) = [c for c in commands if c.startswith("python distill.py") and "--task addition-question" in c]
+    (command,) = [c for c in commands if c.startswith("python scale/distill.py") and "--task addition-question" in c]
     argv = shlex.split(command)[1:]
     teacher = argv.index("--teacher-path") + 1
     assert [c for c in commands if c.startswith("python grpo.py") and c.endswith(f" --output-dir {argv[teacher]}")]
     argv[teacher] = real_model_dir
     out = str(tmp_path / "run")
-    run_script(*argv, *SMALL["distill.py"], *ONE_STEP, "--output-dir", out)
+    run_script(*argv, *SMALL["scale/distill.py"], *ONE_STEP, "--output-dir", out)
     metrics = check_saved(out)
     assert 0 <= metrics[0]["eval/teacher_accuracy"] <= 1 and "eval/teacher_accuracy" not in metrics[-1]
     assert metrics[-1]["losses/reverse_kl"] == pytest.approx(0, abs=1e-4)  # its own teacher: pi_old = pi_T at step 1

@@ -37,16 +37,16 @@ run["main"](found["tyro"].cli(found["Args"]))
 # 4 steps, a checkpoint every 2, evaluations at 0, 2 and 4; the killed run dies after step 3 is logged
 STEPS = ["--num-steps", "4", "--save-every", "2", "--log-every", "1", "--eval-every", "2"]
 SAMPLING = (
-    "grpo.py",
-    "async_grpo.py",
-    "rloo.py",
-    "gspo.py",
-    "cispo.py",
-    "ppo.py",
-    "process_grpo.py",
-    "tool_grpo.py",
-    "dapo.py",
-    "distill.py",
+    "scale/grpo.py",
+    "scale/async_grpo.py",
+    "scale/rloo.py",
+    "scale/gspo.py",
+    "scale/cispo.py",
+    "scale/ppo.py",
+    "scale/process_grpo.py",
+    "scale/tool_grpo.py",
+    "scale/dapo.py",
+    "scale/distill.py",
 )  # they log rollouts too
 RL = ["--prompts-per-step", "4", "--micro-batch-size", "8", "--num-eval", "20", "--max-new-tokens", "6"]
 PAIRS = [
@@ -62,33 +62,35 @@ PAIRS = [
     "20",
 ]
 FLAGS = {  # several optimizer steps per batch where the file has them: the AdamW state must come back too
-    "grpo.py": RL + ["--group-size", "4", "--num-iterations", "2", "--num-minibatches", "2"],
+    "scale/grpo.py": RL + ["--group-size", "4", "--num-iterations", "2", "--num-minibatches", "2"],
     # eta 1: batch 3, sampled ahead by version 1, is kept in the step-2 checkpoint; batch 4 is sampled after the
     # resume, by version 2, from the random state the checkpoint put back
-    "async_grpo.py": RL
+    "scale/async_grpo.py": RL
     + ["--group-size", "4", "--num-iterations", "2", "--num-minibatches", "2", "--max-staleness", "1"],
-    "rloo.py": RL + ["--group-size", "4"],
+    "scale/rloo.py": RL + ["--group-size", "4"],
     # a chain's steps need room: in 6 tokens every completion ends inside its first step, all rewards 0, no update
-    "process_grpo.py": RL + ["--group-size", "4", "--num-minibatches", "2", "--max-new-tokens", "16"],
-    "dapo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],  # its sampled batches' counter comes back too
+    "scale/process_grpo.py": RL + ["--group-size", "4", "--num-minibatches", "2", "--max-new-tokens", "16"],
+    "scale/dapo.py": RL
+    + ["--group-size", "4", "--num-minibatches", "2"],  # its sampled batches' counter comes back too
     # a teacher with the bundled model's tokenizer, trained on another task: the student moves at every step
-    "distill.py": RL + ["--group-size", "4", "--num-minibatches", "2", "--teacher-path", "tiny-chainer"],
-    "tool_grpo.py": RL + ["--group-size", "4", "--num-minibatches", "2", "--max-new-tokens", "24"],  # a call and more
-    "gspo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],
-    "cispo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],
+    "scale/distill.py": RL + ["--group-size", "4", "--num-minibatches", "2", "--teacher-path", "tiny-chainer"],
+    "scale/tool_grpo.py": RL
+    + ["--group-size", "4", "--num-minibatches", "2", "--max-new-tokens", "24"],  # a call and more
+    "scale/gspo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],
+    "scale/cispo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],
     # a reward model: the KL coefficient adapts and the score's bias is set at step 1, loop state to bring back
-    "ppo.py": RL + ["--num-minibatches", "2", "--micro-batch-size", "2", "--reward-model-path", "{rm}"],
-    "sft.py": ["--batch-size", "4", "--micro-batch-size", "2", "--num-eval", "4", "--max-new-tokens", "6"],
-    "dpo.py": PAIRS,
-    "reward_model.py": PAIRS,
+    "scale/ppo.py": RL + ["--num-minibatches", "2", "--micro-batch-size", "2", "--reward-model-path", "{rm}"],
+    "scale/sft.py": ["--batch-size", "4", "--micro-batch-size", "2", "--num-eval", "4", "--max-new-tokens", "6"],
+    "scale/dpo.py": PAIRS,
+    "scale/reward_model.py": PAIRS,
 }
 
 
 SAMPLE_KEYS = {
     "rl": ["prompt", "completion", "answer", "reward"],  # sft.py's too: the addition task has answers
-    "ppo.py": ["prompt", "completion", "score", "answer", "reward"],
-    "dpo.py": ["prompt", "chosen", "rejected", "margin"],
-    "reward_model.py": ["prompt", "chosen", "rejected", "chosen_score", "rejected_score"],
+    "scale/ppo.py": ["prompt", "completion", "score", "answer", "reward"],
+    "scale/dpo.py": ["prompt", "chosen", "rejected", "margin"],
+    "scale/reward_model.py": ["prompt", "chosen", "rejected", "chosen_score", "rejected_score"],
 }
 
 
@@ -127,7 +129,7 @@ def assert_resumed_exactly(whole, resumed):
 
 # the files killed by a SIGKILL in a process of their own (async_grpo.py's generator thread dies with it); the others
 # stop at the same place in the pytest process, which spares a start of torch each
-SIGKILLED = ("grpo.py", "async_grpo.py")
+SIGKILLED = ("scale/grpo.py", "scale/async_grpo.py")
 
 
 @pytest.mark.parametrize("script", list(FLAGS))
@@ -137,7 +139,7 @@ def test_a_killed_run_resumes_exactly(script, tmp_path):
     aside. Up to its death the killed run logged what the whole run logged (the same seed gives the same metrics in
     a new process); its step-3 line, which the resume writes again, goes (metrics.jsonl keeps steps 0 to 2)."""
     flags = [str(tmp_path / "rm") if f == "{rm}" else f for f in FLAGS[script]] + STEPS
-    if script == "ppo.py":
+    if script == "scale/ppo.py":
         scorer(str(tmp_path / "rm"))
     whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
     run_script(script, *flags, "--output-dir", whole)
@@ -179,7 +181,7 @@ def test_a_killed_run_resumes_exactly(script, tmp_path):
     assert "\n  sample  " in proc.stdout
     # the newest two checkpoints stay, each with the trained model(s) loadable on their own
     assert sorted(os.listdir(os.path.join(killed, "checkpoints"))) == ["step_000002", "step_000004"]
-    trained = {"ppo.py": ["policy", "value_model"], "sft.py": ["model"], "reward_model.py": ["model"]}
+    trained = {"scale/ppo.py": ["policy", "value_model"], "scale/sft.py": ["model"], "scale/reward_model.py": ["model"]}
     for name in trained.get(script, ["policy"]):
         assert os.path.exists(os.path.join(killed, "checkpoints", "step_000004", name, "model.safetensors"))
     # the checkpoint's policy is the final model: the run ended at the checkpoint's step
@@ -204,7 +206,16 @@ def test_bad_resume_input_stops_with_one_line_and_changes_nothing(tmp_path):
     run = str(tmp_path / "run")
     argv = [run if a == "runs/long" else a for a in shlex.split(save)[1:]]
     run_script(
-        *argv, "--num-steps", "3", "--save-every", "1", "--keep-checkpoints", "3", "--log-every", "1", *FLAGS["rloo.py"]
+        *argv,
+        "--num-steps",
+        "3",
+        "--save-every",
+        "1",
+        "--keep-checkpoints",
+        "3",
+        "--log-every",
+        "1",
+        *FLAGS["scale/rloo.py"],
     )
     # a checkpoint cut short: its folder never got its final name
     checkpoints = os.path.join(run, "checkpoints")
@@ -213,34 +224,34 @@ def test_bad_resume_input_stops_with_one_line_and_changes_nothing(tmp_path):
     before = {os.path.join(d, f): os.path.getmtime(os.path.join(d, f)) for d, _, fs in os.walk(run) for f in fs}
     cases = [
         (
-            "grpo.py",
+            "scale/grpo.py",
             ["--resume-from", run, "--num-steps", "6", "--learning-rate", "0.5"],
             f"--resume-from {run}: differs from the run: --learning-rate 0.5 (the run's: 0.0001)",
         ),
         (
-            "rloo.py",
+            "scale/rloo.py",
             ["--resume-from", run, "--num-steps", "6"],
             f"--resume-from {run}: differs from the run: file rloo.py (the run's: grpo.py)",
         ),
         (
-            "grpo.py",
+            "scale/grpo.py",
             ["--resume-from", os.path.join(checkpoints, "step_000004.partial"), "--num-steps", "6"],
             f"--resume-from {os.path.join(checkpoints, 'step_000004.partial')}: not a run's folder with a whole "
             "checkpoint",
         ),
         (
-            "grpo.py",
+            "scale/grpo.py",
             ["--resume-from", os.path.join(checkpoints, "step_000002"), "--num-steps", "6"],
             f"--resume-from {os.path.join(checkpoints, 'step_000002')}: not a run's folder with a whole checkpoint",
         ),
         (
-            "grpo.py",
+            "scale/grpo.py",
             ["--resume-from", str(tmp_path / "nowhere")],
             f"--resume-from {tmp_path / 'nowhere'}: not a run's folder with a whole checkpoint",
         ),
-        ("grpo.py", ["--resume-from", run], "--num-steps 3: the checkpoint is at step 3; ask for more steps"),
+        ("scale/grpo.py", ["--resume-from", run], "--num-steps 3: the checkpoint is at step 3; ask for more steps"),
         (
-            "grpo.py",
+            "scale/grpo.py",
             ["--resume-from", run, "--num-steps", "6", "--output-dir", str(tmp_path / "elsewhere")],
             f"--resume-from {run}: differs from the run: --output-dir {tmp_path / 'elsewhere'} (the run's: {run})",
         ),
@@ -248,9 +259,12 @@ def test_bad_resume_input_stops_with_one_line_and_changes_nothing(tmp_path):
     # each file's cases in one process (test_flags' harness: a SystemExit's message is the one line that python
     # prints, with status 1; a model built means a check let the case through), and one case as a real process
     results = run_harness(
-        {script: [script, [argv for s, argv, _ in cases if s == script]] for script in ("grpo.py", "rloo.py")}
+        {
+            script: [script, [argv for s, argv, _ in cases if s == script]]
+            for script in ("scale/grpo.py", "scale/rloo.py")
+        }
     )
-    for script in ("grpo.py", "rloo.py"):
+    for script in ("scale/grpo.py", "scale/rloo.py"):
         mine = [(argv, message) for s, argv, message in cases if s == script]
         for (argv, message), (outcome, text) in zip(mine, results[script], strict=True):
             assert outcome == "exit" and text.startswith(f"error: {message}") and "\n" not in text, (argv, text)
@@ -279,7 +293,7 @@ def readme_checkpoint_commands():
     return commands
 
 
-TORCHRUN = [(script, mode) for script in ("grpo.py", "dpo.py") for mode in ("ddp", "fsdp")]
+TORCHRUN = [(script, mode) for script in ("scale/grpo.py", "scale/dpo.py") for mode in ("ddp", "fsdp")]
 
 
 @pytest.fixture(scope="module")

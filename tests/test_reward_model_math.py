@@ -1,4 +1,4 @@
-"""reward_model.py's loss and the token its score is read at."""
+"""scale/reward_model.py's loss and the token its score is read at."""
 
 import math
 import os
@@ -102,7 +102,7 @@ def test_score_in_the_prompt_then_completion_layout(reward_model):
     ],
 )
 def test_addition_pairs_by_hand(monkeypatch, pairs, chosen, expected):
-    import reward_model
+    from scale import reward_model
 
     samples = ["2", "3", "2", "4", "9", "9", "11", "12"]  # what the policy "sampled", 4 per prompt
     monkeypatch.setattr(reward_model, "generate", lambda *args: torch.zeros(len(samples), 1, dtype=torch.long))

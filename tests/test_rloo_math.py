@@ -1,4 +1,4 @@
-"""rloo.py's advantage and loss against numbers worked out by hand."""
+"""scale/rloo.py's advantage and loss against numbers worked out by hand."""
 
 import pytest
 import torch

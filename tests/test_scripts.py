@@ -17,15 +17,15 @@ from conftest import FIXTURES, ROOT, read_metrics, run_script
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 ALL_SCRIPTS = [
-    "grpo.py",
-    "rloo.py",
-    "gspo.py",
-    "cispo.py",
-    "ppo.py",
-    "sft.py",
-    "dpo.py",
-    "reward_model.py",
-    "async_grpo.py",
+    "scale/grpo.py",
+    "scale/rloo.py",
+    "scale/gspo.py",
+    "scale/cispo.py",
+    "scale/ppo.py",
+    "scale/sft.py",
+    "scale/dpo.py",
+    "scale/reward_model.py",
+    "scale/async_grpo.py",
 ]
 # the metrics that measure time, which no two runs share
 TIMING_KEYS = (
@@ -38,6 +38,20 @@ TIMING_KEYS = (
     "charts/wait_time",
     "charts/teacher_time",
 )
+
+
+class ByFile(dict):
+    """The files' flags by file name, which a plain file (grpo.py) and its scale twin (scale/grpo.py) share."""
+
+    def __getitem__(self, script):
+        return super().__getitem__(os.path.basename(script))
+
+    def __contains__(self, script):
+        return super().__contains__(os.path.basename(script))
+
+    def get(self, script, default=None):
+        return super().get(os.path.basename(script), default)
+
 
 # flags that make a README command small enough for the test suite (later flags win in tyro)
 RL_SMALL = [
@@ -56,75 +70,77 @@ RL_SMALL = [
     "--max-new-tokens",
     "6",
 ]
-SMALL = {
-    "grpo.py": RL_SMALL,
-    "async_grpo.py": RL_SMALL + ["--max-staleness", "1"],
-    "process_grpo.py": RL_SMALL,
-    "tool_grpo.py": RL_SMALL,
-    "dapo.py": RL_SMALL,
-    "distill.py": RL_SMALL,
-    "rloo.py": RL_SMALL,
-    "gspo.py": RL_SMALL + ["--num-minibatches", "2"],
-    "cispo.py": RL_SMALL + ["--num-minibatches", "2"],
-    "sft.py": [
-        "--num-steps",
-        "2",
-        "--batch-size",
-        "4",
-        "--micro-batch-size",
-        "2",
-        "--num-eval",
-        "2",
-        "--eval-every",
-        "2",
-        "--max-new-tokens",
-        "6",
-    ],
-    # 20 held-out addition prompts (2 records of a file): enough that some sampled answer is wrong
-    "dpo.py": [
-        "--num-steps",
-        "2",
-        "--batch-size",
-        "4",
-        "--micro-batch-size",
-        "2",
-        "--eval-every",
-        "2",
-        "--num-train-prompts",
-        "16",
-        "--pair-samples",
-        "2",
-    ],
-    "reward_model.py": [
-        "--num-steps",
-        "2",
-        "--batch-size",
-        "4",
-        "--micro-batch-size",
-        "2",
-        "--eval-every",
-        "2",
-        "--num-train-prompts",
-        "16",
-        "--pair-samples",
-        "2",
-    ],
-    "ppo.py": [
-        "--num-steps",
-        "2",
-        "--prompts-per-step",
-        "4",
-        "--num-minibatches",
-        "2",
-        "--micro-batch-size",
-        "2",
-        "--eval-every",
-        "2",
-        "--max-new-tokens",
-        "6",
-    ],
-}
-EVAL_SIZE = {"dpo.py": "20", "reward_model.py": "20"}
+SMALL = ByFile(
+    {
+        "grpo.py": RL_SMALL,
+        "async_grpo.py": RL_SMALL + ["--max-staleness", "1"],
+        "process_grpo.py": RL_SMALL,
+        "tool_grpo.py": RL_SMALL,
+        "dapo.py": RL_SMALL,
+        "distill.py": RL_SMALL,
+        "rloo.py": RL_SMALL,
+        "gspo.py": RL_SMALL + ["--num-minibatches", "2"],
+        "cispo.py": RL_SMALL + ["--num-minibatches", "2"],
+        "sft.py": [
+            "--num-steps",
+            "2",
+            "--batch-size",
+            "4",
+            "--micro-batch-size",
+            "2",
+            "--num-eval",
+            "2",
+            "--eval-every",
+            "2",
+            "--max-new-tokens",
+            "6",
+        ],
+        # 20 held-out addition prompts (2 records of a file): enough that some sampled answer is wrong
+        "dpo.py": [
+            "--num-steps",
+            "2",
+            "--batch-size",
+            "4",
+            "--micro-batch-size",
+            "2",
+            "--eval-every",
+            "2",
+            "--num-train-prompts",
+            "16",
+            "--pair-samples",
+            "2",
+        ],
+        "reward_model.py": [
+            "--num-steps",
+            "2",
+            "--batch-size",
+            "4",
+            "--micro-batch-size",
+            "2",
+            "--eval-every",
+            "2",
+            "--num-train-prompts",
+            "16",
+            "--pair-samples",
+            "2",
+        ],
+        "ppo.py": [
+            "--num-steps",
+            "2",
+            "--prompts-per-step",
+            "4",
+            "--num-minibatches",
+            "2",
+            "--micro-batch-size",
+            "2",
+            "--eval-every",
+            "2",
+            "--max-new-tokens",
+            "6",
+        ],
+    }
+)
+EVAL_SIZE = ByFile({"dpo.py": "20", "reward_model.py": "20"})
 
 
 def python_commands(text):
@@ -213,7 +229,7 @@ def test_readme_command(command, chat_model_dir, tmp_path):
     num_eval = "2" if any(a.endswith(".jsonl") for a in argv) else EVAL_SIZE.get(script, "2")
     run_script(*argv, *SMALL[script], "--num-eval", num_eval, "--output-dir", out)
     # the saved model loads: the policy as a causal LM, the reward model as a sequence classifier
-    model_class = AutoModelForSequenceClassification if script == "reward_model.py" else AutoModelForCausalLM
+    model_class = AutoModelForSequenceClassification if script == "scale/reward_model.py" else AutoModelForCausalLM
     assert model_class.from_pretrained(out).num_parameters() > 0
     metrics = read_metrics(out)
     assert metrics[0]["step"] == 0 and metrics[-1]["step"] == 2
@@ -223,13 +239,22 @@ def test_readme_command(command, chat_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "script", ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "process_grpo.py", "dapo.py"]
+    "script",
+    [
+        "scale/grpo.py",
+        "scale/rloo.py",
+        "scale/gspo.py",
+        "scale/cispo.py",
+        "scale/ppo.py",
+        "scale/process_grpo.py",
+        "scale/dapo.py",
+    ],
 )
 def test_learns(script, tmp_path):
     """A short run from the bundled model raises held-out accuracy clearly (a sign and wiring check); process_grpo.py
     from tiny-chainer/, in 10 steps of its longer completions; dapo.py in 10 of its steps, which sample more."""
     out = str(tmp_path / "run")
-    steps = {"ppo.py": "20", "process_grpo.py": "10", "dapo.py": "10"}.get(script, "30")
+    steps = {"scale/ppo.py": "20", "scale/process_grpo.py": "10", "scale/dapo.py": "10"}.get(script, "30")
     proc = run_script(script, "--num-steps", steps, "--eval-every", steps, "--output-dir", out)
     metrics = read_metrics(out)
     before, after = metrics[0]["eval/accuracy"], metrics[-1]["eval/accuracy"]
@@ -237,7 +262,7 @@ def test_learns(script, tmp_path):
     assert "no learning signal" not in proc.stdout  # the rewards varied
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
+@pytest.mark.parametrize("script", ["scale/grpo.py", "scale/ppo.py"])
 def test_a_reward_that_never_varies_is_named_once(script, tmp_path):
     """Answers that the bundled model never writes: every reward is 0, and after the first 5 steps one console
     line says that there is no learning signal and names the likely cause."""
@@ -259,7 +284,7 @@ def test_a_reward_that_never_varies_is_named_once(script, tmp_path):
         "7",
         "--output-dir",
         str(tmp_path / "run"),
-        *(["--group-size", "2"] if script == "grpo.py" else ["--num-minibatches", "1"]),
+        *(["--group-size", "2"] if script == "scale/grpo.py" else ["--num-minibatches", "1"]),
     )
     assert proc.stdout.count("no learning signal") == 1
     assert "likely cause: reward_fn scores every completion alike" in proc.stdout
@@ -270,7 +295,7 @@ def test_sft_regenerates_the_bundled_model(tmp_path):
     docs/sft.md gives (the bundled model: 34.8%; seeds spread about ±6 points, and another CPU takes another path
     once one sampled token differs, so no closer match to the bundled model is asked)."""
     out = str(tmp_path / "run")
-    run_script("sft.py", "--output-dir", out)
+    run_script("scale/sft.py", "--output-dir", out)
     accuracy = read_metrics(out)[-1]["eval/accuracy"]
     assert 0.2 <= accuracy <= 0.5, accuracy
     # the same tokenizer: vocabulary, specials, normaliser and decoder (the padding and truncation entries are the
@@ -284,7 +309,7 @@ def test_sft_regenerates_the_bundled_model(tmp_path):
 
 def test_track_logs_to_wandb_offline(tmp_path):
     out = str(tmp_path / "run")
-    run_script("grpo.py", "--track", *SMALL["grpo.py"], "--output-dir", out)
+    run_script("scale/grpo.py", "--track", *SMALL["scale/grpo.py"], "--output-dir", out)
     assert os.path.isdir(os.path.join(out, "wandb"))
 
 
@@ -293,7 +318,9 @@ def test_bfloat16_on_the_cpu(tmp_path):
     from safetensors.torch import load_file
 
     out = str(tmp_path / "run")
-    run_script("grpo.py", "--dtype", "bfloat16", *SMALL["grpo.py"], "--learning-rate", "1e-3", "--output-dir", out)
+    run_script(
+        "scale/grpo.py", "--dtype", "bfloat16", *SMALL["scale/grpo.py"], "--learning-rate", "1e-3", "--output-dir", out
+    )
     start = load_file(os.path.join(ROOT, "tiny-adder", "model.safetensors"))
     saved = load_file(os.path.join(out, "model.safetensors"))
     assert saved.keys() == start.keys()
@@ -325,25 +352,25 @@ print(json.dumps(results))
 
 
 def test_help_works_when_copied_alone(tmp_path):
-    folders = []
-    for script in ALL_SCRIPTS:
-        (tmp_path / script[:-3]).mkdir()
-        shutil.copy(os.path.join(ROOT, script), tmp_path / script[:-3] / script)
-        folders.append(str(tmp_path / script[:-3]))
+    folders, names = [], [os.path.basename(script) for script in ALL_SCRIPTS]
+    for script, name in zip(ALL_SCRIPTS, names):
+        (tmp_path / name[:-3]).mkdir()
+        shutil.copy(os.path.join(ROOT, script), tmp_path / name[:-3] / name)
+        folders.append(str(tmp_path / name[:-3]))
     proc = subprocess.run(
         [sys.executable, "-c", ALONE, *folders], cwd=str(tmp_path), capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    for script in ALL_SCRIPTS:
-        code, help_text, _, _ = results[f"{script} help"]
-        assert code == 0 and "--seed" in help_text and "--model-name-or-path" in help_text, script
+    for name in names:
+        code, help_text, _, _ = results[f"{name} help"]
+        assert code == 0 and "--seed" in help_text and "--model-name-or-path" in help_text, name
         # the fields filled in at run time are no flags: --help does not offer them, and setting one is refused
-        assert "--run-name" not in help_text and "--minibatch-size" not in help_text, script
-        if script not in ("sft.py", "dpo.py", "reward_model.py"):  # there --batch-size is a flag
-            assert "--batch-size" not in help_text, script
-        code, out, err, made = results[f"{script} refused"]
-        assert code != 0 and "--run-name" in err + out and not made, script
+        assert "--run-name" not in help_text and "--minibatch-size" not in help_text, name
+        if name not in ("sft.py", "dpo.py", "reward_model.py"):  # there --batch-size is a flag
+            assert "--batch-size" not in help_text, name
+        code, out, err, made = results[f"{name} refused"]
+        assert code != 0 and "--run-name" in err + out and not made, name
 
 
 @pytest.fixture(scope="module")
@@ -381,7 +408,7 @@ def test_a_model_whose_config_has_no_pad_token_id(small_run):
     is defined"); every file runs, and the reward model it saves carries the tokenizer's pad id."""
     script, out = small_run
     assert read_metrics(str(out))[-1]["step"] == 2
-    if script == "reward_model.py":
+    if script == "scale/reward_model.py":
         assert json.loads((out / "config.json").read_text())["pad_token_id"] == 0  # tiny-adder's <pad>
 
 
@@ -398,7 +425,7 @@ def test_each_docs_page_names_every_metric_its_file_logs_and_no_other(small_run)
     flags (PPO's eval/score with a reward model), written out in the file (a key, or a stats dict's key that
     weighted_means prefixes)."""
     script, out = small_run
-    page = script.replace(".py", ".md")
+    page = os.path.basename(script).replace(".py", ".md")
     logged = {k for m in read_metrics(str(out)) for k in m} - {"step"}
     named = table_metrics(page)
     with open(os.path.join(ROOT, "docs", page)) as f:
@@ -418,7 +445,7 @@ def test_length_limits_cut_prompts_from_the_left_and_completions_from_the_right(
     tokens of a completion that fit beside its prompt, so a completion cut short loses its EOS."""
     from transformers import AutoTokenizer
 
-    from sft import Args, completion_batch, tokenize_prompts
+    from scale.sft import Args, completion_batch, tokenize_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
     prompts = ["What is 2 + 3?", "What is 10 - 4? Say it twice."]
@@ -438,7 +465,7 @@ def test_length_limits_cut_prompts_from_the_left_and_completions_from_the_right(
 
 
 def test_max_length_needs_a_max_prompt_length_below_it(tmp_path):
-    refused = run_script("dpo.py", "--max-length", "10", "--output-dir", str(tmp_path / "o"), expect_ok=False)
+    refused = run_script("scale/dpo.py", "--max-length", "10", "--output-dir", str(tmp_path / "o"), expect_ok=False)
     assert refused.returncode == 1 and not os.path.exists(tmp_path / "o")
     assert (
         refused.stderr.strip() == "error: --max-length 10 needs --max-prompt-length below it (the prompt's share of it)"
@@ -481,7 +508,7 @@ def test_bad_input_gives_one_line_and_fails(flags, message, tmp_path):
     argv = [files.get(f, f) for f in flags]
     if "--output-dir" not in argv:
         argv += ["--output-dir", str(tmp_path / "out")]
-    proc = run_script("grpo.py", *argv, expect_ok=False)
+    proc = run_script("scale/grpo.py", *argv, expect_ok=False)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and message in last, proc.stderr[-2000:]
@@ -493,13 +520,13 @@ def test_bad_input_gives_one_line_and_fails(flags, message, tmp_path):
 
 def test_sft_bad_jsonl_names_the_line(tmp_path):
     path = write(tmp_path, "s.jsonl", '{"prompt": "a", "completion": "b"}\n{"prompt": "c"}\n')
-    proc = run_script("sft.py", "--dataset", path, "--output-dir", str(tmp_path / "o"), expect_ok=False)
+    proc = run_script("scale/sft.py", "--dataset", path, "--output-dir", str(tmp_path / "o"), expect_ok=False)
     assert proc.returncode != 0 and f"--dataset {path}: line 2 has no field 'completion'" in proc.stderr
 
 
 def test_hub_dataset_without_the_datasets_library_says_how_to_get_it(tmp_path):
     proc = run_script(
-        "grpo.py", "--dataset", "someone/some-dataset", "--output-dir", str(tmp_path / "o"), expect_ok=False
+        "scale/grpo.py", "--dataset", "someone/some-dataset", "--output-dir", str(tmp_path / "o"), expect_ok=False
     )
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode != 0 and last.startswith("error: --dataset someone/some-dataset: ")
@@ -512,13 +539,13 @@ def test_hub_dataset_without_the_datasets_library_says_how_to_get_it(tmp_path):
 @pytest.mark.parametrize(
     "script, flags, message",
     [
-        ("rloo.py", ["--group-size", "1"], "--group-size 1"),
-        ("rloo.py", ["--micro-batch-size", "7"], "does not divide"),
-        ("gspo.py", ["--prompts-per-step", "3", "--group-size", "2"], "does not divide"),  # 6 into 4 minibatches
-        ("cispo.py", ["--temperature", "0"], "--temperature 0.0: must be > 0"),
-        ("ppo.py", ["--kl-target", "-1"], "--kl-target -1.0: must be >= 0 (0: a fixed beta)"),
-        ("ppo.py", ["--kl-horizon", "0"], "--kl-horizon 0: must be > 0"),
-        ("ppo.py", ["--gamma", "1.01"], "--gamma 1.01: must be in [0, 1]"),
+        ("scale/rloo.py", ["--group-size", "1"], "--group-size 1"),
+        ("scale/rloo.py", ["--micro-batch-size", "7"], "does not divide"),
+        ("scale/gspo.py", ["--prompts-per-step", "3", "--group-size", "2"], "does not divide"),  # 6 into 4 minibatches
+        ("scale/cispo.py", ["--temperature", "0"], "--temperature 0.0: must be > 0"),
+        ("scale/ppo.py", ["--kl-target", "-1"], "--kl-target -1.0: must be >= 0 (0: a fixed beta)"),
+        ("scale/ppo.py", ["--kl-horizon", "0"], "--kl-horizon 0: must be > 0"),
+        ("scale/ppo.py", ["--gamma", "1.01"], "--gamma 1.01: must be in [0, 1]"),
     ],
 )
 def test_sibling_bad_input(script, flags, message, tmp_path):
@@ -530,7 +557,9 @@ def test_sibling_bad_input(script, flags, message, tmp_path):
 def test_dpo_learns(tmp_path):
     """DPO on the policy's own wrong answers: the implicit reward ranks held-out pairs, and greedy accuracy rises."""
     out = str(tmp_path / "run")
-    run_script("dpo.py", "--num-steps", "25", "--eval-every", "25", "--num-train-prompts", "2000", "--output-dir", out)
+    run_script(
+        "scale/dpo.py", "--num-steps", "25", "--eval-every", "25", "--num-train-prompts", "2000", "--output-dir", out
+    )
     first, last = read_metrics(out)[0], read_metrics(out)[-1]
     # policy = reference: every margin is 0 up to rounding, which dpo.py counts as a tie (rounding_tolerance)
     assert first["eval/pair_accuracy"] == pytest.approx(0.5, abs=1e-6)  # a float32 mean of ties: 0.4999999702 on CUDA
@@ -544,7 +573,7 @@ def test_reward_model_learns(tmp_path):
     out = str(tmp_path / "run")
     flags = ["--num-steps", "100", "--eval-every", "25", "--num-train-prompts", "3000"]
     proc = run_script(
-        "reward_model.py", *flags, "--output-dir", out, subprocess_only=True
+        "scale/reward_model.py", *flags, "--output-dir", out, subprocess_only=True
     )  # transformers' load report would go to the subprocess's stderr
     # the new score head is said in one line, not in transformers' load report
     assert "the reward model: a new score head on tiny-adder" in proc.stdout and "LOAD REPORT" not in proc.stderr
@@ -562,7 +591,7 @@ def readme_pipeline():
 def test_readme_rlhf_pipeline_sft_reward_model_ppo(tmp_path):
     """sft -> reward_model -> ppo with the learned reward, as the README writes it, with small flags."""
     commands = readme_pipeline()
-    assert [shlex.split(c)[1] for c in commands] == ["sft.py", "reward_model.py", "ppo.py"]
+    assert [shlex.split(c)[1] for c in commands] == ["scale/sft.py", "scale/reward_model.py", "scale/ppo.py"]
     for command in commands:
         argv = [a.replace("runs/", str(tmp_path) + "/") for a in shlex.split(command)[1:]]
         num_eval = EVAL_SIZE.get(argv[0], "2")
@@ -591,7 +620,7 @@ def test_ppo_with_a_reward_model_trains_on_prompts_alone(tmp_path):
             "".join(json.dumps({"prompt": f"{a}+{b}=", **fields(a, b)}) + "\n" for a, b in sums)
         )
         run_script(
-            "ppo.py",
+            "scale/ppo.py",
             "--reward-model-path",
             rm,
             "--dataset",
@@ -638,7 +667,7 @@ def test_ppo_critic_from_the_reward_model_predicts_the_normalised_score(tmp_path
     scorer.save_pretrained(rm)
     AutoTokenizer.from_pretrained(os.path.join(ROOT, "tiny-adder")).save_pretrained(rm)
     run_script(
-        "ppo.py",
+        "scale/ppo.py",
         "--reward-model-path",
         rm,
         "--num-steps",
@@ -704,7 +733,7 @@ json.dump({"scored": scored, "texts": caught["texts"], "prompts": [r["prompt"] f
     out = str(tmp_path / "run")
     run_script(
         str(harness),
-        "ppo.py",
+        "scale/ppo.py",
         "--model-name-or-path",
         policy,
         "--reward-model-path",
@@ -725,7 +754,7 @@ json.dump({"scored": scored, "texts": caught["texts"], "prompts": [r["prompt"] f
     assert one in got["stop_ids"] and any(t.endswith("1") for t in got["texts"])  # the other stop id was sampled
     assert all(ids[-1] == tokenizer.eos_token_id for ids in got["scored"])
     assert len(got["scored"]) == 8 + 16 + 8  # the evaluation before and after the step, and the step's batch
-    import reward_model
+    from scale import reward_model
 
     pairs = [{"prompt": p, "chosen": t, "rejected": t} for p, t in zip(got["prompts"], got["texts"])]
     input_ids, attention_mask, _, _ = reward_model.pair_batch(tokenizer, pairs, "cpu", reward_model.Args())
@@ -737,7 +766,7 @@ json.dump({"scored": scored, "texts": caught["texts"], "prompts": [r["prompt"] f
     "script,flags",
     [
         (
-            "grpo.py",
+            "scale/grpo.py",
             [
                 "--prompts-per-step",
                 "8",
@@ -751,8 +780,8 @@ json.dump({"scored": scored, "texts": caught["texts"], "prompts": [r["prompt"] f
                 "token-mean",
             ],
         ),
-        ("cispo.py", ["--prompts-per-step", "8", "--group-size", "4", "--num-iterations", "2"]),
-        ("ppo.py", ["--prompts-per-step", "16", "--ppo-epochs", "2"]),
+        ("scale/cispo.py", ["--prompts-per-step", "8", "--group-size", "4", "--num-iterations", "2"]),
+        ("scale/ppo.py", ["--prompts-per-step", "16", "--ppo-epochs", "2"]),
     ],
 )
 def test_token_mean_metrics_do_not_depend_on_the_micro_batch(script, flags, tmp_path):
@@ -792,7 +821,7 @@ def test_ppo_with_a_reward_model_normalises_the_score_and_adapts_beta(tmp_path):
     adaptive_kl_coef from the logged KL; the verifier keeps a fixed beta. The defaults differ by reward."""
     from transformers import AutoTokenizer
 
-    from ppo import adaptive_kl_coef
+    from scale.ppo import adaptive_kl_coef
 
     rm = str(tmp_path / "rm")  # a reward model with a random head: any scorer will do here
     start = os.path.join(ROOT, "tiny-adder")
@@ -814,8 +843,8 @@ def test_ppo_with_a_reward_model_normalises_the_score_and_adapts_beta(tmp_path):
         "--missing-eos-penalty",
         "0",
     ]
-    run_script("ppo.py", *small, "--reward-model-path", rm, "--output-dir", str(tmp_path / "learned"))
-    run_script("ppo.py", *small, "--output-dir", str(tmp_path / "verifier"))
+    run_script("scale/ppo.py", *small, "--reward-model-path", rm, "--output-dir", str(tmp_path / "learned"))
+    run_script("scale/ppo.py", *small, "--output-dir", str(tmp_path / "verifier"))
     learned, verifier = read_metrics(str(tmp_path / "learned"))[1:], read_metrics(str(tmp_path / "verifier"))[1:]
     assert abs(learned[0]["charts/score"]) < 1e-5  # the starting policy's samples: mean 0 after the bias
     assert abs(learned[1]["charts/score"]) > 1e-4  # later batches keep that bias, not their own mean

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import reading  # noqa: E402
 
-from grpo import (
+from scale.grpo import (
     addition_task,
     batched_logprobs,
     completion_mask,
@@ -26,19 +26,19 @@ from grpo import (
 )
 
 ALGORITHM_FILES = [
-    "grpo.py",
-    "rloo.py",
-    "gspo.py",
-    "cispo.py",
-    "ppo.py",
-    "dpo.py",
-    "reward_model.py",
-    "sft.py",
-    "async_grpo.py",
-    "process_grpo.py",
-    "tool_grpo.py",
-    "dapo.py",
-    "distill.py",
+    "scale/grpo.py",
+    "scale/rloo.py",
+    "scale/gspo.py",
+    "scale/cispo.py",
+    "scale/ppo.py",
+    "scale/dpo.py",
+    "scale/reward_model.py",
+    "scale/sft.py",
+    "scale/async_grpo.py",
+    "scale/process_grpo.py",
+    "scale/tool_grpo.py",
+    "scale/dapo.py",
+    "scale/distill.py",
 ]
 
 
@@ -135,7 +135,7 @@ def test_held_out_records_are_shared_evenly_or_the_run_says_why(monkeypatch, cap
     """Under torchrun each process evaluates every N-th held-out record, as many each: 7 records over 3 processes
     leave the last one out and say so; 2 records over 3 processes stop the run (every process had none, and the
     evaluation divided by zero)."""
-    import grpo
+    from scale import grpo
 
     monkeypatch.setattr(grpo, "rank_and_world", lambda: (1, 3))
     assert grpo.process_share(list(range(7))) == [1, 4]
@@ -189,13 +189,13 @@ OWN_HELPERS = {"check_args", "batch_sizes", "held_out_metrics"}
 
 def test_shared_helpers_are_identical_in_every_file():
     files = [f for f in ALGORITHM_FILES if os.path.exists(os.path.join(ROOT, f))]
-    assert {"grpo.py", "sft.py"} <= set(files)
+    assert {"scale/grpo.py", "scale/sft.py"} <= set(files)
     parsed = {f: top_level_functions(os.path.join(ROOT, f)) for f in files}
-    reference_args = common_args_block(*parsed["grpo.py"][1:])
+    reference_args = common_args_block(*parsed["scale/grpo.py"][1:])
     for name in files:
         functions, tree, source = parsed[name]
         assert common_args_block(tree, source) == reference_args, f"the common Args block of {name} differs"
-        shared_with_grpo = set(functions) & set(parsed["grpo.py"][0]) - {"grpo_loss"}
+        shared_with_grpo = set(functions) & set(parsed["scale/grpo.py"][0]) - {"grpo_loss"}
         assert len(shared_with_grpo) >= 15, f"{name} shares only {sorted(shared_with_grpo)} with grpo.py"
         # every function two files both define is the same, word for word, above the banner too (the algorithms'
         # own functions have names of their own: grpo_loss, gspo_loss, dpo_loss ...; main is each file's loop, and
@@ -213,19 +213,19 @@ BANNER = (
     "# ==== Everything below this line is the same in every file, byte for byte (tests/test_shared.py checks it) ====\n"
 )
 LOSSES = {
-    "grpo.py": "grpo_loss",
-    "rloo.py": "rloo_loss",
-    "gspo.py": "gspo_loss",
-    "cispo.py": "cispo_loss",
-    "ppo.py": "ppo_policy_loss",
-    "dpo.py": "dpo_loss",
-    "reward_model.py": "bradley_terry_loss",
-    "sft.py": "sft_loss",
-    "async_grpo.py": "decoupled_loss",
-    "process_grpo.py": "grpo_loss",
-    "tool_grpo.py": "grpo_loss",
-    "dapo.py": "overlong_penalty",
-    "distill.py": "pg_loss",
+    "scale/grpo.py": "grpo_loss",
+    "scale/rloo.py": "rloo_loss",
+    "scale/gspo.py": "gspo_loss",
+    "scale/cispo.py": "cispo_loss",
+    "scale/ppo.py": "ppo_policy_loss",
+    "scale/dpo.py": "dpo_loss",
+    "scale/reward_model.py": "bradley_terry_loss",
+    "scale/sft.py": "sft_loss",
+    "scale/async_grpo.py": "decoupled_loss",
+    "scale/process_grpo.py": "grpo_loss",
+    "scale/tool_grpo.py": "grpo_loss",
+    "scale/dapo.py": "overlong_penalty",
+    "scale/distill.py": "pg_loss",
 }
 
 
@@ -267,7 +267,7 @@ def test_every_file_puts_the_algorithm_first_and_the_shared_part_below_one_banne
         assert loss_line <= 220, f"{name}: {LOSSES[name]} starts at line {loss_line}"
         assert order[-1] == "If" and source.endswith('\n\nif __name__ == "__main__":\n    main(parse_args())\n')
     for name in ALGORITHM_FILES:
-        assert below[name] == below["grpo.py"], f"below the banner, {name} differs from grpo.py"
+        assert below[name] == below["scale/grpo.py"], f"below the banner, {name} differs from grpo.py"
 
 
 ALLOWED_IMPORTS = {"torch", "transformers", "tyro", "wandb"} | set(sys.stdlib_module_names)
@@ -300,14 +300,14 @@ def test_code_lines_leave_out_comments_and_docstrings_only():
     assert code_lines(source) == ["def f(x):", '    y = "text"', "    return y"]
 
 
-@pytest.mark.parametrize("other", ["gspo.py", "cispo.py"])
+@pytest.mark.parametrize("other", ["scale/gspo.py", "scale/cispo.py"])
 def test_diffing_two_sibling_files_shows_only_the_algorithm(other):
     """GSPO and CISPO change GRPO's loss (and a few flags): their code differs from grpo.py's in at most 80 lines,
     comments and docstrings aside, on the code as ruff lays it out (measured: 77 and 73, with the step's statistics
     weighed as each loss averages: GSPO's by sequences, GRPO's and CISPO's token means by tokens, and --vllm's
     importance weights applied as each loss is written: per token, or per sequence in GSPO; tests/test_style.py
     bounds every sibling's diff)."""
-    changed = changed_code_lines("grpo.py", other)
+    changed = changed_code_lines("scale/grpo.py", other)
     assert 0 < len(changed) <= 80, f"{other}: {len(changed)} changed code lines against grpo.py"
 
 

@@ -9,8 +9,9 @@ import torch
 from conftest import PLAIN_TEMPLATE, ROOT, read_metrics, run_script
 from transformers import AutoTokenizer
 
-import tool_grpo
-from tool_grpo import calculator, call_tool, grpo_loss, parse_call, policy_tokens, tool_format
+from scale import tool_grpo
+from scale.tool_grpo import calculator, call_tool, parse_call, tool_format
+from tool_grpo import grpo_loss, policy_tokens
 
 CALLER = os.path.join(ROOT, "tiny-caller")
 SENTINEL = 1e6  # at the tool's positions: it must reach neither the loss nor its gradient
@@ -315,7 +316,7 @@ def test_it_learns_to_call_the_tool_and_short_runs_log_the_tool_metrics(tmp_path
     """The default run for 5 steps (100 held-out prompts): accuracy and the tool-call rate rise clearly (a sign and
     wiring check; benchmarks/tool_benchmark.py measures the whole run). Then the ablation's flags, 2 small steps."""
     out = str(tmp_path / "learns")
-    run_script("tool_grpo.py", "--num-steps", "5", "--eval-every", "5", "--num-eval", "100", "--output-dir", out)
+    run_script("scale/tool_grpo.py", "--num-steps", "5", "--eval-every", "5", "--num-eval", "100", "--output-dir", out)
     first, last = read_metrics(out)[0], read_metrics(out)[-1]
     assert last["eval/accuracy"] >= first["eval/accuracy"] + 0.10, (first, last)
     assert last["eval/tool_call_rate"] >= first["eval/tool_call_rate"] + 0.10, (first, last)
@@ -323,21 +324,22 @@ def test_it_learns_to_call_the_tool_and_short_runs_log_the_tool_metrics(tmp_path
     small = ["--num-steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--micro-batch-size", "16"]
     small += ["--num-eval", "16", "--eval-every", "2", "--log-every", "1"]
     out = str(tmp_path / "ablation")
-    run_script("tool_grpo.py", *small, "--no-mask-tool-tokens", "--tool-reward", "0.5", "--output-dir", out)
+    run_script("scale/tool_grpo.py", *small, "--no-mask-tool-tokens", "--tool-reward", "0.5", "--output-dir", out)
     for key in ("tool_call_rate", "calls", "failed_calls", "turns", "tool_tokens"):
         assert read_metrics(out)[1][f"charts/{key}"] >= 0
     # bad input: one line, before any work; --vllm is not a flag of this file, and the command line says so
-    proc = run_script("tool_grpo.py", "--vllm", "--output-dir", str(tmp_path / "bad"), expect_ok=False)
+    proc = run_script("scale/tool_grpo.py", "--vllm", "--output-dir", str(tmp_path / "bad"), expect_ok=False)
     assert proc.returncode != 0 and "--vllm" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-500:]
     for flags, line in [
         (["--model-name-or-path", "tiny-adder"], "error: --model-name-or-path tiny-adder: its tokenizer has no chat"),
         (["--max-turns", "0"], "error: --max-turns"),
     ]:
-        proc = run_script("tool_grpo.py", *flags, "--output-dir", str(tmp_path / "bad"), expect_ok=False)
+        proc = run_script("scale/tool_grpo.py", *flags, "--output-dir", str(tmp_path / "bad"), expect_ok=False)
         assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith(line), proc.stderr[-500:]
         assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.long
 def test_the_benchmark_runs_both_rows_and_writes_their_table(tmp_path):
     """benchmarks/tool_benchmark.py (results.md's comparison), with small runs: the tool's tokens masked and not,
     each with its tool metrics at every evaluation; the table and the figure are written."""
@@ -353,6 +355,8 @@ def test_the_benchmark_runs_both_rows_and_writes_their_table(tmp_path):
 
 def test_extra_tokens_that_the_vocabulary_has_stop_sft_with_one_line(tmp_path):
     for tokens in (["+"], ["*", "*"], ["<eos>"]):
-        proc = run_script("sft.py", "--extra-tokens", *tokens, "--output-dir", str(tmp_path / "o"), expect_ok=False)
+        proc = run_script(
+            "scale/sft.py", "--extra-tokens", *tokens, "--output-dir", str(tmp_path / "o"), expect_ok=False
+        )
         assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: --extra-tokens")
         assert not (tmp_path / "o").exists()

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from test_scripts import SMALL, offline
 from transformers import AutoModelForCausalLM
 
-from grpo import token_logprobs
+from scale.grpo import token_logprobs
 
 # runs files one after another in each process, each as `python file ...` runs it, the process group kept from one
 # to the next: argv[1] is {name: run}, a run {"argv": [file, flags...]} with, optionally, "fixed" (SGD for AdamW,
@@ -211,8 +211,8 @@ def assert_same_update(one, two, start, what):
 
 
 OFFLINE = {
-    "sft.py": ["--num-steps", "3", "--batch-size", "8", "--micro-batch-size", "2", "--num-eval", "20"],
-    "dpo.py": [
+    "scale/sft.py": ["--num-steps", "3", "--batch-size", "8", "--micro-batch-size", "2", "--num-eval", "20"],
+    "scale/dpo.py": [
         "--num-steps",
         "3",
         "--batch-size",
@@ -225,7 +225,7 @@ OFFLINE = {
         os.path.join(FIXTURES, "pairs_tiny.jsonl"),
     ],
     # a prompt's pairs are one element of a batch: 1 to 3 pairs, so the processes hold different numbers of pairs
-    "reward_model.py": [
+    "scale/reward_model.py": [
         "--num-steps",
         "3",
         "--batch-size",
@@ -240,23 +240,26 @@ OFFLINE = {
 }
 SGD = ["--learning-rate", "0.1", "--max-grad-norm", "1e9"]  # SGD's step, no clipping (MANY's "fixed")
 ONLINE = {
-    "grpo-seq-mean-token-mean": ("grpo.py", ["--loss-agg", "seq-mean-token-mean", "--num-iterations", "2"]),
+    "grpo-seq-mean-token-mean": ("scale/grpo.py", ["--loss-agg", "seq-mean-token-mean", "--num-iterations", "2"]),
     # (seq-mean-token-sum-norm weighs micro-batches as seq-mean-token-mean)
-    "grpo-token-mean": ("grpo.py", ["--loss-agg", "token-mean"]),
-    "rloo": ("rloo.py", []),
-    "gspo": ("gspo.py", ["--num-minibatches", "1"]),
-    "cispo": ("cispo.py", ["--num-minibatches", "1"]),
-    "ppo": ("ppo.py", ["--num-minibatches", "1", "--micro-batch-size", "2"]),
-    "process": ("process_grpo.py", ["--num-minibatches", "1"]),  # an advantage a token, from tiny-chainer
-    "grpo-lora": ("grpo.py", ["--lora-r", "4"]),  # DDP only: --fsdp refuses --lora-r
+    "grpo-token-mean": ("scale/grpo.py", ["--loss-agg", "token-mean"]),
+    "rloo": ("scale/rloo.py", []),
+    "gspo": ("scale/gspo.py", ["--num-minibatches", "1"]),
+    "cispo": ("scale/cispo.py", ["--num-minibatches", "1"]),
+    "ppo": ("scale/ppo.py", ["--num-minibatches", "1", "--micro-batch-size", "2"]),
+    "process": ("scale/process_grpo.py", ["--num-minibatches", "1"]),  # an advantage a token, from tiny-chainer
+    "grpo-lora": ("scale/grpo.py", ["--lora-r", "4"]),  # DDP only: --fsdp refuses --lora-r
     # a teacher with the bundled tokenizer (tiny-chainer/), sharded too under --fsdp; the JSD's pass over the vocabulary
-    "distill": ("distill.py", ["--teacher-path", "tiny-chainer", "--num-iterations", "2"]),
-    "distill-jsd": ("distill.py", ["--teacher-path", "tiny-chainer", "--loss", "jsd", "--loss-agg", "token-mean"]),
+    "distill": ("scale/distill.py", ["--teacher-path", "tiny-chainer", "--num-iterations", "2"]),
+    "distill-jsd": (
+        "scale/distill.py",
+        ["--teacher-path", "tiny-chainer", "--loss", "jsd", "--loss-agg", "token-mean"],
+    ),
 }
 # batches that do not split among 2 processes (grpo.py's in a launch of its own, below)
 UNSPLIT = {
-    "ppo.py": (["--prompts-per-step", "5"], "--prompts-per-step among the processes: 5 does not divide by 2"),
-    "dpo.py": (
+    "scale/ppo.py": (["--prompts-per-step", "5"], "--prompts-per-step among the processes: 5 does not divide by 2"),
+    "scale/dpo.py": (
         ["--batch-size", "7", "--micro-batch-size", "1"],
         "--batch-size among the processes: 7 does not divide by 2",
     ),
@@ -294,7 +297,7 @@ def launches(chat_model_dir, tmp_path_factory):
     one, two, outs = {}, {}, {}
     for script, flags in OFFLINE.items():
         # preference pairs in words need a BPE tokenizer; sft.py learns the bundled task
-        start = os.path.join(ROOT, "tiny-adder") if script == "sft.py" else chat_model_dir
+        start = os.path.join(ROOT, "tiny-adder") if script == "scale/sft.py" else chat_model_dir
         flags = [script, *flags, *SGD, "--eval-every", "3", "--log-every", "1", "--model-name-or-path", start]
         one[f"one-{script}"] = {"argv": flags, "fixed": True}
         two[f"ddp-{script}"] = {"argv": flags, "fixed": True}
@@ -319,7 +322,7 @@ def launches(chat_model_dir, tmp_path_factory):
             *SGD,
             *flags,
         ]
-        if script == "ppo.py":
+        if script == "scale/ppo.py":
             flags.remove("--group-size")
             flags.remove("4")
         one[f"one-{name}"] = {"argv": flags, "fixed": True}
@@ -329,7 +332,7 @@ def launches(chat_model_dir, tmp_path_factory):
     for micro in ("2", "8"):  # each process: 8 completions a step, in 4 micro-batches or in 1
         two[f"count-{micro}"] = {
             "argv": [
-                "grpo.py",
+                "scale/grpo.py",
                 "--num-steps",
                 "2",
                 "--prompts-per-step",
@@ -362,7 +365,7 @@ def launches(chat_model_dir, tmp_path_factory):
 def test_two_processes_make_the_update_of_one(script, chat_model_dir, launches):
     """sft.py, dpo.py, reward_model.py: after 3 steps, 1 process = 2 processes with DDP = 2 with FSDP2."""
     outs, results = launches
-    start = os.path.join(ROOT, "tiny-adder") if script == "sft.py" else chat_model_dir
+    start = os.path.join(ROOT, "tiny-adder") if script == "scale/sft.py" else chat_model_dir
     one, ddp, fsdp = outs[f"one-{script}"], outs[f"ddp-{script}"], outs[f"fsdp-{script}"]
     for mode in ("one", "ddp", "fsdp"):
         assert all(r["outcome"] == "finished" for r in results[f"{mode}-{script}"]), results[f"{mode}-{script}"]
@@ -382,7 +385,7 @@ def test_two_processes_make_the_update_of_one_on_the_same_rollouts(name, launche
     update from 1 process and from 2, with DDP and, for every file but the first grpo.py case, with FSDP2 (ppo.py
     shards its four models)."""
     outs, results = launches
-    start = os.path.join(ROOT, "tiny-chainer" if ONLINE[name][0] == "process_grpo.py" else "tiny-adder")
+    start = os.path.join(ROOT, "tiny-chainer" if ONLINE[name][0] == "scale/process_grpo.py" else "tiny-adder")
     assert_same_update(outs[f"one-{name}"], outs[f"ddp-{name}"], start, name)
     if f"fsdp-{name}" in outs:
         assert_same_update(outs[f"one-{name}"], outs[f"fsdp-{name}"], start, f"{name} FSDP2")
@@ -438,7 +441,7 @@ def test_a_batch_that_does_not_split_among_the_processes_says_so_in_each_process
 
 def test_a_batch_that_does_not_split_among_the_processes_stops_both_with_one_line(tmp_path):
     """A real launch: both processes exit with the line and nothing else on it."""
-    proc = torchrun("grpo.py", "--prompts-per-step", "3", "--output-dir", str(tmp_path / "o"), expect_ok=False)
+    proc = torchrun("scale/grpo.py", "--prompts-per-step", "3", "--output-dir", str(tmp_path / "o"), expect_ok=False)
     assert proc.returncode != 0
     # both processes stop, each with the line; the two may land in one pipe at once, so read them as a stream
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
@@ -452,7 +455,7 @@ def test_a_batch_that_does_not_split_among_the_processes_stops_both_with_one_lin
 def test_fsdp_without_torchrun_says_how_to_start_it(tmp_path):
     from conftest import run_script
 
-    proc = run_script("grpo.py", "--fsdp", "--output-dir", str(tmp_path / "o"), expect_ok=False)
+    proc = run_script("scale/grpo.py", "--fsdp", "--output-dir", str(tmp_path / "o"), expect_ok=False)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode != 0 and last.startswith("error: --fsdp") and "torchrun --nproc-per-node" in last
 
@@ -476,7 +479,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "ppo.py"])
+@pytest.mark.parametrize("script", ["scale/grpo.py", "scale/ppo.py"])
 def test_two_processes_learn_and_leave_without_the_teardown_that_can_abort(script, tmp_path):
     """A short 2-process run from the bundled model raises held-out accuracy clearly, as one process does. (GRPO,
     and PPO with its four models; rloo, gspo and cispo make the update of one process on the same rollouts, above,
@@ -486,7 +489,7 @@ def test_two_processes_learn_and_leave_without_the_teardown_that_can_abort(scrip
     out, marks, harness = tmp_path / "run", tmp_path / "marks", tmp_path / "exit_check.py"
     harness.write_text(EXIT_CHECK)
     marks.mkdir()
-    steps = "20" if script == "ppo.py" else "30"  # the default flags otherwise, as in test_scripts' test_learns
+    steps = "20" if script == "scale/ppo.py" else "30"  # the default flags otherwise, as in test_scripts' test_learns
     proc = torchrun(
         str(harness), str(marks), script, "--num-steps", steps, "--eval-every", steps, "--output-dir", str(out)
     )
@@ -505,7 +508,7 @@ COUNT_GATHERS = """
 import json, os, sys, torch
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 sys.path.insert(0, REPOSITORY)
-import grpo
+from scale import grpo
 
 gathers = [0]
 gather = _fsdp_param_group.foreach_all_gather

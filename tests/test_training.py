@@ -13,7 +13,7 @@ from conftest import ROOT, read_metrics, run_script
 from test_resume import assert_same_records  # equal to float rounding: two processes may round differently
 from transformers import AutoModelForCausalLM
 
-import grpo
+from scale import grpo
 
 SMALL = [
     "--prompts-per-step",
@@ -44,7 +44,7 @@ def read_samples(folder):
 def lora_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("lora") / "run"
     run_script(
-        "grpo.py",
+        "scale/grpo.py",
         *SMALL,
         "--num-steps",
         "4",
@@ -102,7 +102,7 @@ def test_a_killed_lora_run_resumes_to_the_same_metrics_and_schedule(lora_run, tm
     copy = tmp_path / "run"
     shutil.copytree(lora_run, copy)
     shutil.rmtree(copy / "checkpoints" / "step_000004")
-    run_script("grpo.py", "--resume-from", str(copy))
+    run_script("scale/grpo.py", "--resume-from", str(copy))
     assert_same_records(untimed(read_metrics(copy)), untimed(read_metrics(lora_run)))
     rates = [m["charts/learning_rate"] for m in read_metrics(lora_run) if m["step"] > 0]
     assert rates == pytest.approx([1e-2, 1e-2, 0.75e-2, 0.25e-2])  # 1 step of warm-up, then cosine over 3
@@ -134,9 +134,9 @@ def test_the_learning_rate_warms_up_then_decays_as_worked_out_by_hand(schedule, 
 
 def test_sampled_evaluation_leaves_training_alone_and_at_a_tiny_temperature_is_greedy(tmp_path):
     plain, cold, warm = (tmp_path / name for name in ("plain", "cold", "warm"))
-    run_script("grpo.py", *SMALL, "--num-steps", "2", "--eval-every", "2", "--output-dir", str(plain))
+    run_script("scale/grpo.py", *SMALL, "--num-steps", "2", "--eval-every", "2", "--output-dir", str(plain))
     run_script(
-        "grpo.py",
+        "scale/grpo.py",
         *SMALL,
         "--num-steps",
         "2",
@@ -150,7 +150,16 @@ def test_sampled_evaluation_leaves_training_alone_and_at_a_tiny_temperature_is_g
         str(cold),
     )
     run_script(
-        "grpo.py", *SMALL, "--num-steps", "2", "--eval-every", "2", "--eval-samples", "3", "--output-dir", str(warm)
+        "scale/grpo.py",
+        *SMALL,
+        "--num-steps",
+        "2",
+        "--eval-every",
+        "2",
+        "--eval-samples",
+        "3",
+        "--output-dir",
+        str(warm),
     )
     for m in read_metrics(cold):  # the 3 samples a prompt, a batch of 48, against greedy in a batch of 16: a near tie
         if "eval/accuracy" in m:  # (two logits under 1e-5 apart) may go either way; one prompt of the 16 is allowed
@@ -184,7 +193,7 @@ def test_held_out_records_come_from_eval_dataset_and_all_of_dataset_is_trained_o
     held_out.write_text("".join(json.dumps({"prompt": f"{a}+2=", "answer": a + 2}) + "\n" for a in range(6)))
     out = tmp_path / "run"
     proc = run_script(
-        "grpo.py",
+        "scale/grpo.py",
         *SMALL,
         "--num-steps",
         "1",
@@ -201,21 +210,28 @@ def test_held_out_records_come_from_eval_dataset_and_all_of_dataset_is_trained_o
     evals = [r["prompt"] for r in read_samples(out) if r["kind"] == "eval"]
     assert evals and all(p in {f"{a}+2=" for a in range(4)} for p in evals)
     missing = run_script(
-        "grpo.py", "--eval-dataset", str(tmp_path / "none.jsonl"), "--output-dir", str(tmp_path / "r2"), expect_ok=False
+        "scale/grpo.py",
+        "--eval-dataset",
+        str(tmp_path / "none.jsonl"),
+        "--output-dir",
+        str(tmp_path / "r2"),
+        expect_ok=False,
     )
     assert missing.returncode != 0
     assert f"error: --eval-dataset {tmp_path / 'none.jsonl'}: no such file" in missing.stderr
     held_out.write_text('{"prompt": "1+1="}\n')
-    bad = run_script("grpo.py", "--eval-dataset", str(held_out), "--output-dir", str(tmp_path / "r3"), expect_ok=False)
+    bad = run_script(
+        "scale/grpo.py", "--eval-dataset", str(held_out), "--output-dir", str(tmp_path / "r3"), expect_ok=False
+    )
     assert f"error: --eval-dataset {held_out}: line 1 has no field 'answer'" in bad.stderr
 
 
 @pytest.mark.parametrize(
     "script, dataset, record",
     [
-        ("dpo.py", "pairs_tiny.jsonl", {"chosen": "4", "rejected": "5"}),  # text completions without a prompt
-        ("reward_model.py", "pairs_tiny.jsonl", {"chosen": "4", "rejected": "5"}),
-        ("sft.py", "sft_tiny.jsonl", {"messages": [{"role": "user", "content": "2+2?"}]}),  # no assistant message
+        ("scale/dpo.py", "pairs_tiny.jsonl", {"chosen": "4", "rejected": "5"}),  # text completions without a prompt
+        ("scale/reward_model.py", "pairs_tiny.jsonl", {"chosen": "4", "rejected": "5"}),
+        ("scale/sft.py", "sft_tiny.jsonl", {"messages": [{"role": "user", "content": "2+2?"}]}),  # no assistant message
     ],
 )
 def test_a_record_of_eval_dataset_that_cannot_be_read_is_named_by_that_flag(script, dataset, record, tmp_path):
@@ -240,30 +256,30 @@ def test_a_record_of_eval_dataset_that_cannot_be_read_is_named_by_that_flag(scri
     "script, flags, message",
     [
         (
-            "grpo.py",
+            "scale/grpo.py",
             ["--lora-r", "4", "--lora-target-modules", "nope"],
             "error: --lora-target-modules nope: Target modules {'nope'} not found",
         ),
         # the bundled model ties its output layer to its embedding: an adapter on either would reach one of them only
         (
-            "grpo.py",
+            "scale/grpo.py",
             ["--lora-r", "4", "--lora-target-modules", "q_proj", "embed_tokens"],
             "error: --lora-target-modules q_proj embed_tokens: model.embed_tokens is tied to the output layer, which "
             "would keep no adapter; leave it out",
         ),
         (
-            "sft.py",
+            "scale/sft.py",
             ["--lora-r", "4", "--lora-target-modules", "lm_head"],
             "error: --lora-target-modules lm_head: lm_head "
             "is the output layer, whose weight the log-probs multiply without an adapter; leave it out",
         ),
         (
-            "dpo.py",
+            "scale/dpo.py",
             ["--dataset", "tests/fixtures/pairs_tiny.jsonl", "--eval-samples", "2"],
             "error: --eval-samples scores samples against the built-in task's answers; --dataset has none",
         ),
         (
-            "sft.py",
+            "scale/sft.py",
             ["--dataset", "tests/fixtures/sft_tiny.jsonl", "--num-eval", "2", "--eval-samples", "2"],
             "error: --eval-samples scores samples against the held-out records' answers, and they have none",
         ),
@@ -273,10 +289,10 @@ def test_a_record_of_eval_dataset_that_cannot_be_read_is_named_by_that_flag(scri
                 ["--eval-dataset", "tests/fixtures/pairs_tiny.jsonl"],
                 "error: --eval-dataset needs --dataset: the addition task holds out its own prompts",
             )
-            for script in ("dpo.py", "reward_model.py")
+            for script in ("scale/dpo.py", "scale/reward_model.py")
         ],
         (
-            "ppo.py",
+            "scale/ppo.py",
             ["--reward-model-path", "rm", "--eval-samples", "2"],
             "error: --eval-samples scores samples with the verifier; with --reward-model-path it has none",
         ),
@@ -284,6 +300,6 @@ def test_a_record_of_eval_dataset_that_cannot_be_read_is_named_by_that_flag(scri
 )
 def test_options_that_cannot_work_stop_with_one_line(script, flags, message, tmp_path):
     proc = run_script(script, *flags, "--output-dir", str(tmp_path / "run"), expect_ok=False)
-    if script != "sft.py" and "--lora-target-modules" not in flags:  # refused before the run's folder is made
+    if script != "scale/sft.py" and "--lora-target-modules" not in flags:  # refused before the run's folder is made
         assert not (tmp_path / "run").exists()  # (sft.py finds no answers, and peft no layer, only once they read)
     assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr[-500:]

@@ -16,8 +16,17 @@ from test_torchrun import torchrun
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM and not os.environ.get("VLLM_REQUIRED"), reason="vLLM not installed")
-SAMPLING_FILES = ["grpo.py", "rloo.py", "gspo.py", "cispo.py", "ppo.py", "process_grpo.py", "dapo.py", "distill.py"]
-TEACHER = {"distill.py": ["--teacher-path", "tiny-chainer"]}  # the bundled tokenizer's, trained on another task
+SAMPLING_FILES = [
+    "scale/grpo.py",
+    "scale/rloo.py",
+    "scale/gspo.py",
+    "scale/cispo.py",
+    "scale/ppo.py",
+    "scale/process_grpo.py",
+    "scale/dapo.py",
+    "scale/distill.py",
+]
+TEACHER = {"scale/distill.py": ["--teacher-path", "tiny-chainer"]}  # the bundled tokenizer's, trained on another task
 SMALL = [
     "--prompts-per-step",
     "4",
@@ -70,14 +79,14 @@ def test_vllm_without_vllm_installed_is_one_line(tmp_path):
     """setup(), the same in every file, checks: one file stands for all (test_shared keeps the copies equal)."""
     if HAVE_VLLM:
         pytest.skip("vLLM is installed here")
-    proc = run_script("ppo.py", "--vllm", "--output-dir", str(tmp_path / "run"), expect_ok=False)
+    proc = run_script("scale/ppo.py", "--vllm", "--output-dir", str(tmp_path / "run"), expect_ok=False)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-2000:]
     assert lines[0].startswith("error: --vllm: vLLM is not installed; install requirements-vllm.txt"), lines
     assert not (tmp_path / "run").exists()  # stopped before its output folder was made
 
 
-@pytest.mark.parametrize("script", ["dpo.py", "async_grpo.py"])
+@pytest.mark.parametrize("script", ["scale/dpo.py", "scale/async_grpo.py"])
 def test_vllm_in_a_file_without_an_engine_is_refused(script, tmp_path):
     """The files without an engine have no --vllm flag: the command line refuses it as any unknown flag, before
     anything is made (dpo.py stands for sft.py and reward_model.py too; async_grpo.py samples in a thread of its
@@ -105,8 +114,8 @@ def test_a_step_with_vllm_on_the_bundled_model(script, tmp_path):
     harness = tmp_path / "check.py"
     harness.write_text(CHECK)
     out = tmp_path / "run"
-    flags = [*SMALL, *([] if script == "ppo.py" else GROUPS), "--num-steps", "2", "--learning-rate", "1e-2"]
-    flags += ["--loss", "reverse-kl"] if script == "distill.py" else []  # its default, jsd, weighs no token
+    flags = [*SMALL, *([] if script == "scale/ppo.py" else GROUPS), "--num-steps", "2", "--learning-rate", "1e-2"]
+    flags += ["--loss", "reverse-kl"] if script == "scale/distill.py" else []  # its default, jsd, weighs no token
     run_script(str(harness), script, "--vllm", *flags, *TEACHER.get(script, []), "--output-dir", str(out))
     step2 = [m for m in read_metrics(out) if m["step"] == 2][0]
     assert step2["rollout/logprob_diff"] < 1e-4 and step2["rollout/is_weight"] == pytest.approx(1.0, abs=1e-3)
@@ -122,7 +131,9 @@ def test_distill_jsd_with_vllm(tmp_path):
     harness.write_text(CHECK)
     out = tmp_path / "run"
     flags = [*SMALL, *GROUPS, "--num-steps", "2", "--learning-rate", "1e-2", "--loss", "jsd"]
-    run_script(str(harness), "distill.py", "--vllm", *flags, *TEACHER["distill.py"], "--output-dir", str(out))
+    run_script(
+        str(harness), "scale/distill.py", "--vllm", *flags, *TEACHER["scale/distill.py"], "--output-dir", str(out)
+    )
     step2 = [m for m in read_metrics(out) if m["step"] == 2][0]
     assert step2["losses/reverse_kl_exact"] > 0 and step2["rollout/logprob_diff"] < 1e-4, step2
     assert "rollout/is_weight" not in step2, step2
@@ -147,7 +158,7 @@ def test_a_step_with_vllm_on_a_tied_qwen2(chat_model_dir, tmp_path):
     out = tmp_path / "run"
     run_script(
         str(harness),
-        "grpo.py",
+        "scale/grpo.py",
         "--vllm",
         "--model-name-or-path",
         str(model_dir),
@@ -173,7 +184,7 @@ def test_same_seed_same_metrics_with_vllm(tmp_path):
     """The engine samples in this process from torch's generator, seeded once: two runs give the same samples."""
     runs = []
     for name in ("a", "b"):
-        run_script("grpo.py", "--vllm", *SMALL, *GROUPS, "--num-steps", "2", "--output-dir", str(tmp_path / name))
+        run_script("scale/grpo.py", "--vllm", *SMALL, *GROUPS, "--num-steps", "2", "--output-dir", str(tmp_path / name))
         runs.append(
             [
                 {k: v for k, v in m.items() if k.startswith(("charts/reward", "charts/completion_length"))}
@@ -230,7 +241,7 @@ def test_the_engine_forgets_its_prefix_cache_when_the_weights_change(chat_model_
     out = tmp_path / "run"
     run_script(
         str(harness),
-        "grpo.py",
+        "scale/grpo.py",
         "--vllm",
         "--model-name-or-path",
         str(model_dir),
@@ -266,7 +277,7 @@ def test_a_model_vllm_does_not_serve_is_one_line(tmp_path):
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "biogpt")
     tokenizer.save_pretrained(tmp_path / "biogpt")
     proc = run_script(
-        "grpo.py",
+        "scale/grpo.py",
         "--vllm",
         "--model-name-or-path",
         str(tmp_path / "biogpt"),
@@ -286,7 +297,7 @@ def test_vllm_with_lora_samples_from_the_merged_weights(tmp_path):
     step 2, after an update that moved the policy from its reference, it samples as the trainer scores."""
     out = tmp_path / "run"
     run_script(
-        "grpo.py",
+        "scale/grpo.py",
         "--vllm",
         "--lora-r",
         "8",
@@ -310,7 +321,7 @@ def test_vllm_under_torchrun(fsdp, tmp_path):
     gathers the full weights for its engine), the engines sample from the trained weights at step 2."""
     flags = ["--vllm", *SMALL, *GROUPS, "--prompts-per-step", "8", "--num-steps", "2", "--learning-rate", "1e-2"]
     out = tmp_path / "run"
-    torchrun("grpo.py", *flags, *(["--fsdp"] if fsdp else []), "--output-dir", str(out))
+    torchrun("scale/grpo.py", *flags, *(["--fsdp"] if fsdp else []), "--output-dir", str(out))
     step2 = [m for m in read_metrics(out) if m["step"] == 2][0]
     assert step2["rollout/logprob_diff"] < 1e-4 and step2["losses/kl"] > 0.01, step2  # the policy moved
 
@@ -322,16 +333,16 @@ def test_a_killed_vllm_run_resumes_exactly(tmp_path):
     restored generator (the engine is built, and reseeds torch, before the checkpoint's states come back)."""
     from test_resume import FLAGS, KILLED, STEPS, assert_resumed_exactly
 
-    flags = ["--vllm", "--vllm-kv-cache-gib", "0.25", *FLAGS["grpo.py"], *STEPS]
+    flags = ["--vllm", "--vllm-kv-cache-gib", "0.25", *FLAGS["scale/grpo.py"], *STEPS]
     whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
-    run_script("grpo.py", *flags, "--output-dir", whole)
+    run_script("scale/grpo.py", *flags, "--output-dir", whole)
     harness = tmp_path / "killed.py"
     harness.write_text(KILLED)
     proc = run_script(
-        str(harness), "grpo.py", *flags, "--output-dir", killed, env={"KILL_AFTER_STEP": "3"}, expect_ok=False
+        str(harness), "scale/grpo.py", *flags, "--output-dir", killed, env={"KILL_AFTER_STEP": "3"}, expect_ok=False
     )
     assert proc.returncode == -9, proc.stderr[-2000:]
-    run_script("grpo.py", "--resume-from", killed)
+    run_script("scale/grpo.py", "--resume-from", killed)
     assert_resumed_exactly(whole, killed)
 
 
@@ -348,7 +359,7 @@ def test_the_readmes_vllm_commands(tmp_path):
     if not HAVE_VLLM and not os.environ.get("VLLM_REQUIRED"):
         pytest.skip("vLLM not installed: the command is run in vLLM's environment")
     out = tmp_path / "run"
-    run_script("grpo.py", "--vllm", *SMALL, *GROUPS, "--num-steps", "2", "--output-dir", str(out))
+    run_script("scale/grpo.py", "--vllm", *SMALL, *GROUPS, "--num-steps", "2", "--output-dir", str(out))
     assert [m["step"] for m in read_metrics(out)] == [0, 1, 2]
 
 
@@ -356,7 +367,13 @@ def test_the_readmes_vllm_commands(tmp_path):
 def test_a_kv_cache_too_small_for_one_sequence_is_one_line(tmp_path):
     """vLLM's own message names its gpu_memory_utilization; the line also names the flag that sizes the cache."""
     proc = run_script(
-        "grpo.py", "--vllm", "--vllm-kv-cache-gib", "0.0001", "--output-dir", str(tmp_path / "run"), expect_ok=False
+        "scale/grpo.py",
+        "--vllm",
+        "--vllm-kv-cache-gib",
+        "0.0001",
+        "--output-dir",
+        str(tmp_path / "run"),
+        expect_ok=False,
     )
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -1,0 +1,714 @@
+"""GRPO with process supervision (DeepSeekMath 4.1.3), in one file: a reward for every step of a completion.
+
+GRPO's rollouts, but each completion o_i is split into steps, step j ending at token index(j) with its own reward
+r_i^index(j) (here from a rule that checks the step, in the paper from a process reward model). All step rewards R of
+a group's G completions are normalised together, and a token's advantage is the sum of the normalised rewards of
+its steps that end at or after it (Shao et al. 2024, DeepSeekMath, https://arxiv.org/abs/2402.03300, sec. 4.1.3):
+
+    r~_i^index(j) = (r_i^index(j) - mean(R)) / std(R),    A_it = sum_{j: index(j) >= t} r~_i^index(j)
+    loss = -1/G sum_i 1/|o_i| sum_t [ min(r_it A_it, clip(r_it, 1-eps, 1+eps) A_it) - beta KL_it ]
+
+with GRPO's ratio r_it = pi(o_it) / pi_old(o_it) and k3 KL (grpo.py). The last step ends at the completion's last
+token, its stop token included, so that stopping is trained. `--supervision outcome` gives each completion one
+reward, at its end: GRPO itself, for the comparison. Where this file departs from the paper: the std gets eps=1e-4
+added (equal rewards give 0), and the steps are checked by a rule (`step_rewards_fn`), not a learned model. The
+bundled task: `47+8-3+5=` answered `47+8=55 55-3=52 52+5=57`, a step an equation. See docs/process_grpo.md;
+scale/process_grpo.py is this file with what scale needs (its own decode loop, torchrun, vLLM, LoRA, resume).
+
+    python process_grpo.py                           # bundled tiny model taught the step format, CPU
+    python process_grpo.py --supervision outcome     # the same run with one reward a completion (GRPO)
+"""
+
+import bisect
+import itertools
+import json
+import math
+import os
+import random
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+import transformers
+import tyro
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # names the run: runs/<exp_name>__<seed>__<time>
+    seed: int = 1  # seed of the experiment (data order, sampling, initialisation)
+    torch_deterministic: bool = True  # deterministic algorithms only (`--no-torch-deterministic`: any)
+    cuda: bool = True  # use CUDA when it is available
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # of the forward passes (auto: bfloat16 on a GPU)
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
+    track: bool = False  # log to Weights & Biases (`WANDB_MODE=offline` keeps it on disk)
+    wandb_project_name: str = "onefile-rl"  # the wandb project
+    wandb_entity: str | None = None  # the wandb entity (team or user)
+    output_dir: str | None = None  # the run's folder, which must not exist yet (default: runs/<run name>)
+    trust_remote_code: bool = False  # let transformers run code shipped with a hub model you trust
+    log_every: int = 5  # write metrics and a console line every this many steps
+
+    # Model and data
+    model_name_or_path: str = "tiny-chainer"  # the starting policy: a local folder or a hub id
+    dataset: str | None = None  # a .jsonl of prompt/answer (or question/answer) records, or a hub dataset
+    task: Literal["chain"] = "chain"  # without --dataset: `47+8-3+5=`, answered a step an equation
+    dataset_config: str | None = None  # the hub dataset's configuration (GSM8K: `main`)
+    train_split: str = "train"  # the hub dataset's training split
+    eval_split: str = "test"  # the hub dataset's held-out split
+    num_eval: int = 500  # held-out records: the hub split's first, or a .jsonl's last
+    eval_every: int = 25  # greedy accuracy on the held-out prompts every this many steps, and at 0
+    max_new_tokens: int = 32  # the longest completion, in tokens
+
+    # Optimisation
+    num_steps: int = 200  # training steps (each: one batch of rollouts, then its updates)
+    learning_rate: float = 1e-4  # AdamW's learning rate
+    weight_decay: float = 0.0  # AdamW's weight decay
+    max_grad_norm: float = 1.0  # clip the gradient's global norm to this
+    micro_batch_size: int = 64  # sequences per forward/backward pass
+
+    # Algorithm specific arguments
+    prompts_per_step: int = 32  # prompts per batch of rollouts
+    group_size: int = 8  # completions sampled per prompt (G in the paper)
+    temperature: float = 1.0  # sampling temperature; log-probs are computed at the same temperature
+    num_iterations: int = 1  # passes over each batch of rollouts (the paper's mu)
+    num_minibatches: int = 1  # optimizer steps per pass over a batch of rollouts
+    beta: float = 0.04  # weight of the KL penalty to the reference model (0: no reference model is loaded)
+    clip_eps_low: float = 0.2  # the ratio is clipped below at 1 - clip_eps_low
+    clip_eps_high: float = 0.2  # the ratio is clipped above at 1 + clip_eps_high (DAPO raises it to 0.28)
+    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
+    """how token losses are averaged: the paper's, DAPO's, or Dr. GRPO's (docs/grpo.md)"""
+    scale_rewards: bool = True  # divide by the std of the group's step rewards (`--no-scale-rewards`: Dr. GRPO's)
+    supervision: Literal["process", "outcome"] = "process"  # a reward a step, or one a completion (GRPO)
+
+
+# ---- ALGO LOGIC: the process-supervised advantage, and GRPO's loss (grpo.py's), here with an advantage for every token
+def process_advantages(step_rewards, step_ends, group_size, eps=1e-4, scale=True):
+    """A_t = the sum of the normalised rewards of the steps that end at or after t; (B, T).
+
+    step_rewards (B, T): a step's reward at its last token (elsewhere ignored); step_ends (B, T) bool: True at the
+    last token of each step; rows group-contiguous, B = num_prompts * group_size. All the step rewards R of a group
+    are normalised together, r~ = (r - mean(R)) / (std(R) + eps), the std the unbiased one (or r - mean(R) if not
+    scale); a group with fewer than two steps gives zeros, as does a completion with none.
+    G = 2, T = 4: steps end at t = 1 and 3 of row 0 (rewards 1, 0) and at t = 2 of row 1 (reward 1)
+        R = [1, 0, 1], mean 2/3, std 0.5774: r~ = [0.5773, -1.1547, 0.5773] (eps aside)
+        A = [[0.5773 - 1.1547, 0.5773 - 1.1547, -1.1547, -1.1547],  [0.5773, 0.5773, 0.5773, 0]]
+    """
+    num_tokens = step_rewards.shape[1]
+    ends = step_ends.bool().view(-1, group_size * num_tokens)  # (groups, G T)
+    rewards = torch.where(ends, step_rewards.view(ends.shape), 0.0)  # nothing but the step ends reaches the sums
+    count = ends.sum(dim=1, keepdim=True)  # (groups, 1): the group's steps
+    normalised = torch.where(ends, rewards - rewards.sum(dim=1, keepdim=True) / count.clamp(min=1), 0.0)
+    if scale:
+        std = ((normalised**2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+        normalised = normalised / (std + eps)
+    normalised = torch.where(count >= 2, normalised, 0.0).view(-1, num_tokens)  # (B, T)
+    return normalised.flip(1).cumsum(dim=1).flip(1)  # the sum over the steps that end at t or later
+
+
+def grpo_loss(
+    logprobs,
+    old_logprobs,
+    ref_logprobs,
+    advantages,
+    mask,
+    clip_eps_low=0.2,
+    clip_eps_high=0.2,
+    beta=0.04,
+    loss_agg="seq-mean-token-mean",
+    max_completion_length=None,
+):
+    """GRPO's clipped surrogate plus beta times the k3 KL to the reference, to be minimised.
+
+    logprobs (B, T) carries the gradient; old_logprobs, ref_logprobs (B, T) and advantages (B,), or (B, T) with an
+    advantage for every token (process_grpo.py), are constants; mask (B, T) marks completion tokens. Per token:
+        l_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t) + beta (exp(d_t) - d_t - 1),
+        r_t = exp(logprobs_t - old_logprobs_t),  d_t = ref_logprobs_t - logprobs_t.
+    loss_agg: "seq-mean-token-mean"     1/B sum_i 1/|o_i| sum_t l_it   (the paper)
+              "token-mean"              1/sum_i |o_i| sum_i sum_t l_it (DAPO)
+              "seq-mean-token-sum-norm" 1/B sum_i sum_t l_it / max_completion_length (Dr. GRPO)
+    """
+    m = mask.bool()
+    log_ratio = torch.where(m, logprobs - old_logprobs, 0.0)  # padding never reaches exp()
+    ratio = torch.exp(log_ratio)  # (B, T)
+    adv = torch.where(m, advantages.reshape(len(advantages), -1), 0.0)  # (B, T): A_i, or A_it; 0 on padding
+    clipped_ratio = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high)
+    per_token = -torch.min(ratio * adv, clipped_ratio * adv)  # (B, T)
+    stats = {}
+    if beta > 0:
+        d = torch.where(m, ref_logprobs - logprobs, 0.0)
+        kl = torch.exp(d) - d - 1  # k3 >= 0, its gradient flows through logprobs
+        per_token = per_token + beta * kl
+        stats["kl"] = masked_mean(kl, m).detach()
+    if loss_agg == "seq-mean-token-mean":
+        loss = masked_mean(per_token, m, dim=1).mean()
+    elif loss_agg == "token-mean":
+        loss = masked_mean(per_token, m)
+    elif loss_agg == "seq-mean-token-sum-norm":
+        loss = (torch.where(m, per_token, 0.0).sum(dim=1) / max_completion_length).mean()
+    else:
+        raise ValueError(f"unknown loss_agg {loss_agg!r}")
+    # a token is clipped when the clipped branch wins the min and so gives no gradient
+    clipped = ((ratio < 1 - clip_eps_low) & (adv < 0)) | ((ratio > 1 + clip_eps_high) & (adv > 0))
+    stats["clip_frac"] = masked_mean(clipped.float(), m).detach()
+    stats["ratio"] = masked_mean(ratio, m).detach()
+    return loss, stats
+
+
+# ---- The task and its reward: what a user edits for a task of their own (docs/your_own_task.md)
+def addition_task(num_eval, task="addition"):
+    """(train, held-out) records of a + b for 0 <= a, b <= 99, held out alike in every run."""
+    prompts = {"addition": "{a}+{b}=", "addition-question": "What is {a} + {b}? Reply with the number only."}
+    pairs = [(a, b) for a in range(100) for b in range(100)]
+    random.Random(0).shuffle(pairs)
+    records = [{"prompt": prompts[task].format(a=a, b=b), "answer": str(a + b)} for a, b in pairs]
+    return records[num_eval:], records[:num_eval]
+
+
+def last_number(text):
+    """The last number in text, as a float ('1,234.5' -> 1234.5), or None."""
+    found = re.findall(r"-?\d+(?:,\d{3})*(?:\.\d+)?", text)
+    return float(found[-1].replace(",", "")) if found else None
+
+
+def reward_fn(completion, record):
+    """1.0 if the completion ends with the answer: its last number, or its last words (docs/your_own_task.md)."""
+    answer = str(record["answer"])
+    if last_number(answer) is not None:
+        return float(last_number(completion) == last_number(answer))
+    text, expected = (" ".join(s.lower().split()).strip(" .,;:!?\"'`*()[]{}") for s in (completion, answer))
+    return float(bool(expected) and (text == expected or text.endswith(" " + expected)))
+
+
+def step_rewards_fn(completion, record):
+    """[(end, reward)] of each step of the completion, end the index just past its last character (the task's rule;
+    write your own for your task: docs/process_grpo.md). Here a step is an equation `a+b=c`, steps apart by spaces,
+    right (1.0) when a is the previous step's c (the prompt's first number for the first step), its operator and b
+    the prompt's next ones, and c = a + b (or a - b); else 0.0, and so is a step past the last one asked.
+    '47+8=55 55-3=52 52+5=58' for '47+8-3+5=' -> [(7, 1.0), (15, 1.0), (23, 0.0)]"""
+    asked = re.findall(r"[+-]?\d+", record["prompt"])  # '47+8-3+5=' -> ['47', '+8', '-3', '+5']
+    if not asked:
+        fail(
+            f"step_rewards_fn: the prompt {record['prompt'][:60]!r} has no numbers; the bundled rule checks the chain "
+            "task's steps (47+8-3+5=): write step_rewards_fn for your records (docs/process_grpo.md)"
+        )
+    previous, steps = asked[0], []
+    for match in re.finditer(r"\S+", completion):
+        equation = re.fullmatch(r"(-?\d+)([+-])(\d+)=(-?\d+)", match.group())
+        right = False
+        if equation is not None and len(steps) + 1 < len(asked):
+            a, op, b, c = int(equation[1]), equation[2], int(equation[3]), int(equation[4])
+            value = a + b if op == "+" else a - b
+            right = equation[1] == previous and op + equation[3] == asked[len(steps) + 1] and c == value
+        steps.append((match.end(), float(right)))
+        previous = equation[4] if equation is not None else None
+    return steps
+
+
+def scored_steps(completion, record):
+    """step_rewards_fn's steps, the last one's reward at most the final answer's (reward_fn): the last step is the
+    one that gives the answer, so a chain that stops early, or ends on a wrong answer, ends on a wrong step.
+    '47+8=55' for '47+8-3+5=' (answer 57) -> [(7, 0.0)]: a right step, but the answer it gives is wrong."""
+    steps = step_rewards_fn(completion, record)
+    if steps:
+        end, reward = steps[-1]
+        steps[-1] = (end, min(reward, reward_fn(completion, record)))
+    return steps
+
+
+def prompt_answer(record):
+    """The record with a 'prompt' and an 'answer' (text or None), from prompt/answer or question/answer (GSM8K:
+    the answer after '####'); other fields stay, for reward_fn."""
+    answer = None if record.get("answer") is None else str(record["answer"])
+    if "question" not in record:
+        return {**record, "answer": answer}
+    answer = None if answer is None else answer.split("####")[-1].strip()
+    return {**record, "prompt": record["question"], "answer": answer}
+
+
+def reward_steps(tokenizer, completion_ids, mask, texts, records, supervision):
+    """(step_rewards, step_ends) (B, T): each step's reward at the token that ends it, the first token whose text
+    reaches the step's end (text_lengths of the completion's own ids: the text is never tokenised again); the last
+    step ends at the completion's last token, its stop token included. Outcome supervision: one step, the whole
+    completion, rewarded by reward_fn."""
+    ends = {}  # (row, token): the reward of the last step that ends there
+    for i, (ids, text, record) in enumerate(zip(completion_ids.tolist(), texts, records)):
+        length = int(mask[i].sum())
+        steps = [(len(text), reward_fn(text, record))]
+        if supervision == "process":
+            steps = scored_steps(text, record)
+        lengths = text_lengths(tokenizer, ids[:length])  # non-decreasing
+        for k, (end, reward) in enumerate(steps):  # a token that ends two steps keeps the later one's reward
+            t = min(bisect.bisect_left(lengths, end), length - 1)
+            if k == len(steps) - 1:
+                t = length - 1
+            ends[i, t] = reward
+    step_rewards, step_ends = torch.zeros(mask.shape), torch.zeros(mask.shape, dtype=torch.bool)
+    if ends:
+        rows, tokens = zip(*ends)
+        step_rewards[rows, tokens], step_ends[rows, tokens] = torch.tensor(list(ends.values())), True
+    return step_rewards.to(mask.device), step_ends.to(mask.device)
+
+
+def main(args):
+    check_args(args)
+    device = setup(args)
+    output_dir = make_output_dir(args)
+
+    # the policy, and a frozen reference only when the KL term is on
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    policy = load_model(args.model_name_or_path, args, device)
+    stop_ids = stop_token_ids(tokenizer, policy)
+    if args.beta > 0:
+        ref_policy = load_model(args.model_name_or_path, args, device, frozen=True)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    train_records, eval_records = load_steps_task(args)
+    data_rng, shuffle_gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
+    batch_size = args.prompts_per_step * args.group_size
+    print(f"{output_dir}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
+    loss_args = dict(clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high, beta=args.beta)
+    loss_args.update(loss_agg=args.loss_agg, max_completion_length=args.max_new_tokens)  # grpo_loss's constants
+    start, samples = time.time(), []  # samples: a few held-out prompts with their completions, for samples.jsonl
+    log(output_dir, 0, held_out_metrics(policy, tokenizer, eval_records, args, stop_ids, samples), samples)
+    for step in range(1, args.num_steps + 1):
+        step_start = time.time()
+        # 1. rollouts: G completions per prompt from pi_old, group-contiguous (prompt 0 G times, then prompt 1...)
+        prompts = data_rng.choices(train_records, k=args.prompts_per_step)
+        group = [r for r in prompts for _ in range(args.group_size)]
+        policy.eval()
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device)  # (B, P)
+        completion_ids = generate(
+            policy, tokenizer, prompt_ids, prompt_mask, args.max_new_tokens, args.temperature, stop_ids
+        )
+        mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
+        attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
+        prompt_len = prompt_ids.shape[1]
+
+        # 2. reward each step at its last token, normalise the group's step rewards, sum each token's later steps
+        texts = decode_completions(tokenizer, completion_ids, mask)
+        step_rewards, step_ends = reward_steps(tokenizer, completion_ids, mask, texts, group, args.supervision)
+        advantages = process_advantages(step_rewards, step_ends, args.group_size, scale=args.scale_rewards)  # (B, T)
+        rewards = torch.tensor([reward_fn(t, r) for t, r in zip(texts, group)], device=device)  # (B,) the answers
+
+        # 3. log-probs of pi_old and pi_ref, once per batch, without gradient. With one update per batch, pi_old is
+        # the policy being updated: its log-probs are the new ones, detached, and need no pass here.
+        one_update = args.num_iterations == 1 and args.num_minibatches == 1
+        if not one_update:
+            old_logprobs = batched_logprobs(
+                policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
+            )
+        if args.beta > 0:
+            ref_logprobs = batched_logprobs(
+                ref_policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
+            )
+
+        # 4. num_iterations passes over the batch, each num_minibatches optimizer steps; a micro-batch's loss weighs
+        # its share of the minibatch's completions, or with DAPO's token mean, of its tokens
+        policy.train()
+        step_stats, grad_norms = [], []
+        passes = [torch.randperm(batch_size, generator=shuffle_gen) for _ in range(args.num_iterations)]
+        for minibatch in torch.cat(passes).split(batch_size // args.num_minibatches):
+            optimizer.zero_grad()
+            for i in minibatch.split(args.micro_batch_size):
+                logprobs = token_logprobs(policy, input_ids[i], attention_mask[i], prompt_len, args.temperature)
+                old = logprobs.detach() if one_update else old_logprobs[i]
+                ref = ref_logprobs[i] if args.beta > 0 else None
+                loss, stats = grpo_loss(logprobs, old, ref, advantages[i], mask[i], **loss_args)
+                share = len(i) / len(minibatch)
+                if args.loss_agg == "token-mean":
+                    share = mask[i].sum() / mask[minibatch].sum()
+                (loss * share).backward()
+                # the loss as the optimizer weighed it; the token means (kl, clip_frac, ratio) by tokens
+                step_stats += [({"loss": loss.detach()}, share), (stats, mask[i].sum())]
+            grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
+            optimizer.step()
+
+        # 5. log, and evaluate on the held-out prompts
+        evaluate_now = step % args.eval_every == 0 or step == args.num_steps
+        if step % args.log_every == 0 or evaluate_now:
+            grad_norm = torch.stack(grad_norms).mean().item()  # the mean over the optimizer steps, once they are done
+            step_time = time.time() - step_start
+            metrics = {
+                **weighted_means(step_stats, "losses/"),
+                "charts/reward": rewards.mean(),  # the final answers'
+                "charts/reward_std": rewards.std(),
+                **step_metrics(step_rewards, step_ends, args.group_size),
+                "charts/completion_length": mask.sum(dim=1).float().mean(),
+                "losses/grad_norm": grad_norm,
+                "charts/step_time": step_time,
+                "charts/tokens_per_sec": mask.sum() / step_time,
+                "charts/elapsed_time": time.time() - start,
+            }
+            samples = rollout_samples(group, texts, rewards, advantages[:, 0])  # a completion's first token's
+            if evaluate_now:
+                metrics.update(held_out_metrics(policy, tokenizer, eval_records, args, stop_ids, samples))
+            log(output_dir, step, metrics, samples)
+
+    save(policy, tokenizer, output_dir)
+    print(f"saved to {output_dir} in {time.time() - start:.0f} s")
+
+
+# ==== The algorithm ends here. Below: machinery, this file's own, then (second banner) the part every file shares ====
+def check_args(args):
+    """Stops at a flag outside its range, or at batch sizes that do not divide, before anything loads."""
+    ranges = dict(prompts_per_step="> 0", group_size=">= 2 (GRPO compares the completions of a group)")
+    ranges.update(temperature="> 0", num_iterations="> 0", num_minibatches="> 0", beta=">= 0")
+    check_ranges(args, clip_eps_low="in [0, 1]", clip_eps_high=">= 0", **ranges)
+    minibatch = exact_div(
+        args.prompts_per_step * args.group_size, args.num_minibatches, "--prompts-per-step x --group-size"
+    )
+    exact_div(minibatch, args.micro_batch_size, "a minibatch (--prompts-per-step x --group-size / --num-minibatches)")
+
+
+def load_steps_task(args):
+    """(train, held-out) records: the bundled chain task (with 'steps'), or --dataset's as grpo.py reads them."""
+    if args.dataset is None:
+        return chain_task(args.num_eval)
+    return load_task(args)
+
+
+def chain_task(num_eval, num_train=50000):
+    """(train, held-out) records of a number below 100 and three digits added or subtracted in turn, held out alike
+    in every run, a step an equation: {"prompt": "47+8-3+5=", "answer": "57", "steps": "47+8=55 55-3=52 52+5=57"}."""
+    rng, records, seen = random.Random(0), [], set()
+    while len(records) < num_eval + num_train:
+        numbers, ops = (
+            [rng.randrange(100), *[rng.randrange(10) for _ in range(3)]],
+            [rng.choice("+-") for _ in range(3)],
+        )
+        prompt = "".join(f"{n}{op}" for n, op in zip(numbers, (*ops, "=")))
+        if prompt in seen:
+            continue
+        seen.add(prompt)
+        value, steps = numbers[0], []
+        for op, n in zip(ops, numbers[1:]):
+            result = value + n if op == "+" else value - n
+            steps.append(f"{value}{op}{n}={result}")
+            value = result
+        records.append({"prompt": prompt, "answer": str(value), "steps": " ".join(steps)})
+    return records[num_eval:], records[:num_eval]
+
+
+def load_task(args):
+    """(train, held-out) records with a 'prompt' and an 'answer': the bundled task's, a .jsonl's or a hub dataset's."""
+    if args.dataset is None:
+        return addition_task(args.num_eval, args.task)
+    if args.dataset.endswith(".jsonl"):
+        records = [prompt_answer(r) for r in read_jsonl(args.dataset, ("prompt", "answer"), ("question", "answer"))]
+        if len(records) <= args.num_eval:
+            fail(f"--dataset {args.dataset}: {len(records)} records, but --num-eval {args.num_eval} are held out")
+        return records[: -args.num_eval], records[-args.num_eval :]
+    train = load_hub_split(args.dataset, args.dataset_config, args.train_split)
+    held_out = load_hub_split(args.dataset, args.dataset_config, args.eval_split)[: args.num_eval]
+    return [prompt_answer(r) for r in train], [prompt_answer(r) for r in held_out]
+
+
+@torch.no_grad()
+def held_out_metrics(policy, tokenizer, records, args, stop_ids, samples):
+    """eval/accuracy of the greedy completions' final answers, eval/step_accuracy of their steps, eval/trace_error:
+    the share of the right final answers with a wrong step (its denominator eval/right_answers; docs/process_grpo.md);
+    the first four completions go to samples."""
+    policy.eval()
+    texts, device = [], next(policy.parameters()).device
+    for i in range(0, len(records), 128):
+        ids, mask = tokenize_prompts(tokenizer, [r["prompt"] for r in records[i : i + 128]], device)
+        completion_ids = generate(policy, tokenizer, ids, mask, args.max_new_tokens, None, stop_ids)
+        texts += decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
+    answers = [reward_fn(t, r) for t, r in zip(texts, records)]
+    steps = [[x for _, x in scored_steps(t, r)] for t, r in zip(texts, records)]
+    wrong_step = [float(right > 0 and any(x == 0 for x in s)) for right, s in zip(answers, steps)]
+    right, total_steps = sum(answers), sum(map(len, steps))
+    for r, t, x in zip(records[:4], texts, answers):
+        samples.append({"kind": "eval", "prompt": r["prompt"], "completion": t, "answer": r["answer"], "reward": x})
+    return {
+        "eval/accuracy": right / len(records),
+        "eval/step_accuracy": sum(map(sum, steps)) / max(total_steps, 1),
+        "eval/trace_error": sum(wrong_step) / max(right, 1),
+        "eval/right_answers": right,
+    }
+
+
+def text_lengths(tokenizer, ids, context=4):
+    """[len(tokenizer.decode(ids[: t + 1])) for t in range(len(ids))] (special tokens skipped), in one pass: what
+    token t adds to the text is what it adds to the decoded `context` tokens before it (decoding is local: a UTF-8
+    character spans at most 4 byte-level tokens), so every prefix need not be decoded (docs/process_grpo.md)."""
+    windows = [ids[max(0, t - context) : t + 1] for t in range(len(ids))]
+    added = [tokenizer.decode(w, skip_special_tokens=True) for w in windows]
+    before = [tokenizer.decode(w[:-1], skip_special_tokens=True) for w in windows]
+    return list(itertools.accumulate(len(a) - len(b) for a, b in zip(added, before)))
+
+
+def step_metrics(step_rewards, step_ends, group_size):
+    """charts/step_reward, the steps' mean reward; charts/steps, a completion's; charts/zero_std_groups, the share of
+    groups whose step rewards all agree (no signal)."""
+    ends = step_ends.view(-1, group_size * step_ends.shape[1])
+    high = torch.where(ends, step_rewards.view(ends.shape), -math.inf).amax(dim=1)
+    low = torch.where(ends, step_rewards.view(ends.shape), math.inf).amin(dim=1)
+    return {
+        "charts/step_reward": masked_mean(step_rewards, step_ends),
+        "charts/steps": step_ends.sum(dim=1).float().mean(),
+        "charts/zero_std_groups": (~(high > low)).float().mean(),
+    }
+
+
+def rollout_samples(records, texts, rewards, advantages):
+    """The first four rollouts of a step, for samples.jsonl: prompt, completion, answer, reward and advantage."""
+    rows = zip(records[:4], texts, rewards.tolist(), advantages.tolist())
+    keys = ("kind", "prompt", "completion", "answer", "reward", "advantage")
+    return [dict(zip(keys, ("rollout", r["prompt"], t, r["answer"], x, a))) for r, t, x, a in rows]
+
+
+# ==== Everything below this line is the same in every file, byte for byte (tests/test_shared.py checks it) ====
+def check_ranges(args, **ranges):
+    """Stops at the first flag outside its range ('> 0', '>= 2', 'in [0, 1]', maybe with a reason): the flags every
+    file has, then the file's own."""
+    positive = "log_every num_eval eval_every max_new_tokens num_steps learning_rate max_grad_norm micro_batch_size"
+    common = {**dict.fromkeys(positive.split(), "> 0"), "seed": "in [0, 4294967295]", "weight_decay": ">= 0"}
+    for name, spec in {**common, **ranges}.items():
+        x, (op, bound) = getattr(args, name), spec.split()[:2]
+        if op == "in":
+            low, high = (float(b) for b in spec[spec.index("[") + 1 : spec.index("]")].split(","))
+            ok = low <= x <= high
+        else:
+            ok = x > float(bound) if op == ">" else x >= float(bound)
+        if not (ok and math.isfinite(x)):
+            fail(f"--{name.replace('_', '-')} {x}: must be {spec}")
+
+
+def setup(args):
+    """The device; seeds Python's and torch's generators; deterministic algorithms unless --no-torch-deterministic."""
+    transformers.utils.logging.disable_progress_bar()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before CUDA starts
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    if args.dtype == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        fail("--dtype bfloat16: this GPU has no bfloat16; use --dtype float32")
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.use_deterministic_algorithms(args.torch_deterministic)
+    return device
+
+
+def make_output_dir(args):
+    """The run's new folder, with args.json in it; with --track, the wandb run."""
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    path = os.path.join("runs", run_name) if args.output_dir is None else args.output_dir
+    if os.path.exists(path):
+        fail(f"--output-dir {path} already exists; choose a new folder")
+    try:
+        os.makedirs(path)
+        with open(os.path.join(path, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)
+    except OSError as e:
+        fail(f"--output-dir {path}: cannot write there ({e.strerror}); choose a folder you can write to")
+    if args.track:
+        import wandb
+
+        wandb.init(
+            project=args.wandb_project_name, entity=args.wandb_entity, name=run_name, config=vars(args), dir=path
+        )
+    return path
+
+
+def from_pretrained(cls, path, trust_remote_code, **kwargs):
+    """cls.from_pretrained(path), or a one-line error naming --model-name-or-path."""
+    if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1 or os.path.exists(path)):
+        fail(f"--model-name-or-path {path}: no such folder")
+    try:
+        return cls.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError) as e:
+        fail(f"--model-name-or-path {path}: not a model folder, nor loadable from the hub ({type(e).__name__})")
+
+
+def load_tokenizer(path, trust_remote_code):
+    tokenizer = from_pretrained(AutoTokenizer, path, trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path, args, device, frozen=False):
+    """The model with float32 weights and dropout off; its decoder computes under autocast in --dtype (auto: bfloat16
+    on a GPU), its output layer in float32, so that the log-probs come from float32 logits."""
+    model = from_pretrained(AutoModelForCausalLM, path, args.trust_remote_code, dtype=torch.float32)
+    model.requires_grad_(not frozen)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0  # the policy that samples is the one trained
+    if args.gradient_checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)  # < 5.24
+        enable({"use_reentrant": False})
+    if args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda"):
+        decoder = model.get_decoder()
+        decoder.forward = torch.autocast(device.type, dtype=torch.bfloat16)(decoder.forward)
+    return model.to(device)
+
+
+def stop_token_ids(tokenizer, model):
+    """Every id that ends a completion: the tokenizer's EOS and the generation config's (None, an id, or a list)."""
+    ids = model.generation_config.eos_token_id
+    return sorted({tokenizer.eos_token_id, *(ids if isinstance(ids, list) else [ids])} - {None})
+
+
+def tokenize_prompts(tokenizer, prompts, device):
+    """Left-padded ids and mask (B, P) of the prompts, each a user turn of the chat template if there is one."""
+    if tokenizer.chat_template:
+        chats = [[{"role": "user", "content": p}] for p in prompts]
+        prompts = tokenizer.apply_chat_template(chats, tokenize=False, add_generation_prompt=True)
+    batch = tokenizer(prompts, padding=True, padding_side="left", add_special_tokens=not tokenizer.chat_template)
+    return torch.tensor(batch["input_ids"], device=device), torch.tensor(batch["attention_mask"], device=device)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids):
+    """Completion ids (B, T), T <= max_new_tokens, sampled at temperature (None: greedy) from exactly the distribution
+    that token_logprobs scores: no top-k, top-p nor penalty, whatever the model's generation config says."""
+    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id)
+    config.update(do_sample=temperature is not None, min_new_tokens=0, repetition_penalty=1.0, no_repeat_ngram_size=0)
+    if temperature is not None:  # plain sampling: every other way to reshape the distribution off
+        config.update(temperature=temperature, top_k=0, top_p=1.0, min_p=0.0)
+        config.update(typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0)
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+    return out[:, prompt_ids.shape[1] :]
+
+
+def completion_mask(completion_ids, stop_ids):
+    """1 up to and including the first stop token: [[5, 7, EOS, PAD], [6, 6, 6, 6]] -> [[1, 1, 1, 0], [1, 1, 1, 1]]"""
+    is_stop = torch.isin(completion_ids, torch.tensor(stop_ids, device=completion_ids.device)).long()
+    return (is_stop.cumsum(dim=1) - is_stop) == 0  # no stop token before this one
+
+
+def decode_completions(tokenizer, completion_ids, mask):
+    return [tokenizer.decode(ids[m], skip_special_tokens=True) for ids, m in zip(completion_ids, mask)]
+
+
+def token_logprobs(model, input_ids, attention_mask, prompt_len, temperature=1.0, with_entropy=False):
+    """Log-probs (B, T) of the completion tokens input_ids[:, prompt_len:], float32 (and entropies (B, T)).
+
+    input_ids = [PAD, PAD, 4, 7, 13 | 5, 5, EOS]   left-padded prompt | completion (T = 3)
+    attention = [0,   0,   1, 1, 1  | 1, 1, 1  ]   positions [0, 0, 0, 1, 2 | 3, 4, 5], as generate() makes them
+    The logits at prompt_len - 1 + t predict token t; float32 (load_model), their log-softmax a few rows at a time.
+    """
+    positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    kept = input_ids.shape[1] - prompt_len + 1
+    logits = model(input_ids, attention_mask=attention_mask, position_ids=positions, logits_to_keep=kept).logits
+    logprobs, entropies = [], []
+    for chunk, targets in zip(logits[:, :-1].split(8), input_ids[:, prompt_len:].split(8)):  # (8, T, vocab), (8, T)
+        chunk = chunk.float() / temperature
+        logsumexp = chunk.logsumexp(dim=-1)
+        logprobs.append(chunk.gather(-1, targets[..., None]).squeeze(-1) - logsumexp)
+        entropies.append(logsumexp - (chunk.softmax(dim=-1) * chunk).sum(dim=-1) if with_entropy else None)
+    return (torch.cat(logprobs), torch.cat(entropies)) if with_entropy else torch.cat(logprobs)
+
+
+@torch.no_grad()
+def batched_logprobs(model, input_ids, attention_mask, prompt_len, temperature, batch_size):
+    """token_logprobs (B, T) without gradient, batch_size rows a forward pass."""
+    model.eval()
+    batches = zip(input_ids.split(batch_size), attention_mask.split(batch_size))
+    return torch.cat([token_logprobs(model, ids, mask, prompt_len, temperature) for ids, mask in batches])
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, records, args, stop_ids, samples):
+    """{"eval/accuracy": the mean reward of greedy completions of the records}; the first four go to samples."""
+    model.eval()
+    texts, device = [], next(model.parameters()).device
+    for i in range(0, len(records), 128):
+        ids, mask = tokenize_prompts(tokenizer, [r["prompt"] for r in records[i : i + 128]], device)
+        completion_ids = generate(model, tokenizer, ids, mask, args.max_new_tokens, None, stop_ids)
+        texts += decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
+    rewards = [reward_fn(t, r) for t, r in zip(texts, records)]
+    for r, t, x in zip(records[:4], texts, rewards):
+        samples.append({"kind": "eval", "prompt": r["prompt"], "completion": t, "answer": r["answer"], "reward": x})
+    return {"eval/accuracy": sum(rewards) / len(rewards)}
+
+
+def weighted_means(records, prefix=""):
+    """{prefix + name: sum w x / sum w} of (stats, w) records: [({"kl": 1.0}, 1), ({"kl": 0.0}, 3)] -> {"kl": 0.25}"""
+    sums, totals = {}, {}
+    for stats, weight in records:
+        for name, value in stats.items():
+            sums[name] = sums.get(name, 0.0) + float(value) * float(weight)
+            totals[name] = totals.get(name, 0.0) + float(weight)
+    return {prefix + name: sums[name] / totals[name] for name in sums}
+
+
+def log(output_dir, step, metrics, samples=()):
+    """The step's metrics and samples to metrics.jsonl and samples.jsonl, to wandb with --track, and the console."""
+    metrics = {k: float(v) for k, v in metrics.items()}
+    for name, rows in (("metrics", [metrics]), ("samples", samples)):
+        with open(os.path.join(output_dir, f"{name}.jsonl"), "a") as f:
+            f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+    if getattr(sys.modules.get("wandb"), "run", None) is not None:  # --track: make_output_dir started it
+        sys.modules["wandb"].log(metrics, step=step)
+    shown = ["charts/reward", "losses/loss", "eval/loss", "eval/accuracy", "eval/pair_accuracy", "charts/step_time"]
+    print(f"step {step:5d}  " + "  ".join(f"{k} {metrics[k]:.4f}" for k in shown if k in metrics), flush=True)
+
+
+def save(model, tokenizer, output_dir):
+    """The model and the tokenizer, loadable with from_pretrained; with --track, the wandb run ends."""
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    if getattr(sys.modules.get("wandb"), "run", None) is not None:
+        sys.modules["wandb"].finish()
+
+
+def masked_mean(x, mask, dim=None):
+    """Mean of x where mask is 1; masked positions never leak, even inf or nan."""
+    x = torch.where(mask.bool(), x, 0.0)
+    return x.sum() / mask.sum().clamp(min=1) if dim is None else x.sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def exact_div(a, b, what):
+    """a // b; unless b divides a, the run stops, naming what to change."""
+    if a % b != 0:
+        fail(f"{what}: {a} does not divide by {b}")
+    return a // b
+
+
+def fail(message):
+    raise SystemExit(f"error: {message}")
+
+
+def read_jsonl(path, *schemas):
+    """The records of a JSONL file, each with the text fields of a schema (or a number for 'answer'); a bad record
+    stops the run, naming its line."""
+    if not os.path.isfile(path):
+        fail(f"--dataset {path}: no such file")
+    with open(path, encoding="utf-8") as f:
+        lines = [(f"--dataset {path}: line {n}", line) for n, line in enumerate(f, start=1) if line.strip()]
+    records, needs = [], " or ".join(" and ".join(s) for s in schemas)
+    for at, line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            fail(f"{at} is not valid JSON ({e.msg})")
+        fields = next((s for s in schemas if isinstance(records[-1], dict) and set(s) <= set(records[-1])), None)
+        if fields is None:
+            fail(f"{at} lacks a field: a record needs {needs}")
+        for k, v in ((k, records[-1][k]) for k in fields):
+            if not isinstance(v, str) and not (k == "answer" and type(v) in (int, float) and math.isfinite(v)):
+                fail(f"{at}: field {k!r} holds {json.dumps(v)[:40]}; it needs text")
+    if not records:
+        fail(f"--dataset {path}: the file holds no records")
+    return records
+
+
+def load_hub_split(name, config, split):
+    """The records of a hub dataset's split (`pip install datasets`)."""
+    try:
+        import datasets
+    except ImportError:
+        fail(f"--dataset {name}: a hub dataset needs the datasets library: pip install datasets")
+    try:
+        return list(datasets.load_dataset(name, config, split=split))
+    except Exception as e:  # the library raises many kinds
+        fail(f"--dataset {name}: could not load split {split!r} ({type(e).__name__}: {e})".splitlines()[0])
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args, description=__doc__.splitlines()[0]))

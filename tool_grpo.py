@@ -1,0 +1,760 @@
+"""GRPO with tool calls over several turns, in one file.
+
+A rollout is a conversation between the policy and a tool. The policy writes a turn until it stops
+or closes a call; the call is parsed and run, and the tool's result is appended to the completion
+as token ids; the policy writes the next turn, up to `--max-turns`. The policy's own tokens are
+never decoded and tokenised again: its ids are kept as they were sampled, and only the tool's
+result is tokenised. Everything else is GRPO (grpo.py; Shao et al. 2024, DeepSeekMath,
+https://arxiv.org/abs/2402.03300, eq. 3 and 4): the final answer's reward, its z-score within the
+group as the advantage, PPO's clipped ratio and the k3 KL to a frozen reference, with one change:
+the tool wrote some of the completion's tokens, so they are in the context of every log-prob but
+carry no loss. With m_t = 1 on the policy's tokens and 0 on the tool's,
+
+    loss = -1/G sum_i 1/|o_i|_m sum_t m_it [ min(r_it A_i, clip(r_it, 1-eps, 1+eps) A_i) - beta KL_it ]
+
+where |o_i|_m = sum_t m_it counts the policy's tokens only (`--no-mask-tool-tokens` trains on the
+tool's tokens too, for the ablation). `--max-new-tokens` is the completion's whole length, every
+turn and every result included. The bundled tool is a calculator that parses arithmetic (never
+eval), called as `<call>347*86</call>`, its result appended as `<result>29842</result>`. See
+docs/tool_grpo.md; scale/tool_grpo.py is this file with what scale needs (its own decode loop,
+torchrun, LoRA, resume) and calls written as a chat template writes them (Qwen2.5's, Llama 3.1's).
+
+    python tool_grpo.py                                  # bundled tiny model, 347*86= with a calculator, CPU
+    python scale/tool_grpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \
+        --dataset-config main --max-new-tokens 768 --max-turns 4 --prompts-per-step 16 --micro-batch-size 8 \
+        --learning-rate 1e-6 --num-eval 200 --eval-every 50 --gradient-checkpointing  # a chat model's own tool calls
+"""
+
+import ast
+import json
+import math
+import operator
+import os
+import random
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+import transformers
+import tyro
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # names the run: runs/<exp_name>__<seed>__<time>
+    seed: int = 1  # seed of the experiment (data order, sampling, initialisation)
+    torch_deterministic: bool = True  # deterministic algorithms only (`--no-torch-deterministic`: any)
+    cuda: bool = True  # use CUDA when it is available
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # of the forward passes (auto: bfloat16 on a GPU)
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass to save memory
+    track: bool = False  # log to Weights & Biases (`WANDB_MODE=offline` keeps it on disk)
+    wandb_project_name: str = "onefile-rl"  # the wandb project
+    wandb_entity: str | None = None  # the wandb entity (team or user)
+    output_dir: str | None = None  # the run's folder, which must not exist yet (default: runs/<run name>)
+    trust_remote_code: bool = False  # let transformers run code shipped with a hub model you trust
+    log_every: int = 5  # write metrics and a console line every this many steps
+
+    # Model and data
+    model_name_or_path: str = "tiny-caller"  # the starting policy: a local folder or a hub id
+    dataset: str | None = None  # a .jsonl of prompt/answer (or question/answer) records, or a hub dataset
+    task: Literal["multiplication"] = "multiplication"  # without --dataset: `347*86=`, which needs the calculator
+    dataset_config: str | None = None  # the hub dataset's configuration (GSM8K: `main`)
+    train_split: str = "train"  # the hub dataset's training split
+    eval_split: str = "test"  # the hub dataset's held-out split
+    num_eval: int = 500  # held-out records: the hub split's first, or a .jsonl's last
+    eval_every: int = 10  # greedy accuracy on the held-out prompts every this many steps, and at 0
+    max_new_tokens: int = 24  # the longest completion, in tokens: every turn, the tool's results included
+
+    # Optimisation
+    num_steps: int = 50  # training steps (each: one batch of rollouts, then its updates)
+    learning_rate: float = 1e-4  # AdamW's learning rate
+    weight_decay: float = 0.0  # AdamW's weight decay
+    max_grad_norm: float = 1.0  # clip the gradient's global norm to this
+    micro_batch_size: int = 64  # sequences per forward/backward pass
+
+    # Algorithm specific arguments
+    prompts_per_step: int = 32  # prompts per batch of rollouts
+    group_size: int = 8  # completions sampled per prompt (G in the paper)
+    temperature: float = 1.0  # sampling temperature; log-probs are computed at the same temperature
+    num_iterations: int = 1  # passes over each batch of rollouts (the paper's mu)
+    num_minibatches: int = 1  # optimizer steps per pass over a batch of rollouts
+    beta: float = 0.04  # weight of the KL penalty to the reference model (0: no reference model is loaded)
+    clip_eps_low: float = 0.2  # the ratio is clipped below at 1 - clip_eps_low
+    clip_eps_high: float = 0.2  # the ratio is clipped above at 1 + clip_eps_high (DAPO raises it to 0.28)
+    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
+    """how token losses are averaged: the paper's, DAPO's, or Dr. GRPO's (docs/grpo.md)"""
+    scale_rewards: bool = True  # divide by the group's std (`--no-scale-rewards`: Dr. GRPO)
+    max_turns: int = 2  # the policy's turns in a rollout: a turn that calls the tool is followed by another
+    mask_tool_tokens: bool = True  # the tool's tokens carry no loss (`--no-mask-tool-tokens`: they do, an ablation)
+    tool_reward: float = 0.0  # weight of the tool's own reward for each call, added to the answer's (0: off)
+
+
+# ---- ALGO LOGIC: GRPO's advantage and loss, and which tokens the loss counts
+def group_advantages(rewards, group_size, scale=True, eps=1e-4):
+    """A_i = (R_i - mean(R_group)) / (std(R_group) + eps), or R_i - mean(R_group) if not scale.
+
+    rewards: (B,) group-contiguous, B = num_prompts * group_size; the std is the unbiased one.
+    rewards = [1, 0, 0, 0,  1, 1, 1, 1]  (G = 4) -> [1.5, -0.5, -0.5, -0.5,  0, 0, 0, 0]
+    """
+    grouped = rewards.view(-1, group_size)  # (num_prompts, G)
+    advantages = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale:
+        advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)
+    return advantages.view(-1)  # (B,)
+
+
+def grpo_loss(
+    logprobs,
+    old_logprobs,
+    ref_logprobs,
+    advantages,
+    mask,
+    clip_eps_low=0.2,
+    clip_eps_high=0.2,
+    beta=0.04,
+    loss_agg="seq-mean-token-mean",
+    max_completion_length=None,
+):
+    """GRPO's clipped surrogate plus beta times the k3 KL to the reference, to be minimised.
+
+    logprobs (B, T) carries the gradient; old_logprobs, ref_logprobs (B, T) and advantages (B,), or (B, T) with an
+    advantage for every token (process_grpo.py), are constants; mask (B, T) marks completion tokens. Per token:
+        l_t = -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t) + beta (exp(d_t) - d_t - 1),
+        r_t = exp(logprobs_t - old_logprobs_t),  d_t = ref_logprobs_t - logprobs_t.
+    loss_agg: "seq-mean-token-mean"     1/B sum_i 1/|o_i| sum_t l_it   (the paper)
+              "token-mean"              1/sum_i |o_i| sum_i sum_t l_it (DAPO)
+              "seq-mean-token-sum-norm" 1/B sum_i sum_t l_it / max_completion_length (Dr. GRPO)
+    """
+    m = mask.bool()
+    log_ratio = torch.where(m, logprobs - old_logprobs, 0.0)  # padding never reaches exp()
+    ratio = torch.exp(log_ratio)  # (B, T)
+    adv = torch.where(m, advantages.reshape(len(advantages), -1), 0.0)  # (B, T): A_i, or A_it; 0 on padding
+    clipped_ratio = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high)
+    per_token = -torch.min(ratio * adv, clipped_ratio * adv)  # (B, T)
+    stats = {}
+    if beta > 0:
+        d = torch.where(m, ref_logprobs - logprobs, 0.0)
+        kl = torch.exp(d) - d - 1  # k3 >= 0, its gradient flows through logprobs
+        per_token = per_token + beta * kl
+        stats["kl"] = masked_mean(kl, m).detach()
+    if loss_agg == "seq-mean-token-mean":
+        loss = masked_mean(per_token, m, dim=1).mean()
+    elif loss_agg == "token-mean":
+        loss = masked_mean(per_token, m)
+    elif loss_agg == "seq-mean-token-sum-norm":
+        loss = (torch.where(m, per_token, 0.0).sum(dim=1) / max_completion_length).mean()
+    else:
+        raise ValueError(f"unknown loss_agg {loss_agg!r}")
+    # a token is clipped when the clipped branch wins the min and so gives no gradient
+    clipped = ((ratio < 1 - clip_eps_low) & (adv < 0)) | ((ratio > 1 + clip_eps_high) & (adv > 0))
+    stats["clip_frac"] = masked_mean(clipped.float(), m).detach()
+    stats["ratio"] = masked_mean(ratio, m).detach()
+    return loss, stats
+
+
+def policy_tokens(mask, tool_mask, mask_tool_tokens=True):
+    """The tokens the loss counts: the completion's (mask, every turn), less the tool's (tool_mask), unless off.
+
+    mask      = [[1, 1, 1, 1, 1, 1, 0]]   # <call> 2*3 </call> | <result> 6 </result> | 6 EOS, as ids
+    tool_mask = [[0, 0, 0, 1, 1, 1, 0]]
+    ->          [[1, 1, 1, 0, 0, 0, 0]] ... with mask_tool_tokens=False, mask itself
+    """
+    return mask & ~tool_mask if mask_tool_tokens else mask
+
+
+# ---- The task and its reward: what a user edits for a task of their own (docs/your_own_task.md)
+def multiplication_task(num_eval, num_train=50000):
+    """(train, held-out) records of a 3-digit number times a 2-digit one, held out alike in every run, with the trace
+    of a calculator's call: {"prompt": "347*86=", "answer": "29842",
+    "trace": "<call>347*86</call><result>29842</result>29842"}."""
+    rng, records, seen = random.Random(0), [], set()
+    while len(records) < num_eval + num_train:
+        a, b = rng.randrange(100, 1000), rng.randrange(10, 100)
+        if (a, b) in seen:
+            continue
+        seen.add((a, b))
+        trace = f"<call>{a}*{b}</call><result>{a * b}</result>{a * b}"
+        records.append({"prompt": f"{a}*{b}=", "answer": str(a * b), "trace": trace})
+    return records[num_eval:], records[:num_eval]
+
+
+def last_number(text):
+    """The last number in text, as a float ('1,234.5' -> 1234.5), or None."""
+    found = re.findall(r"-?\d+(?:,\d{3})*(?:\.\d+)?", text)
+    return float(found[-1].replace(",", "")) if found else None
+
+
+def reward_fn(completion, record):
+    """1.0 if the completion ends with the answer: its last number, or its last words (docs/your_own_task.md)."""
+    answer = str(record["answer"])
+    if last_number(answer) is not None:
+        return float(last_number(completion) == last_number(answer))
+    text, expected = (" ".join(s.lower().split()).strip(" .,;:!?\"'`*()[]{}") for s in (completion, answer))
+    return float(bool(expected) and (text == expected or text.endswith(" " + expected)))
+
+
+def prompt_answer(record):
+    """The record with a 'prompt' and an 'answer' (text or None), from prompt/answer or question/answer (GSM8K:
+    the answer after '####'); other fields stay, for reward_fn."""
+    answer = None if record.get("answer") is None else str(record["answer"])
+    if "question" not in record:
+        return {**record, "answer": answer}
+    answer = None if answer is None else answer.split("####")[-1].strip()
+    return {**record, "prompt": record["question"], "answer": answer}
+
+
+# ---- The tool: a calculator, how its calls and results are written, and the rollout that runs it
+OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def calculator(expression, max_length=100, max_digits=30, seconds=0.1):
+    """The bundled tool: the value of numbers, + - * / and parentheses, parsed with ast and computed a node at a
+    time, never eval'd. Returns (the value's text, this call's own reward: 0). Anything else, an expression over
+    max_length characters, a value over max_digits digits or a computation over `seconds` raises ValueError, whose
+    message the policy reads.  "347*86" -> ("29842", 0.0);  "7/2" -> ("3.5", 0.0);  "2**8" -> ValueError"""
+    if len(expression) > max_length:
+        raise ValueError(f"the expression is longer than {max_length} characters")
+    deadline = time.monotonic() + seconds
+
+    def value(node):
+        if time.monotonic() > deadline:
+            raise ValueError(f"the computation took longer than {seconds} s")
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+            return value(node.operand) * (1 if isinstance(node.op, ast.UAdd) else -1)
+        if isinstance(node, ast.BinOp) and type(node.op) in OPERATORS:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Div) and right == 0:
+                raise ValueError("division by zero")
+            result = OPERATORS[type(node.op)](left, right)
+            if not abs(result) < 10**max_digits:
+                raise ValueError(f"a value over {max_digits} digits")
+            return result
+        raise ValueError(f"only numbers, + - * / and parentheses, not {type(node).__name__}")
+
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError:
+        raise ValueError(f"not an arithmetic expression: {expression!r}") from None
+    result = value(tree.body)
+    if isinstance(result, float) and result.is_integer():
+        result = int(result)
+    return (str(result) if isinstance(result, int) else f"{result:.6g}"), 0.0
+
+
+def call_tool(function, arguments):
+    """(the text the policy reads, the call's own reward, whether it ran). A tool returns its text, or (text, reward);
+    an exception's message goes to the policy as an error, with reward -1, never a traceback."""
+    try:
+        out = function(**arguments)
+    except Exception as e:  # the policy reads what went wrong
+        return f"error: {e}", -1.0, False
+    text, reward = out if isinstance(out, tuple) else (out, 0.0)
+    return str(text), float(reward), True
+
+
+def parse_call(text):
+    """The call in a turn's text, written <call>347*86</call>: (arguments, None), (None, error) when it cannot be read,
+    (None, None) when the turn calls nothing."""
+    if "<call>" not in text:
+        return None, None
+    inside = text.split("<call>", 1)[1]
+    if "</call>" not in inside:
+        return None, "error: a call ends with </call>"
+    return {"expression": inside.split("</call>", 1)[0].strip()}, None
+
+
+def call_end_id(tokenizer, name):
+    """The id of </call>, which ends a turn that calls the tool; the run stops if the tokenizer has no <call> and
+    </call> tokens (a chat template's own way to write calls is scale/tool_grpo.py's)."""
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<call>", "</call>")]
+    if None in ids or tokenizer.unk_token_id in ids:
+        fail(
+            f"--model-name-or-path {name}: its tokenizer has no <call> and </call> tokens, so there is no way to write "
+            "a call (scale/tool_grpo.py writes calls as a chat template does; docs/tool_grpo.md)"
+        )
+    return ids[1]
+
+
+@torch.no_grad()
+def rollout(policy, tokenizer, prompt_ids, prompt_mask, args, stop_ids, call_end, temperature):
+    """Completions that call the tool, sampled at temperature (None: greedy), token ids in and out: the policy writes
+    a turn with generate() until a stop token, call_end (</call>) or the length limit; a turn with a call gets the
+    tool's result appended as the ids of <result>29842</result> (only the result is tokenised; the policy's ids are
+    kept as sampled) and the policy writes another, up to --max-turns turns and --max-new-tokens tokens in all. A call
+    in the last turn is not run; a call whose result leaves no room for a token after it ran, but its result is not
+    appended. Either ends the completion on a call: it has no answer.
+
+    Returns {"completion_ids", "mask" (every token, every turn), "tool_mask" (the tool's tokens): (B, T); "texts" and
+    "answers" (each completion's text, and its last turn's unless that turn calls: ""); "calls" (written), "ran"
+    (answered by the tool, or by a parse error), "failed" (of those), "turns", "tool_tokens", "call_rewards"}."""
+    device, size, pad = prompt_ids.device, len(prompt_ids), tokenizer.pad_token_id
+    turn_ends = stop_ids + [call_end]
+    prompts = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
+    ids, from_tool = [[] for _ in range(size)], [[] for _ in range(size)]  # each completion's ids; 1: the tool's
+    answers, turns, call_rewards = [""] * size, [0] * size, [0.0] * size
+    calls, ran, failed = [0] * size, [0] * size, [0] * size
+    going = list(range(size))  # the completions that write another turn
+    for turn in range(args.max_turns):
+        if not going:
+            break
+        room = max(args.max_new_tokens - len(ids[i]) for i in going)
+        contexts = [prompts[i] + ids[i] for i in going]  # ids, never text
+        width = max(len(c) for c in contexts)
+        context_ids = torch.tensor([[pad] * (width - len(c)) + c for c in contexts], device=device)
+        context_mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=device)
+        new_ids = generate(policy, tokenizer, context_ids, context_mask, room, temperature, turn_ends)
+        new_mask = completion_mask(new_ids, turn_ends)  # up to and including the turn's stop token
+        still = []
+        for i, row, keep in zip(going, new_ids.tolist(), new_mask.tolist()):
+            row = [t for t, k in zip(row, keep) if k][: args.max_new_tokens - len(ids[i])]
+            ids[i], from_tool[i], turns[i] = ids[i] + row, from_tool[i] + [0] * len(row), turns[i] + 1
+            arguments, error = parse_call(tokenizer.decode(row[:-1] if row and row[-1] in stop_ids else row))
+            if arguments is None and error is None:  # no call: the final answer
+                answers[i] = tokenizer.decode(row, skip_special_tokens=True)
+                continue
+            answers[i], calls[i] = "", calls[i] + 1  # a completion that ends on a call has no answer
+            if not row or row[-1] not in turn_ends or turn + 1 == args.max_turns:  # cut, or no turn left: not run
+                continue
+            text, reward, ok = (error, -1.0, False) if error else call_tool(calculator, arguments)
+            ran[i], failed[i], call_rewards[i] = ran[i] + 1, failed[i] + (not ok), call_rewards[i] + reward
+            result = tokenizer(f"<result>{text}</result>", add_special_tokens=False)["input_ids"]
+            if len(ids[i]) + len(result) < args.max_new_tokens:  # and room for an answer after it
+                ids[i], from_tool[i] = ids[i] + result, from_tool[i] + [1] * len(result)
+                still.append(i)
+        going = still
+    width = max(1, *(len(r) for r in ids))
+    return {
+        "completion_ids": torch.tensor([r + [pad] * (width - len(r)) for r in ids], device=device),
+        "mask": torch.tensor([[True] * len(r) + [False] * (width - len(r)) for r in ids], device=device),
+        "tool_mask": torch.tensor([r + [0] * (width - len(r)) for r in from_tool], device=device).bool(),
+        "texts": [tokenizer.decode(r, skip_special_tokens=True) for r in ids],
+        "answers": answers,
+        "calls": calls,
+        "ran": ran,
+        "failed": failed,
+        "turns": turns,
+        "tool_tokens": [sum(r) for r in from_tool],
+        "call_rewards": torch.tensor(call_rewards, device=device),
+    }
+
+
+def tool_metrics(rollouts, prefix):
+    """The share of completions that call the tool, calls and turns a completion, and the share of the calls run
+    that failed to parse or run (a call not run counts in calls alone), and the tool's tokens a completion."""
+    calls, ran, failed, turns, tool_tokens = (
+        torch.tensor(rollouts[k], dtype=torch.float) for k in ("calls", "ran", "failed", "turns", "tool_tokens")
+    )
+    return {
+        f"{prefix}tool_call_rate": (calls > 0).float().mean(),
+        f"{prefix}calls": calls.mean(),
+        f"{prefix}failed_calls": failed.sum() / ran.sum().clamp(min=1),
+        f"{prefix}turns": turns.mean(),
+        f"{prefix}tool_tokens": tool_tokens.mean(),
+    }
+
+
+def main(args):
+    check_args(args)
+    device = setup(args)
+    output_dir = make_output_dir(args)
+
+    # the policy, a frozen reference only when the KL term is on, and the tool with the way its calls are written
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    call_end = call_end_id(tokenizer, args.model_name_or_path)
+    policy = load_model(args.model_name_or_path, args, device)
+    stop_ids = stop_token_ids(tokenizer, policy)
+    if args.beta > 0:
+        ref_policy = load_model(args.model_name_or_path, args, device, frozen=True)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    train_records, eval_records = load_task(args)
+    data_rng, shuffle_gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
+    batch_size = args.prompts_per_step * args.group_size
+    print(f"{output_dir}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
+    loss_args = dict(clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high, beta=args.beta)
+    loss_args.update(loss_agg=args.loss_agg, max_completion_length=args.max_new_tokens)  # grpo_loss's constants
+    start, samples = time.time(), []  # samples: a few held-out prompts with their completions, for samples.jsonl
+    log(output_dir, 0, held_out_metrics(policy, tokenizer, eval_records, args, stop_ids, call_end, samples), samples)
+    for step in range(1, args.num_steps + 1):
+        step_start = time.time()
+        # 1. rollouts: G conversations with the tool per prompt, from pi_old, group-contiguous
+        prompts = data_rng.choices(train_records, k=args.prompts_per_step)
+        group = [r for r in prompts for _ in range(args.group_size)]
+        policy.eval()
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device)  # (B, P)
+        rollouts = rollout(policy, tokenizer, prompt_ids, prompt_mask, args, stop_ids, call_end, args.temperature)
+        completion_ids, mask, tool_mask = rollouts["completion_ids"], rollouts["mask"], rollouts["tool_mask"]  # (B, T)
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
+        attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)  # the tool's tokens: context, and no loss
+        prompt_len = prompt_ids.shape[1]
+        loss_mask = policy_tokens(mask, tool_mask, args.mask_tool_tokens)  # (B, T): the tokens the loss counts
+
+        # 2. reward each final answer (and each call, with --tool-reward), and normalise within each group
+        rewards = torch.tensor([reward_fn(t, r) for t, r in zip(rollouts["answers"], group)], device=device)  # (B,)
+        rewards = rewards + args.tool_reward * rollouts["call_rewards"]
+        advantages = group_advantages(rewards, args.group_size, scale=args.scale_rewards)  # (B,)
+
+        # 3. log-probs of pi_old and pi_ref, once per batch, without gradient. With one update per batch, pi_old is
+        # the policy being updated: its log-probs are the new ones, detached, and need no pass here.
+        one_update = args.num_iterations == 1 and args.num_minibatches == 1
+        if not one_update:
+            old_logprobs = batched_logprobs(
+                policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
+            )
+        if args.beta > 0:
+            ref_logprobs = batched_logprobs(
+                ref_policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
+            )
+
+        # 4. num_iterations passes over the batch, each num_minibatches optimizer steps; a micro-batch's loss weighs
+        # its share of the minibatch's completions, or with DAPO's token mean, of its policy tokens
+        policy.train()
+        step_stats, grad_norms = [], []
+        passes = [torch.randperm(batch_size, generator=shuffle_gen) for _ in range(args.num_iterations)]
+        for minibatch in torch.cat(passes).split(batch_size // args.num_minibatches):
+            optimizer.zero_grad()
+            for i in minibatch.split(args.micro_batch_size):
+                logprobs = token_logprobs(policy, input_ids[i], attention_mask[i], prompt_len, args.temperature)
+                old = logprobs.detach() if one_update else old_logprobs[i]
+                ref = ref_logprobs[i] if args.beta > 0 else None
+                loss, stats = grpo_loss(logprobs, old, ref, advantages[i], loss_mask[i], **loss_args)
+                share = len(i) / len(minibatch)
+                if args.loss_agg == "token-mean":
+                    share = loss_mask[i].sum() / loss_mask[minibatch].sum()
+                (loss * share).backward()
+                # the loss as the optimizer weighed it; the token means (kl, clip_frac, ratio) by tokens
+                step_stats += [({"loss": loss.detach()}, share), (stats, loss_mask[i].sum())]
+            grad_norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
+            optimizer.step()
+
+        # 5. log, and evaluate on the held-out prompts
+        evaluate_now = step % args.eval_every == 0 or step == args.num_steps
+        if step % args.log_every == 0 or evaluate_now:
+            grad_norm = torch.stack(grad_norms).mean().item()  # the mean over the optimizer steps, once they are done
+            step_time = time.time() - step_start
+            metrics = {
+                **weighted_means(step_stats, "losses/"),
+                "charts/reward": rewards.mean(),
+                "charts/reward_std": rewards.std(),
+                "charts/zero_std_groups": (rewards.view(-1, args.group_size).std(dim=1) == 0).float().mean(),
+                "charts/completion_length": mask.sum(dim=1).float().mean(),  # every turn, the tool's tokens too
+                **tool_metrics(rollouts, "charts/"),
+                "losses/grad_norm": grad_norm,
+                "charts/step_time": step_time,
+                "charts/tokens_per_sec": mask.sum() / step_time,
+                "charts/elapsed_time": time.time() - start,
+            }
+            samples = rollout_samples(group, rollouts["texts"], rewards, advantages)
+            if evaluate_now:
+                metrics.update(held_out_metrics(policy, tokenizer, eval_records, args, stop_ids, call_end, samples))
+            log(output_dir, step, metrics, samples)
+
+    save(policy, tokenizer, output_dir)
+    print(f"saved to {output_dir} in {time.time() - start:.0f} s")
+
+
+# ==== The algorithm ends here. Below: machinery, this file's own, then (second banner) the part every file shares ====
+def check_args(args):
+    """Stops at a flag outside its range, or at batch sizes that do not divide, before anything loads."""
+    ranges = dict(prompts_per_step="> 0", group_size=">= 2 (GRPO compares the completions of a group)")
+    ranges.update(temperature="> 0", num_iterations="> 0", num_minibatches="> 0", beta=">= 0")
+    ranges.update(max_turns="> 0", tool_reward=">= 0")
+    check_ranges(args, clip_eps_low="in [0, 1]", clip_eps_high=">= 0", **ranges)
+    minibatch = exact_div(
+        args.prompts_per_step * args.group_size, args.num_minibatches, "--prompts-per-step x --group-size"
+    )
+    exact_div(minibatch, args.micro_batch_size, "a minibatch (--prompts-per-step x --group-size / --num-minibatches)")
+
+
+def load_task(args):
+    """(train, held-out) records with a 'prompt' and an 'answer': the bundled task's, a .jsonl's or a hub dataset's."""
+    if args.dataset is None:
+        return multiplication_task(args.num_eval)
+    if args.dataset.endswith(".jsonl"):
+        records = [prompt_answer(r) for r in read_jsonl(args.dataset, ("prompt", "answer"), ("question", "answer"))]
+        if len(records) <= args.num_eval:
+            fail(f"--dataset {args.dataset}: {len(records)} records, but --num-eval {args.num_eval} are held out")
+        return records[: -args.num_eval], records[-args.num_eval :]
+    train = load_hub_split(args.dataset, args.dataset_config, args.train_split)
+    held_out = load_hub_split(args.dataset, args.dataset_config, args.eval_split)[: args.num_eval]
+    return [prompt_answer(r) for r in train], [prompt_answer(r) for r in held_out]
+
+
+def held_out_metrics(policy, tokenizer, records, args, stop_ids, call_end, samples):
+    """eval/accuracy of the greedy completions' final answers, the tool at hand, and their tool metrics (eval/...);
+    the first four go to samples."""
+    policy.eval()
+    parts, device = [], next(policy.parameters()).device
+    for i in range(0, len(records), 128):
+        ids, mask = tokenize_prompts(tokenizer, [r["prompt"] for r in records[i : i + 128]], device)
+        parts.append(rollout(policy, tokenizer, ids, mask, args, stop_ids, call_end, None))
+    keys = ("texts", "answers", "calls", "ran", "failed", "turns", "tool_tokens")
+    greedy = {k: [x for part in parts for x in part[k]] for k in keys}
+    rewards = [reward_fn(t, r) for t, r in zip(greedy["answers"], records)]
+    for r, t, x in zip(records[:4], greedy["texts"], rewards):
+        samples.append({"kind": "eval", "prompt": r["prompt"], "completion": t, "answer": r["answer"], "reward": x})
+    return {"eval/accuracy": sum(rewards) / len(rewards), **tool_metrics(greedy, "eval/")}
+
+
+def rollout_samples(records, texts, rewards, advantages):
+    """The first four rollouts of a step, for samples.jsonl: prompt, completion, answer, reward and advantage."""
+    rows = zip(records[:4], texts, rewards.tolist(), advantages.tolist())
+    keys = ("kind", "prompt", "completion", "answer", "reward", "advantage")
+    return [dict(zip(keys, ("rollout", r["prompt"], t, r["answer"], x, a))) for r, t, x, a in rows]
+
+
+# ==== Everything below this line is the same in every file, byte for byte (tests/test_shared.py checks it) ====
+def check_ranges(args, **ranges):
+    """Stops at the first flag outside its range ('> 0', '>= 2', 'in [0, 1]', maybe with a reason): the flags every
+    file has, then the file's own."""
+    positive = "log_every num_eval eval_every max_new_tokens num_steps learning_rate max_grad_norm micro_batch_size"
+    common = {**dict.fromkeys(positive.split(), "> 0"), "seed": "in [0, 4294967295]", "weight_decay": ">= 0"}
+    for name, spec in {**common, **ranges}.items():
+        x, (op, bound) = getattr(args, name), spec.split()[:2]
+        if op == "in":
+            low, high = (float(b) for b in spec[spec.index("[") + 1 : spec.index("]")].split(","))
+            ok = low <= x <= high
+        else:
+            ok = x > float(bound) if op == ">" else x >= float(bound)
+        if not (ok and math.isfinite(x)):
+            fail(f"--{name.replace('_', '-')} {x}: must be {spec}")
+
+
+def setup(args):
+    """The device; seeds Python's and torch's generators; deterministic algorithms unless --no-torch-deterministic."""
+    transformers.utils.logging.disable_progress_bar()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before CUDA starts
+    device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+    if args.dtype == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        fail("--dtype bfloat16: this GPU has no bfloat16; use --dtype float32")
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.use_deterministic_algorithms(args.torch_deterministic)
+    return device
+
+
+def make_output_dir(args):
+    """The run's new folder, with args.json in it; with --track, the wandb run."""
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    path = os.path.join("runs", run_name) if args.output_dir is None else args.output_dir
+    if os.path.exists(path):
+        fail(f"--output-dir {path} already exists; choose a new folder")
+    try:
+        os.makedirs(path)
+        with open(os.path.join(path, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)
+    except OSError as e:
+        fail(f"--output-dir {path}: cannot write there ({e.strerror}); choose a folder you can write to")
+    if args.track:
+        import wandb
+
+        wandb.init(
+            project=args.wandb_project_name, entity=args.wandb_entity, name=run_name, config=vars(args), dir=path
+        )
+    return path
+
+
+def from_pretrained(cls, path, trust_remote_code, **kwargs):
+    """cls.from_pretrained(path), or a one-line error naming --model-name-or-path."""
+    if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") > 1 or os.path.exists(path)):
+        fail(f"--model-name-or-path {path}: no such folder")
+    try:
+        return cls.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError) as e:
+        fail(f"--model-name-or-path {path}: not a model folder, nor loadable from the hub ({type(e).__name__})")
+
+
+def load_tokenizer(path, trust_remote_code):
+    tokenizer = from_pretrained(AutoTokenizer, path, trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path, args, device, frozen=False):
+    """The model with float32 weights and dropout off; its decoder computes under autocast in --dtype (auto: bfloat16
+    on a GPU), its output layer in float32, so that the log-probs come from float32 logits."""
+    model = from_pretrained(AutoModelForCausalLM, path, args.trust_remote_code, dtype=torch.float32)
+    model.requires_grad_(not frozen)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0  # the policy that samples is the one trained
+    if args.gradient_checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)  # < 5.24
+        enable({"use_reentrant": False})
+    if args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda"):
+        decoder = model.get_decoder()
+        decoder.forward = torch.autocast(device.type, dtype=torch.bfloat16)(decoder.forward)
+    return model.to(device)
+
+
+def stop_token_ids(tokenizer, model):
+    """Every id that ends a completion: the tokenizer's EOS and the generation config's (None, an id, or a list)."""
+    ids = model.generation_config.eos_token_id
+    return sorted({tokenizer.eos_token_id, *(ids if isinstance(ids, list) else [ids])} - {None})
+
+
+def tokenize_prompts(tokenizer, prompts, device):
+    """Left-padded ids and mask (B, P) of the prompts, each a user turn of the chat template if there is one."""
+    if tokenizer.chat_template:
+        chats = [[{"role": "user", "content": p}] for p in prompts]
+        prompts = tokenizer.apply_chat_template(chats, tokenize=False, add_generation_prompt=True)
+    batch = tokenizer(prompts, padding=True, padding_side="left", add_special_tokens=not tokenizer.chat_template)
+    return torch.tensor(batch["input_ids"], device=device), torch.tensor(batch["attention_mask"], device=device)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids):
+    """Completion ids (B, T), T <= max_new_tokens, sampled at temperature (None: greedy) from exactly the distribution
+    that token_logprobs scores: no top-k, top-p nor penalty, whatever the model's generation config says."""
+    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id)
+    config.update(do_sample=temperature is not None, min_new_tokens=0, repetition_penalty=1.0, no_repeat_ngram_size=0)
+    if temperature is not None:  # plain sampling: every other way to reshape the distribution off
+        config.update(temperature=temperature, top_k=0, top_p=1.0, min_p=0.0)
+        config.update(typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0)
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+    return out[:, prompt_ids.shape[1] :]
+
+
+def completion_mask(completion_ids, stop_ids):
+    """1 up to and including the first stop token: [[5, 7, EOS, PAD], [6, 6, 6, 6]] -> [[1, 1, 1, 0], [1, 1, 1, 1]]"""
+    is_stop = torch.isin(completion_ids, torch.tensor(stop_ids, device=completion_ids.device)).long()
+    return (is_stop.cumsum(dim=1) - is_stop) == 0  # no stop token before this one
+
+
+def decode_completions(tokenizer, completion_ids, mask):
+    return [tokenizer.decode(ids[m], skip_special_tokens=True) for ids, m in zip(completion_ids, mask)]
+
+
+def token_logprobs(model, input_ids, attention_mask, prompt_len, temperature=1.0, with_entropy=False):
+    """Log-probs (B, T) of the completion tokens input_ids[:, prompt_len:], float32 (and entropies (B, T)).
+
+    input_ids = [PAD, PAD, 4, 7, 13 | 5, 5, EOS]   left-padded prompt | completion (T = 3)
+    attention = [0,   0,   1, 1, 1  | 1, 1, 1  ]   positions [0, 0, 0, 1, 2 | 3, 4, 5], as generate() makes them
+    The logits at prompt_len - 1 + t predict token t; float32 (load_model), their log-softmax a few rows at a time.
+    """
+    positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    kept = input_ids.shape[1] - prompt_len + 1
+    logits = model(input_ids, attention_mask=attention_mask, position_ids=positions, logits_to_keep=kept).logits
+    logprobs, entropies = [], []
+    for chunk, targets in zip(logits[:, :-1].split(8), input_ids[:, prompt_len:].split(8)):  # (8, T, vocab), (8, T)
+        chunk = chunk.float() / temperature
+        logsumexp = chunk.logsumexp(dim=-1)
+        logprobs.append(chunk.gather(-1, targets[..., None]).squeeze(-1) - logsumexp)
+        entropies.append(logsumexp - (chunk.softmax(dim=-1) * chunk).sum(dim=-1) if with_entropy else None)
+    return (torch.cat(logprobs), torch.cat(entropies)) if with_entropy else torch.cat(logprobs)
+
+
+@torch.no_grad()
+def batched_logprobs(model, input_ids, attention_mask, prompt_len, temperature, batch_size):
+    """token_logprobs (B, T) without gradient, batch_size rows a forward pass."""
+    model.eval()
+    batches = zip(input_ids.split(batch_size), attention_mask.split(batch_size))
+    return torch.cat([token_logprobs(model, ids, mask, prompt_len, temperature) for ids, mask in batches])
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, records, args, stop_ids, samples):
+    """{"eval/accuracy": the mean reward of greedy completions of the records}; the first four go to samples."""
+    model.eval()
+    texts, device = [], next(model.parameters()).device
+    for i in range(0, len(records), 128):
+        ids, mask = tokenize_prompts(tokenizer, [r["prompt"] for r in records[i : i + 128]], device)
+        completion_ids = generate(model, tokenizer, ids, mask, args.max_new_tokens, None, stop_ids)
+        texts += decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, stop_ids))
+    rewards = [reward_fn(t, r) for t, r in zip(texts, records)]
+    for r, t, x in zip(records[:4], texts, rewards):
+        samples.append({"kind": "eval", "prompt": r["prompt"], "completion": t, "answer": r["answer"], "reward": x})
+    return {"eval/accuracy": sum(rewards) / len(rewards)}
+
+
+def weighted_means(records, prefix=""):
+    """{prefix + name: sum w x / sum w} of (stats, w) records: [({"kl": 1.0}, 1), ({"kl": 0.0}, 3)] -> {"kl": 0.25}"""
+    sums, totals = {}, {}
+    for stats, weight in records:
+        for name, value in stats.items():
+            sums[name] = sums.get(name, 0.0) + float(value) * float(weight)
+            totals[name] = totals.get(name, 0.0) + float(weight)
+    return {prefix + name: sums[name] / totals[name] for name in sums}
+
+
+def log(output_dir, step, metrics, samples=()):
+    """The step's metrics and samples to metrics.jsonl and samples.jsonl, to wandb with --track, and the console."""
+    metrics = {k: float(v) for k, v in metrics.items()}
+    for name, rows in (("metrics", [metrics]), ("samples", samples)):
+        with open(os.path.join(output_dir, f"{name}.jsonl"), "a") as f:
+            f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+    if getattr(sys.modules.get("wandb"), "run", None) is not None:  # --track: make_output_dir started it
+        sys.modules["wandb"].log(metrics, step=step)
+    shown = ["charts/reward", "losses/loss", "eval/loss", "eval/accuracy", "eval/pair_accuracy", "charts/step_time"]
+    print(f"step {step:5d}  " + "  ".join(f"{k} {metrics[k]:.4f}" for k in shown if k in metrics), flush=True)
+
+
+def save(model, tokenizer, output_dir):
+    """The model and the tokenizer, loadable with from_pretrained; with --track, the wandb run ends."""
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    if getattr(sys.modules.get("wandb"), "run", None) is not None:
+        sys.modules["wandb"].finish()
+
+
+def masked_mean(x, mask, dim=None):
+    """Mean of x where mask is 1; masked positions never leak, even inf or nan."""
+    x = torch.where(mask.bool(), x, 0.0)
+    return x.sum() / mask.sum().clamp(min=1) if dim is None else x.sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def exact_div(a, b, what):
+    """a // b; unless b divides a, the run stops, naming what to change."""
+    if a % b != 0:
+        fail(f"{what}: {a} does not divide by {b}")
+    return a // b
+
+
+def fail(message):
+    raise SystemExit(f"error: {message}")
+
+
+def read_jsonl(path, *schemas):
+    """The records of a JSONL file, each with the text fields of a schema (or a number for 'answer'); a bad record
+    stops the run, naming its line."""
+    if not os.path.isfile(path):
+        fail(f"--dataset {path}: no such file")
+    with open(path, encoding="utf-8") as f:
+        lines = [(f"--dataset {path}: line {n}", line) for n, line in enumerate(f, start=1) if line.strip()]
+    records, needs = [], " or ".join(" and ".join(s) for s in schemas)
+    for at, line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            fail(f"{at} is not valid JSON ({e.msg})")
+        fields = next((s for s in schemas if isinstance(records[-1], dict) and set(s) <= set(records[-1])), None)
+        if fields is None:
+            fail(f"{at} lacks a field: a record needs {needs}")
+        for k, v in ((k, records[-1][k]) for k in fields):
+            if not isinstance(v, str) and not (k == "answer" and type(v) in (int, float) and math.isfinite(v)):
+                fail(f"{at}: field {k!r} holds {json.dumps(v)[:40]}; it needs text")
+    if not records:
+        fail(f"--dataset {path}: the file holds no records")
+    return records
+
+
+def load_hub_split(name, config, split):
+    """The records of a hub dataset's split (`pip install datasets`)."""
+    try:
+        import datasets
+    except ImportError:
+        fail(f"--dataset {name}: a hub dataset needs the datasets library: pip install datasets")
+    try:
+        return list(datasets.load_dataset(name, config, split=split))
+    except Exception as e:  # the library raises many kinds
+        fail(f"--dataset {name}: could not load split {split!r} ({type(e).__name__}: {e})".splitlines()[0])
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args, description=__doc__.splitlines()[0]))
