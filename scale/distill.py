@@ -314,7 +314,7 @@ def main(args):
     train_records, eval_records = load_task(args)
     data_rng, shuffle_gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
     # a new run starts at 1; --resume-from puts back its checkpoint's weights and states, and goes on after it
-    first_step, _ = resume(checkpoint, {"policy": policy}, optimizer, [data_rng, shuffle_gen])
+    first_step, saved = resume(checkpoint, {"policy": policy}, optimizer, [data_rng, shuffle_gen])
     scheduler = lr_scheduler(optimizer, args, first_step)
     print(f"{output_dir}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
     loss_args = dict(clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high)
@@ -331,9 +331,9 @@ def main(args):
         # 1. rollouts: one completion per prompt from the student's pi_old (distillation compares none with another)
         prompts = data_rng.choices(train_records, k=args.prompts_per_step)  # every process draws the same prompts
         prompts = prompts[rank * num_prompts : (rank + 1) * num_prompts]  # and takes its share
-        prompts = [r for r in prompts for _ in range(args.group_size)]  # --group-size completions of each
+        group = [r for r in prompts for _ in range(args.group_size)]  # --group-size completions of each
         policy.eval()
-        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in prompts], device, args)  # (B, P)
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device, args)  # (B, P)
         completion_ids, rollout_logprobs = sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids)
         timer.lap("generation")
         mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
@@ -395,7 +395,7 @@ def main(args):
         evaluate_now = step % args.eval_every == 0 or step == args.num_steps
         if step % args.log_every == 0 or evaluate_now:
             texts = decode_completions(tokenizer, completion_ids, mask)
-            rewards = torch.tensor([reward_fn(t, r) for t, r in zip(texts, prompts)], device=device)  # (B,)
+            rewards = torch.tensor([reward_fn(t, r) for t, r in zip(texts, group)], device=device)  # (B,)
             stopped = torch.isin(completion_ids, torch.tensor(stop_ids, device=device)).any(dim=1)  # (B,)
             metrics = {
                 **weighted_means(step_stats, "losses/"),
@@ -408,7 +408,7 @@ def main(args):
                 "losses/grad_norm": torch.stack(grad_norms).mean(),  # the mean over the optimizer steps
                 **timer.metrics(tokens=mask.sum()),
             }
-            samples = rollout_samples(prompts, texts, rewards, -masked_mean(sampled_kl, mask, dim=1))  # the mean A_t
+            samples = rollout_samples(group, texts, rewards, -masked_mean(sampled_kl, mask, dim=1))  # the mean A_t
             if evaluate_now:
                 metrics.update(evaluate(policy, tokenizer, eval_records, args, stop_ids, samples, args.eval_samples))
             reduce_and_log(output_dir, step, metrics, samples)

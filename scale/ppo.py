@@ -144,17 +144,13 @@ def last_token_scores(model, input_ids, attention_mask):
     hidden = hidden_states(model, input_ids, attention_mask)  # (B, T, hidden), positions as for the policy
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     last = (attention_mask * positions).argmax(dim=1)  # (B,) the index of the last real token
-    with autocast(model):  # the score head in the compute dtype, as the decoder ran
-        scores = unwrap(model).score(hidden[torch.arange(len(last), device=last.device), last])  # (B, 1)
-    return scores.squeeze(-1).float()  # (B,)
+    return score_head(model, hidden[torch.arange(len(last), device=last.device), last])  # (B,)
 
 
 def token_values(value_model, input_ids, attention_mask, prompt_len):
     """V(s_t) (B, T) for each completion token t: the value head on the hidden state that predicts token t."""
     hidden = hidden_states(value_model, input_ids, attention_mask)  # (B, P + T, hidden)
-    with autocast(value_model):  # the value head in the compute dtype, as the decoder ran
-        values = unwrap(value_model).score(hidden[:, prompt_len - 1 : -1])  # (B, T, 1)
-    return values.squeeze(-1).float()  # (B, T)
+    return score_head(value_model, hidden[:, prompt_len - 1 : -1])  # (B, T)
 
 
 def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, beta):
@@ -196,20 +192,16 @@ def whiten(x, mask, eps=1e-8):
     return torch.where(m, (x - mean) * torch.rsqrt(var + eps), 0.0)
 
 
-def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps, is_weights=None):
+def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps):
     """PPO's clipped policy loss, the mean over real tokens; logprobs carries the gradient; all (B, T).
 
     l_t = max(-A_t rho_t, -A_t clip(rho_t, 1 - eps, 1 + eps)),  rho_t = exp(logprobs_t - old_logprobs_t)
-    is_weights (B, T) or None (--rollout-correction): l_t is multiplied by w_t (rollout_correction).
     """
     m = mask.bool()
     log_ratio = torch.where(m, logprobs - old_logprobs, 0.0)  # padding never reaches exp()
     ratio = torch.exp(log_ratio)
     unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1 - clip_eps, 1 + clip_eps)
-    per_token = torch.max(unclipped, clipped)
-    if is_weights is not None:  # the engine sampled the tokens, not pi_old
-        per_token = per_token * is_weights
-    loss = masked_mean(per_token, m)
+    loss = masked_mean(torch.max(unclipped, clipped), m)
     return loss, {
         "clip_frac": masked_mean((clipped > unclipped).float(), m).detach(),
         "approx_kl": masked_mean((ratio - 1) - log_ratio, m).detach(),
@@ -243,11 +235,14 @@ def explained_variance(returns, values, mask):
     return 1 - unexplained / masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
 
 
+# ---- Only at scale: the sampler's policy against the trainer's (docs/mismatch.md)
 def rollout_correction(old_logprobs, rollout_logprobs, mask, mode, cap):
     """The sampler's policy against the trainer's: the tokens were drawn with log-probs rollout_logprobs (the decode
     loop's own, or vLLM's), the loss takes old_logprobs as pi_old's, so each token's policy-gradient term is weighed by
     a constant w_t made from r_t = pi_old(o_t) / pi_rollout(o_t) (Yao et al. 2025, TIS; verl's rollout_corr; IcePop,
-    arXiv 2510.18855; docs/mismatch.md says which to pick):
+    arXiv 2510.18855; docs/mismatch.md says which to pick). Each file's main() applies them to its policy-gradient
+    term, through the advantages (GSPO: a sequence's, by the mean of its tokens' w_t) or RLOO's log-probs, so that the
+    loss functions stay the plain tier's, unweighted; for w_t >= 0 that weighs the term and no other (not the KL's):
 
         none        no weight (w_t = 1)
         token-tis   w_t = min(r_t, cap)                          truncated
@@ -355,7 +350,7 @@ def main(args):
     beta = saved.get("beta", args.beta)  # it moves when --kl-target > 0
     reward_bias = saved.get("reward_bias", None if learned else 0.0)  # a reward model's: its first batch's mean
     signal = saved.get("signal", 0)  # batches whose scores differed in the first steps (no_signal_note)
-    print(f"{args.run_name}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
+    print(f"{output_dir}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
     correction = dict(mode=args.rollout_correction, cap=args.rollout_cap)  # rollout_correction's
     start = time.time()
     if first_step == 1:
@@ -421,9 +416,8 @@ def main(args):
                 logprobs, entropy = token_logprobs(policy, ids, att, prompt_len, args.temperature, with_entropy=True)
                 values = token_values(value_model, ids, att, prompt_len) - reward_bias  # (b, T)
                 is_weights, is_stats = rollout_correction(old_logprobs[i], rollout_logprobs[i], m, **correction)
-                pg_loss, pg_stats = ppo_policy_loss(
-                    logprobs, old_logprobs[i], advantages[i], m, args.clip_eps, is_weights
-                )
+                adv = advantages[i] if is_weights is None else advantages[i] * is_weights  # (b, T)
+                pg_loss, pg_stats = ppo_policy_loss(logprobs, old_logprobs[i], adv, m, args.clip_eps)
                 vf_loss, vf_stats = ppo_value_loss(values, old_values[i], returns[i], m, args.clip_value)
                 loss = pg_loss + args.vf_coef * vf_loss
                 check_finite(loss, step)
@@ -746,6 +740,14 @@ def batched_values(value_model, input_ids, attention_mask, prompt_len, batch_siz
     value_model.eval()
     batches = torch.arange(len(input_ids)).split(batch_size)
     return torch.cat([token_values(value_model, input_ids[b], attention_mask[b], prompt_len) for b in batches])
+
+
+def score_head(model, hidden):
+    """The score head's one output (...,) on hidden states (..., d): in the compute dtype, as the decoder ran, then
+    float32."""
+    with autocast(model):
+        scores = unwrap(model).score(hidden)  # (..., 1)
+    return scores.squeeze(-1).float()
 
 
 # ==== Everything below this line is the same in every file, byte for byte (tests/test_shared.py checks it) ====
