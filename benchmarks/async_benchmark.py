@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # name: (file, flags). "sync" is async_grpo.py with eta 0: the generator never runs ahead (the same metrics as
 # grpo.py with the same seed, tests/test_async_grpo.py); "-coupled" centres the clip on pi_behav (--no-decoupled)
 ROWS = {
-    "scale/grpo.py": ("scale/grpo.py", []),
+    "grpo.py": ("scale/grpo.py", []),
     "sync": ("scale/async_grpo.py", ["--max-staleness", "0"]),
     **{
         f"eta{eta}{suffix}": ("scale/async_grpo.py", ["--max-staleness", str(eta), *flags])

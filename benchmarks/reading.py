@@ -14,7 +14,10 @@ jump backwards (to a definition above the one before), and the lines scrolled (t
 the definitions, starting from main()'s first line). START_WALK holds them at commit 390253d, before the layout
 of issue 55.
 
-    python benchmarks/reading.py            # the two tables
+The first table, tiers_table, sets each plain file (the top level) beside its scale twin (scale/): their lines and
+main()'s, the plain main()'s lines that the scale main() changes or drops, and the lines of `diff plain scale`.
+
+    python benchmarks/reading.py            # the three tables
     python benchmarks/reading.py --json     # the same numbers, for tests/test_style.py
 """
 
@@ -262,6 +265,42 @@ def measures():
     return found
 
 
+def main_lines(source):
+    """main()'s lines as ruff lays them out, from `def main(args):` to the first banner (blank lines at the end
+    aside)."""
+    start = source.index("\ndef main(args):") + 1
+    return source[start : source.index(READER_STOPS, start)].rstrip("\n").splitlines()
+
+
+def main_changes(plain, scale):
+    """The plain main()'s lines that the scale main() changes or drops (difflib's replaced and deleted lines)."""
+    a, b = main_lines(plain), main_lines(scale)
+    opcodes = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+    return [a[k] for tag, i1, i2, _, _ in opcodes if tag in ("replace", "delete") for k in range(i1, i2)]
+
+
+def tiers_table():
+    """Each plain file beside its scale twin."""
+    rows = [
+        "| file | lines: plain, scale | main(): plain, scale | plain main() lines the scale main() changes | "
+        "`diff` lines | the shared part's lines: plain, scale |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name in FILES:
+        plain_name = os.path.basename(name)
+        if not os.path.exists(os.path.join(ROOT, plain_name)):
+            continue
+        plain, scale = (open(os.path.join(ROOT, n), encoding="utf-8").read() for n in (plain_name, name))
+        diff = list(difflib.unified_diff(plain.splitlines(), scale.splitlines(), lineterm="", n=0))
+        changed = sum(1 for line in diff if line[:1] in "+-" and line[:3] not in ("+++", "---"))
+        shared = [len(text[text.index(BANNER) :].splitlines()) for text in (plain, scale)]
+        rows.append(
+            f"| {plain_name} | {plain.count(chr(10))}, {scale.count(chr(10))} | {len(main_lines(plain))}, "
+            f"{len(main_lines(scale))} | {len(main_changes(plain, scale))} | {changed} | {shared[0]}, {shared[1]} |"
+        )
+    return "\n".join(rows)
+
+
 def table(found):
     rows = [
         "| file | lines | main() | its inner loop | `if else` above the banner (per 1,000) | below | nested | "
@@ -297,4 +336,7 @@ def walk_table(found):
 
 if __name__ == "__main__":
     found = measures()
-    print(json.dumps(found, indent=1) if "--json" in sys.argv else table(found) + "\n\n" + walk_table(found))
+    if "--json" in sys.argv:
+        print(json.dumps(found, indent=1))
+    else:
+        print(tiers_table() + "\n\n" + table(found) + "\n\n" + walk_table(found))

@@ -16,8 +16,8 @@ max(0, k - 1 - eta) (with --interrupt-every: it starts with the newest version t
 and moves to newer ones at fixed tokens), so that a run is reproducible; pi_behav is the log-prob the generator
 recorded, token by token.
 
-    python async_grpo.py                             # bundled tiny model, addition task, CPU, eta 2
-    python async_grpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \
+    python scale/async_grpo.py                             # bundled tiny model, addition task, CPU, eta 2
+    python scale/async_grpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \
         --dataset-config main --max-new-tokens 512 --prompts-per-step 16 --micro-batch-size 8 \
         --learning-rate 1e-6 --num-eval 200 --eval-every 50 --gradient-checkpointing  # a real model on a GPU
 """

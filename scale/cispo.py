@@ -13,8 +13,8 @@ at 0, and a ratio is never negative), the token-level mean over the batch, and s
 steps per batch of rollouts. `--clip-eps-high` 0.2 is verl's CISPO recipe's (the paper gives no
 value). Where this file departs from it: the std gets eps=1e-4 added. See docs/cispo.md.
 
-    python cispo.py                                  # bundled tiny model, addition task, CPU
-    python cispo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \
+    python scale/cispo.py                                  # bundled tiny model, addition task, CPU
+    python scale/cispo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \
         --dataset-config main --max-new-tokens 512 --prompts-per-step 16 --micro-batch-size 8 \
         --learning-rate 1e-6 --num-eval 200 --eval-every 50 --gradient-checkpointing  # a real model on a GPU
 """

@@ -25,8 +25,8 @@ No KL term (`--beta 0`). The loss is grpo.py's:
 
 See docs/dapo.md.
 
-    python dapo.py                                   # bundled tiny model, addition task, CPU
-    python dapo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \
+    python scale/dapo.py                                   # bundled tiny model, addition task, CPU
+    python scale/dapo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \
         --dataset-config main --max-new-tokens 512 --overlong-cache 128 --prompts-per-step 16 \
         --micro-batch-size 8 --learning-rate 1e-6 --num-eval 200 --eval-every 50 --gradient-checkpointing  # GPU
 """

@@ -17,8 +17,8 @@ grpo.py's; both models' logits over the vocabulary made a chunk at a time (over_
 samples; `--loss reverse-kl` weighs each token as grpo.py does (TIS), the JSD needs no weight (it samples no token),
 though its prefixes are the engine's. See docs/distill.md.
 
-    python distill.py                                # bundled student, tiny-teacher/ as teacher, addition task, CPU
-    python distill.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --teacher-path Qwen/Qwen2.5-1.5B-Instruct \
+    python scale/distill.py                          # bundled student, tiny-teacher/ as teacher, addition task, CPU
+    python scale/distill.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --teacher-path Qwen/Qwen2.5-1.5B-Instruct \
         --dataset openai/gsm8k --dataset-config main --max-new-tokens 512 --prompts-per-step 128 \
         --micro-batch-size 8 --learning-rate 1e-6 --num-eval 200 --eval-every 50 --gradient-checkpointing  # a GPU
 """

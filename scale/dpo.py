@@ -12,10 +12,10 @@ loss (Azar et al. 2023) and `hinge` SLiC's (Zhao et al. 2023); `--label-smoothin
 conservative DPO. With no dataset, the pairs come from the addition task: `rejected` is a wrong
 answer the starting policy itself samples, `chosen` the right one. See docs/dpo.md.
 
-    python dpo.py                                    # bundled tiny model, addition pairs, CPU
-    python dpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset my_pairs.jsonl --max-prompt-length 512 \
-        --max-length 1024 --micro-batch-size 4 --learning-rate 5e-7 --beta 0.1 --num-steps 1000 --num-eval 100 \
-        --gradient-checkpointing  # a real model on a GPU
+    python scale/dpo.py                                    # bundled tiny model, addition pairs, CPU
+    python scale/dpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset my_pairs.jsonl \
+        --max-prompt-length 512 --max-length 1024 --micro-batch-size 4 --learning-rate 5e-7 --beta 0.1 \
+        --num-steps 1000 --num-eval 100 --gradient-checkpointing  # a real model on a GPU
 """
 
 import contextlib

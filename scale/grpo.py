@@ -16,8 +16,8 @@ Where this file departs from the paper: the std gets eps=1e-4 added (equal rewar
 (`--clip-eps-high`, DAPO). Each batch of rollouts gets `--num-iterations` passes (the paper's
 mu) of `--num-minibatches` optimizer steps. See docs/grpo.md.
 
-    python grpo.py                                   # bundled tiny model, addition task, CPU
-    python grpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \
+    python scale/grpo.py                                   # bundled tiny model, addition task, CPU
+    python scale/grpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \
         --dataset-config main --max-new-tokens 512 --prompts-per-step 16 --micro-batch-size 8 \
         --learning-rate 1e-6 --num-eval 200 --eval-every 50 --gradient-checkpointing  # a real model on a GPU
 """

@@ -12,8 +12,8 @@ As in the paper: no KL term, the clip range (3e-4, 4e-4), and each batch of roll
 `--num-minibatches` 4 optimizer steps, so that s_i moves away from 1. Where this file departs
 from it: the std gets eps=1e-4 added (equal rewards give A=0). See docs/gspo.md.
 
-    python gspo.py                                   # bundled tiny model, addition task, CPU
-    python gspo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \
+    python scale/gspo.py                                   # bundled tiny model, addition task, CPU
+    python scale/gspo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \
         --dataset-config main --max-new-tokens 512 --prompts-per-step 16 --micro-batch-size 8 \
         --learning-rate 1e-6 --num-eval 200 --eval-every 50 --gradient-checkpointing  # a real model on a GPU
 """

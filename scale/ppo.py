@@ -13,11 +13,11 @@ https://arxiv.org/abs/1707.06347) for several epochs:
 With a reward model the score is shifted so that the starting policy's samples score 0 on average, and beta
 follows Ziegler et al.'s controller towards a target KL. No entropy bonus; whitened advantages. See docs/ppo.md.
 
-    python ppo.py                                    # bundled tiny model, addition task, CPU
-    python sft.py --output-dir runs/sft              # the RLHF pipeline: SFT, a reward model, PPO against it
-    python reward_model.py --model-name-or-path runs/sft --output-dir runs/rm
-    python ppo.py --model-name-or-path runs/sft --reward-model-path runs/rm --output-dir runs/ppo
-    python ppo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --dataset-config main \
+    python scale/ppo.py                                    # bundled tiny model, addition task, CPU
+    python scale/sft.py --output-dir runs/sft              # the RLHF pipeline: SFT, a reward model, PPO against it
+    python scale/reward_model.py --model-name-or-path runs/sft --output-dir runs/rm
+    python scale/ppo.py --model-name-or-path runs/sft --reward-model-path runs/rm --output-dir runs/ppo
+    python scale/ppo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --dataset-config main \
         --max-new-tokens 512 --prompts-per-step 64 --micro-batch-size 8 --learning-rate 1e-6 --num-eval 200 \
         --eval-every 50 --gradient-checkpointing  # on a GPU
 """

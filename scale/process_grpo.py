@@ -14,8 +14,8 @@ reward, at its end: GRPO itself, for the comparison. Where this file departs fro
 added (equal rewards give 0), and the steps are checked by a rule (`step_rewards_fn`), not a learned model. The
 bundled task: `47+8-3+5=` answered `47+8=55 55-3=52 52+5=57`, a step an equation. See docs/process_grpo.md.
 
-    python process_grpo.py                           # bundled tiny model taught the step format, CPU
-    python process_grpo.py --supervision outcome     # the same run with one reward a completion (GRPO)
+    python scale/process_grpo.py                           # bundled tiny model taught the step format, CPU
+    python scale/process_grpo.py --supervision outcome     # the same run with one reward a completion (GRPO)
 """
 
 import bisect

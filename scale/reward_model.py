@@ -14,8 +14,8 @@ InstructGPT collects its comparisons: K completions sampled from the starting po
 every right one above every wrong one, and all pairs of a prompt in one element of a batch. See
 docs/reward_model.md.
 
-    python reward_model.py                           # bundled tiny model, addition pairs, CPU
-    python reward_model.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset my_pairs.jsonl \
+    python scale/reward_model.py                           # bundled tiny model, addition pairs, CPU
+    python scale/reward_model.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset my_pairs.jsonl \
         --max-prompt-length 512 --max-length 1024 --micro-batch-size 4 --learning-rate 1e-5 --num-steps 1000 \
         --num-eval 100 --gradient-checkpointing  # a real model on a GPU
 """

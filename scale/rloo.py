@@ -12,8 +12,8 @@ On-policy, as in the paper: one optimizer step per batch of rollouts, so there i
 no clipping; pi_old is the policy that sampled. The KL penalty is the sampled estimate of the
 sequence's KL to the reference, as in the paper's RLHF reward. See docs/rloo.md.
 
-    python rloo.py                                   # bundled tiny model, addition task, CPU
-    python rloo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \
+    python scale/rloo.py                                   # bundled tiny model, addition task, CPU
+    python scale/rloo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \
         --dataset-config main --max-new-tokens 512 --prompts-per-step 16 --micro-batch-size 8 \
         --learning-rate 1e-6 --num-eval 200 --eval-every 50 --gradient-checkpointing  # a real model on a GPU
 """

@@ -12,9 +12,9 @@ purpose, so that its held-out greedy accuracy leaves room for reinforcement lear
 `--model-name-or-path` starts from any causal LM instead, and `--dataset` takes a JSONL file of
 prompt/completion records. See docs/sft.md.
 
-    python sft.py                                 # the bundled model's recipe, on the CPU
-    python sft.py --output-dir tiny-adder-again   # ...into a folder of your choice (tiny-adder/ is the bundled one)
-    python sft.py --model-name-or-path Qwen/Qwen2.5-0.5B --dataset my_sft_data.jsonl --max-prompt-length 512 \
+    python scale/sft.py                                 # the bundled model's recipe, on the CPU
+    python scale/sft.py --output-dir tiny-adder-again   # ...into a folder of your choice (tiny-adder/: the bundled one)
+    python scale/sft.py --model-name-or-path Qwen/Qwen2.5-0.5B --dataset my_sft_data.jsonl --max-prompt-length 512 \
         --max-length 1024 --num-steps 1000 --batch-size 16 --micro-batch-size 4 --learning-rate 1e-5 \
         --num-eval 100  # on a GPU
 """

@@ -17,8 +17,8 @@ tool's tokens too, for the ablation). `--max-new-tokens` is the completion's who
 turn and every result included. The bundled tool is a calculator that parses arithmetic (never
 eval). See docs/tool_grpo.md.
 
-    python tool_grpo.py                                  # bundled tiny model, 347*86= with a calculator, CPU
-    python tool_grpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \
+    python scale/tool_grpo.py                                  # bundled tiny model, 347*86= with a calculator, CPU
+    python scale/tool_grpo.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \
         --dataset-config main --max-new-tokens 768 --max-turns 4 --prompts-per-step 16 --micro-batch-size 8 \
         --learning-rate 1e-6 --num-eval 200 --eval-every 50 --gradient-checkpointing  # a real model on a GPU
 """

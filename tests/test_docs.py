@@ -51,10 +51,24 @@ def test_the_readme_quotes_the_results_page():
     assert f"its {runs} runs took {total} minutes, one after another" in readme
     start, end = start_end(rows["grpo"][1])
     wall = rows["grpo"][4]
-    assert f"held-out greedy accuracy climbs from {start}% to {end}% in {wall} s of wall time" in readme
     assert f"GRPO's default run: held-out accuracy {start}% → {end}% in {wall} s" in readme
     start, end = start_end(rows["grpo-smollm2"][1])
     assert f"{start}% → {end}% on 100 held-out questions in {rows['grpo-smollm2'][4]} s, one seed" in readme
+
+
+def test_the_readmes_first_line_quotes_the_tests_page():
+    """The set-up's numbers (the plain grpo.py's default run) are the mean and standard deviation of the seeds that
+    docs/tests.md tabulates under "The README's first line", and its range of whole-process seconds."""
+    import statistics
+
+    section = raw("docs/tests.md").split("## The README's first line")[1].split("\n## ")[0]
+    rows = re.findall(r"^\| (\d) \| ([\d.]+)% → ([\d.]+)% \| ([\d.]+) s", section, flags=re.M)
+    assert len(rows) == 3
+    start = {r[1] for r in rows}
+    ends, seconds = [float(r[2]) for r in rows], [float(r[3]) for r in rows]
+    mean, std = statistics.mean(ends), statistics.stdev(ends)
+    assert len(start) == 1 and f"from {start.pop()}% to {mean:.1f} ± {std:.1f}% in" in read("README.md")
+    assert f"the whole process {min(seconds):.0f}-{max(seconds):.0f} s" in read("README.md")
 
 
 def test_the_readme_quotes_the_rlhf_pipeline_from_the_page_it_links():
@@ -239,7 +253,7 @@ def test_the_gpu_page_gives_the_memory_estimate_of_its_commands():
         matches = [
             argv
             for argv in commands
-            if script in argv
+            if script in [os.path.basename(word) for word in argv]  # the page's command: the plain file or its twin
             and f"Qwen/{model}" in argv
             and data.get(dataset, dataset) in argv
             and ("--fsdp" in argv) == (c.processes > 1)
@@ -248,7 +262,7 @@ def test_the_gpu_page_gives_the_memory_estimate_of_its_commands():
         ]  # one machine
         assert len(matches) == 1, f"no single command on the pages for the row {c.name!r}"
         argv = matches[0]
-        pairs = 2 if script in ("scale/dpo.py", "scale/reward_model.py") else 1  # a pair is two sequences
+        pairs = 2 if script in ("dpo.py", "reward_model.py") else 1  # a pair is two sequences
         assert int(argv[argv.index("--micro-batch-size") + 1]) * pairs == c.micro_batch, c.name
         assert ("--gradient-checkpointing" in argv) == c.checkpointing, c.name
         if c.processes > 1:
@@ -260,10 +274,10 @@ def test_the_async_page_says_its_grpo_wall_time_is_another_benchmarks_run():
     eta > 0, grpo.py's), and names results.md's wall time of the same command as another set of runs."""
     page, rows = read("docs/async_grpo.md"), table_rows("docs/async_grpo.md", columns=8)
     ahead = [cells for name, cells in rows.items() if name.startswith("eta") and "interrupt" not in name]
-    assert len(ahead) == 6 and {"scale/grpo.py", "sync"} <= set(rows)
+    assert len(ahead) == 6 and {"grpo.py", "sync"} <= set(rows)
     walls = sorted(int(cells[7].split(" ± ")[0]) for cells in ahead)
     sync = rows["sync"][7].split(" ± ")[0]
-    assert f"(the runs {sync} s against {walls[0]} to {walls[-1]} s; grpo.py {rows['scale/grpo.py'][7]} s" in page
+    assert f"(the runs {sync} s against {walls[0]} to {walls[-1]} s; grpo.py {rows['grpo.py'][7]} s" in page
     assert (
         f"which [results.md](results.md)'s benchmark, another set of runs of the same command, measured at"
         f" {results()['grpo'][4]} s"

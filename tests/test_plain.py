@@ -2,7 +2,6 @@
 scale twin in scale/ (the same ALGO LOGIC and task, byte for byte; the scale main: the plain main, lines added)."""
 
 import ast
-import difflib
 import json
 import os
 import shutil
@@ -12,6 +11,9 @@ import sys
 import pytest
 import torch
 from conftest import FIXTURES, PLAIN, ROOT, read_metrics, run_script
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from reading import main_changes  # noqa: E402
 
 READER_STOPS = (
     "# ==== The algorithm ends here. Below: machinery, this file's own, then (second banner) the part every file shares"
@@ -29,15 +31,15 @@ MAIN_CHANGES = {
     "rloo.py": 26,
     "gspo.py": 27,
     "cispo.py": 27,
+    "ppo.py": 52,
     "dpo.py": 19,
+    "reward_model.py": 20,
     "sft.py": 16,
-    "dapo.py": 31,
+    "async_grpo.py": 31,
     "process_grpo.py": 32,
     "tool_grpo.py": 33,
-    "async_grpo.py": 39,
-    "distill.py": 35,
-    "ppo.py": 38,
-    "reward_model.py": 18,
+    "dapo.py": 31,
+    "distill.py": 37,
 }
 # per file: a smoke run's flags (after TWO_STEPS: two steps), a short run that must raise held-out accuracy by `gain`
 # (about half the gain it showed on two seeds), the bundled models it needs beside it, a chat model's data, and the
@@ -143,17 +145,6 @@ def twin_differences(plain, scale):
     """The sections of the plain file that its scale twin does not hold byte for byte: ALGO LOGIC, and the task."""
     headers = ("# ---- ALGO LOGIC", "# ---- The task and its reward")
     return [header for header in headers if section(plain, header) != section(scale, header)]
-
-
-def main_lines(source):
-    return source[source.index("\ndef main(args):") + 1 : source.index(READER_STOPS)].rstrip("\n").splitlines()
-
-
-def main_changes(plain, scale):
-    """The plain main's lines that the scale main changes or drops (difflib's replaced and deleted lines)."""
-    a, b = main_lines(plain), main_lines(scale)
-    opcodes = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
-    return [a[k] for tag, i1, i2, _, _ in opcodes if tag in ("replace", "delete") for k in range(i1, i2)]
 
 
 @pytest.mark.parametrize("name", PLAIN)

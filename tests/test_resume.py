@@ -306,7 +306,7 @@ def torchrun_resumes(tmp_path_factory):
     folder, first, resumes = tmp_path_factory.mktemp("torchrun_resume"), {}, {}
     for script, mode in TORCHRUN:
         flags = [script, *FLAGS[script], *STEPS, *(["--fsdp"] if mode == "fsdp" else [])]
-        name = f"{script}-{mode}"
+        name = f"{os.path.basename(script)}-{mode}"
         first[f"whole-{name}"] = {"argv": flags + ["--output-dir", str(folder / f"whole-{name}")]}
         first[f"killed-{name}"] = {"argv": flags + ["--output-dir", str(folder / f"killed-{name}")], "kill_after": 3}
         resumes[f"resume-{name}"] = {"argv": [script, "--resume-from", str(folder / f"killed-{name}")]}
@@ -322,7 +322,7 @@ def test_a_killed_torchrun_run_resumes_exactly(script, mode, torchrun_resumes):
     the weights and AdamW state, and its own random states): both processes stop after step 3, and the resume
     (its flags, --fsdp included, from args.json) ends as the whole run does."""
     folder, results, killed = torchrun_resumes
-    name = f"{script}-{mode}"
+    name = f"{os.path.basename(script)}-{mode}"
     assert [r["outcome"] for r in results[f"killed-{name}"]] == ["killed", "killed"]
     assert killed[f"killed-{name}"] == [0, 1, 2, 3]
     assert [r["outcome"] for r in results[f"resume-{name}"]] == ["finished", "finished"]

@@ -171,9 +171,10 @@ def readme_commands(language="bash"):
 
 
 def docstring_commands():
-    """Every `python ...` command in the algorithm files' docstrings."""
+    """Every `python ...` command in the algorithm files' docstrings, both tiers'."""
     commands = []
-    for script in ALL_SCRIPTS:
+    plain = [os.path.basename(s) for s in ALL_SCRIPTS if os.path.exists(os.path.join(ROOT, os.path.basename(s)))]
+    for script in ALL_SCRIPTS + plain:
         with open(os.path.join(ROOT, script)) as f:
             commands += python_commands(ast.get_docstring(ast.parse(f.read())))
     return commands
@@ -591,7 +592,7 @@ def readme_pipeline():
 def test_readme_rlhf_pipeline_sft_reward_model_ppo(tmp_path):
     """sft -> reward_model -> ppo with the learned reward, as the README writes it, with small flags."""
     commands = readme_pipeline()
-    assert [shlex.split(c)[1] for c in commands] == ["scale/sft.py", "scale/reward_model.py", "scale/ppo.py"]
+    assert [shlex.split(c)[1] for c in commands] == ["sft.py", "reward_model.py", "ppo.py"]  # the plain tier
     for command in commands:
         argv = [a.replace("runs/", str(tmp_path) + "/") for a in shlex.split(command)[1:]]
         num_eval = EVAL_SIZE.get(argv[0], "2")

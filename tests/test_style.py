@@ -106,7 +106,7 @@ def test_the_measures_see_what_they_count():
 def test_the_reading_page_gives_the_table_the_script_prints(measured):
     with open(os.path.join(ROOT, "docs", "reading.md"), encoding="utf-8") as f:
         page = f.read()
-    assert reading.table(measured) in page and reading.walk_table(measured) in page
+    assert reading.table(measured) in page and reading.walk_table(measured) in page and reading.tiers_table() in page
 
 
 def unreached(source):

@@ -143,7 +143,7 @@ for name, run in runs.items():
                 saved = transformers.AutoModelForCausalLM.from_pretrained(caught["output_dir"])
                 result["loaded"] = found["token_logprobs"](saved, input_ids, mask, 5).tolist()
     result["allreduces"] = allreduces[0]
-    with open(os.path.join(out, f"{name}_{rank}.json"), "w") as f:
+    with open(os.path.join(out, f"{name.replace('/', '_')}_{rank}.json"), "w") as f:
         json.dump(result, f)
 if dist.is_initialized():
     dist.barrier()
@@ -186,7 +186,8 @@ def run_many(runs, folder, nproc=2):
             env=dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline"),
         )
         assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return {name: [json.loads((folder / f"{name}_{rank}.json").read_text()) for rank in range(nproc)] for name in runs}
+    files = {name: [folder / f"{name.replace('/', '_')}_{rank}.json" for rank in range(nproc)] for name in runs}
+    return {name: [json.loads(file.read_text()) for file in files[name]] for name in runs}
 
 
 def assert_same_update(one, two, start, what):
@@ -354,7 +355,7 @@ def launches(chat_model_dir, tmp_path_factory):
         two[f"readme-{i}"] = {"argv": readme_torchrun_flags(command, chat_model_dir)}
     folder = tmp_path_factory.mktemp("torchrun")
     for name, run in {**one, **two}.items():
-        outs[name] = folder / "runs" / name
+        outs[name] = folder / "runs" / name.replace("/", "_")
         run["argv"] = run["argv"] + ["--output-dir", str(outs[name])]  # (some runs share a list of flags)
     results = run_many(one, tmp_path_factory.mktemp("one"), nproc=1)
     results.update(run_many(two, tmp_path_factory.mktemp("two")))

