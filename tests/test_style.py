@@ -39,7 +39,10 @@ MAIN = {
 # vocabulary 46 and its loss (generalized_jsd, jsd_loss) 11, loss_agg's means in aggregate (both losses') 9, and 96
 # in Args, the advantage, pg_loss and main() (the teacher's pass, a branch a loss, the sampled reverse KL). Issue 65's
 # --kl-estimator and --reward-noise took 11 to 20 lines more in each; issue 73 moved both to benchmarks/effects.py
-# (docs/reading.md: a knob that only an experiment needs lives in the experiment), and the bounds are 0c230da's again
+# (docs/reading.md: a knob that only an experiment needs lives in the experiment), and the bounds are 0c230da's again.
+# Issue 85 gave grpo.py's main the plain tier's lines (`if args.beta > 0:` for the reference, `one_update`, the
+# correction through the advantage), which distill.py's main, with no reference and a teacher's pass, cannot share:
+# distill 208 against 198 (its main was aligned with its own plain twin's), so its bound is 210
 DIFF = {
     "scale/rloo.py": 125,
     "scale/gspo.py": 80,
@@ -50,7 +53,7 @@ DIFF = {
     "scale/process_grpo.py": 150,
     "scale/tool_grpo.py": 305,
     "scale/dapo.py": 135,
-    "scale/distill.py": 200,
+    "scale/distill.py": 210,
 }
 
 # lines scrolled along main()'s calls, at most a third of those before issue 55's layout, but in four files whose
