@@ -240,6 +240,7 @@ def main(args):
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
         attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
         prompt_len = prompt_ids.shape[1]
+        texts = decode_completions(tokenizer, completion_ids, mask)  # for the logged reward and samples
 
         # 2. with --loss reverse-kl, the teacher scores every sampled token, once per batch, without gradient:
         # log pi_T(o_t) (B, T); with --loss jsd it scores every prefix over the whole vocabulary in step 3. With one
@@ -290,7 +291,6 @@ def main(args):
         if step % args.log_every == 0 or evaluate_now:
             grad_norm = torch.stack(grad_norms).mean().item()  # the mean over the optimizer steps, once they are done
             step_time = time.time() - step_start
-            texts = decode_completions(tokenizer, completion_ids, mask)
             rewards = torch.tensor([reward_fn(t, r) for t, r in zip(texts, prompts)], device=device)  # (B,)
             stopped = torch.isin(completion_ids, torch.tensor(stop_ids, device=device)).any(dim=1)  # (B,)
             metrics = {

@@ -295,133 +295,7 @@ def prompt_answer(record):
     return {**record, "prompt": record["question"], "answer": answer}
 
 
-def main(args):
-    check_args(args)
-    device = setup(args)
-    rank = rank_and_world()[0]
-    num_prompts, _, minibatch_size = batch_sizes(args)  # this process's prompts and minibatch, each step
-    checkpoint = checkpoint_to_resume(args)  # --resume-from: the run's last checkpoint, its flags checked
-    output_dir = make_output_dir(args, checkpoint)
-
-    # the student (the policy), and the frozen teacher, which must share its tokenizer
-    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
-    policy = add_lora(load_model(args.model_name_or_path, args, device), args)  # --lora-r: the adapters alone train
-    stop_ids = stop_token_ids(tokenizer, policy)
-    policy = distribute(policy, args.fsdp)  # under torchrun: DDP, or FSDP2 with --fsdp
-    teacher = load_teacher(args, device, tokenizer, policy, stop_ids)  # in --dtype; with --fsdp sharded too
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    engine = load_engine(args, device)  # with --vllm
-    train_records, eval_records = load_task(args)
-    data_rng, shuffle_gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
-    # a new run starts at 1; --resume-from puts back its checkpoint's weights and states, and goes on after it
-    first_step, saved = resume(checkpoint, {"policy": policy}, optimizer, [data_rng, shuffle_gen])
-    scheduler = lr_scheduler(optimizer, args, first_step)
-    print(f"{output_dir}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
-    loss_args = dict(clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high)
-    loss_args.update(loss_agg=args.loss_agg, max_completion_length=args.max_new_tokens)  # pg_loss's constants
-    jsd_args = dict(temperature=args.temperature, beta=args.jsd_beta)  # token_jsd's, with --loss jsd
-    correction = dict(mode=args.rollout_correction, cap=args.rollout_cap)  # rollout_correction's
-    start, samples = time.time(), []  # samples: a few held-out prompts with their completions, for samples.jsonl
-    if first_step == 1:
-        metrics = evaluate(policy, tokenizer, eval_records, args, stop_ids, samples, args.eval_samples)
-        teacher_accuracy = evaluate(teacher, tokenizer, eval_records, args, stop_ids, [])["eval/accuracy"]  # the goal
-        reduce_and_log(output_dir, 0, {**metrics, "eval/teacher_accuracy": teacher_accuracy}, samples)
-    for step in range(first_step, args.num_steps + 1):
-        timer = Timer(device, start)
-        # 1. rollouts: one completion per prompt from the student's pi_old (distillation compares none with another)
-        prompts = data_rng.choices(train_records, k=args.prompts_per_step)  # every process draws the same prompts
-        prompts = prompts[rank * num_prompts : (rank + 1) * num_prompts]  # and takes its share
-        group = [r for r in prompts for _ in range(args.group_size)]  # --group-size completions of each
-        policy.eval()
-        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device, args)  # (B, P)
-        completion_ids, rollout_logprobs = sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids)
-        timer.lap("generation")
-        mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
-        attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
-        prompt_len = prompt_ids.shape[1]
-
-        # 2. with --loss reverse-kl, the teacher scores every sampled token, once per batch, without gradient:
-        # log pi_T(o_t) (B, T); with --loss jsd it scores every prefix over the whole vocabulary in step 3. With one
-        # update per batch, pi_old is the policy being updated: its log-probs are the new ones, detached.
-        one_update = args.num_iterations == 1 and args.num_minibatches == 1
-        if args.loss == "reverse-kl":
-            teacher_logprobs = batched_logprobs(
-                teacher, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
-            )
-        else:  # its last hidden states (B, T, d), from which token_jsd makes its logits a chunk at a time
-            teacher_states = last_states(teacher, input_ids, attention_mask, prompt_len, args.micro_batch_size)
-        timer.lap("teacher")
-        if args.loss == "reverse-kl" and not one_update:
-            old_logprobs = batched_logprobs(
-                policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
-            )
-        timer.lap("logprob")
-
-        # 3. num_iterations passes over the batch, each num_minibatches optimizer steps. A micro-batch's JSD at each
-        # prefix; or with --loss reverse-kl its advantages A_t = log pi_T(o_t) - log pi_old(o_t) and clipped
-        # surrogate. Its loss weighs its share of the minibatch's completions, or with DAPO's token mean, of its tokens
-        policy.train()
-        step_stats, rollout_stats, grad_norms = [], [], []
-        sampled_kl = torch.zeros_like(mask, dtype=torch.float32)  # (B, T): log pi_old(o_t) - log pi_T(o_t), logged
-        token_mask = mask if args.loss_agg == "token-mean" else None
-        for minibatch in minibatches(attention_mask, minibatch_size, args.num_iterations, shuffle_gen):
-            optimizer.zero_grad()
-            for i, share in micro_batches(minibatch, args.micro_batch_size, [policy], token_mask):
-                if args.loss == "jsd":  # over the whole vocabulary: no ratio, no clipping (token_jsd)
-                    jsd, sampled, reverse_kl, old = token_jsd(
-                        policy, teacher, teacher_states[i], input_ids[i], attention_mask[i], prompt_len, **jsd_args
-                    )
-                    loss, stats = jsd_loss(jsd, reverse_kl, mask[i], args.loss_agg, args.max_new_tokens)
-                    _, is_stats = rollout_correction(old, rollout_logprobs[i], mask[i], "none", 1.0)  # logged only
-                else:
-                    logprobs = token_logprobs(policy, input_ids[i], attention_mask[i], prompt_len, args.temperature)
-                    old = logprobs.detach() if one_update else old_logprobs[i]
-                    advantages = teacher_advantages(teacher_logprobs[i], old, mask[i])  # (b, T)
-                    is_weights, is_stats = rollout_correction(old, rollout_logprobs[i], mask[i], **correction)
-                    adv = advantages if is_weights is None else advantages * is_weights  # (b, T)
-                    loss, stats = pg_loss(logprobs, old, adv, mask[i], **loss_args)
-                    sampled = -advantages
-                sampled_kl[i] = sampled
-                check_finite(loss, step, "--teacher-path's log-probs")
-                optimizer.scaler.scale(loss * share).backward()
-                # the loss as the optimizer weighed it; the token means (clip_frac, ratio, reverse_kl_exact) by tokens
-                step_stats += [({"loss": loss.detach()}, share), (stats, mask[i].sum())]
-                rollout_stats.append((is_stats, mask[i].sum()))
-            grad_norms.append(clipped_step(optimizer, policy.parameters(), args.max_grad_norm))
-        timer.lap("update")
-
-        # 4. log, with the task's reward of the rollouts (logged only: the teacher is the signal), and evaluate
-        evaluate_now = step % args.eval_every == 0 or step == args.num_steps
-        if step % args.log_every == 0 or evaluate_now:
-            texts = decode_completions(tokenizer, completion_ids, mask)
-            rewards = torch.tensor([reward_fn(t, r) for t, r in zip(texts, group)], device=device)  # (B,)
-            stopped = torch.isin(completion_ids, torch.tensor(stop_ids, device=device)).any(dim=1)  # (B,)
-            metrics = {
-                **weighted_means(step_stats, "losses/"),
-                **weighted_means(rollout_stats, "rollout/"),
-                "losses/reverse_kl": masked_mean(sampled_kl, mask),  # its sampled estimate, over the tokens
-                "charts/reward": rewards.mean(),
-                "charts/completion_length": mask.sum(dim=1).float().mean(),
-                "charts/stopped": stopped.float().mean(),  # completions that ended with a stop token
-                "charts/learning_rate": optimizer.param_groups[0]["lr"],
-                "losses/grad_norm": torch.stack(grad_norms).mean(),  # the mean over the optimizer steps
-                **timer.metrics(tokens=mask.sum()),
-            }
-            samples = rollout_samples(group, texts, rewards, -masked_mean(sampled_kl, mask, dim=1))  # the mean A_t
-            if evaluate_now:
-                metrics.update(evaluate(policy, tokenizer, eval_records, args, stop_ids, samples, args.eval_samples))
-            reduce_and_log(output_dir, step, metrics, samples)
-        scheduler.step()
-        models, generators = {"policy": policy}, [data_rng, shuffle_gen]
-        save_checkpoint(args, output_dir, step, tokenizer, models, optimizer, generators)  # every --save-every steps
-
-    save(policy, tokenizer, output_dir)
-    print(f"saved to {output_dir} in {time.time() - start:.0f} s")
-    end_processes()
-
-
-# ==== The algorithm ends here. Below: machinery, this file's own, then (second banner) the part every file shares ====
+# ---- Only at scale: --loss jsd's pass over the vocabulary, a chunk of it at a time, from the teacher's states
 @torch.no_grad()
 def last_states(model, input_ids, attention_mask, prompt_len, batch_size):
     """The decoder's last hidden states (B, T, d) at the positions that predict the completion tokens, as the output
@@ -491,6 +365,133 @@ def over_vocabulary(terms, policy, teacher, teacher_states, input_ids, attention
     return [torch.nn.functional.pad(torch.cat(c).view(-1, kept), cut) for c in zip(*chunks)]
 
 
+def main(args):
+    check_args(args)
+    device = setup(args)
+    rank = rank_and_world()[0]
+    num_prompts, _, minibatch_size = batch_sizes(args)  # this process's prompts and minibatch, each step
+    checkpoint = checkpoint_to_resume(args)  # --resume-from: the run's last checkpoint, its flags checked
+    output_dir = make_output_dir(args, checkpoint)
+
+    # the student (the policy), and the frozen teacher, which must share its tokenizer
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    policy = add_lora(load_model(args.model_name_or_path, args, device), args)  # --lora-r: the adapters alone train
+    stop_ids = stop_token_ids(tokenizer, policy)
+    policy = distribute(policy, args.fsdp)  # under torchrun: DDP, or FSDP2 with --fsdp
+    teacher = load_teacher(args, device, tokenizer, policy, stop_ids)  # in --dtype; with --fsdp sharded too
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    engine = load_engine(args, device)  # with --vllm
+    train_records, eval_records = load_task(args)
+    data_rng, shuffle_gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
+    # a new run starts at 1; --resume-from puts back its checkpoint's weights and states, and goes on after it
+    first_step, saved = resume(checkpoint, {"policy": policy}, optimizer, [data_rng, shuffle_gen])
+    scheduler = lr_scheduler(optimizer, args, first_step)
+    print(f"{output_dir}: {len(train_records)} training prompts, {len(eval_records)} held out, device {device}")
+    loss_args = dict(clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high)
+    loss_args.update(loss_agg=args.loss_agg, max_completion_length=args.max_new_tokens)  # pg_loss's constants
+    jsd_args = dict(temperature=args.temperature, beta=args.jsd_beta)  # token_jsd's, with --loss jsd
+    correction = dict(mode=args.rollout_correction, cap=args.rollout_cap)  # rollout_correction's
+    start, samples = time.time(), []  # samples: a few held-out prompts with their completions, for samples.jsonl
+    if first_step == 1:
+        metrics = evaluate(policy, tokenizer, eval_records, args, stop_ids, samples, args.eval_samples)
+        teacher_accuracy = evaluate(teacher, tokenizer, eval_records, args, stop_ids, [])["eval/accuracy"]  # the goal
+        reduce_and_log(output_dir, 0, {**metrics, "eval/teacher_accuracy": teacher_accuracy}, samples)
+    for step in range(first_step, args.num_steps + 1):
+        timer = Timer(device, start)
+        # 1. rollouts: one completion per prompt from the student's pi_old (distillation compares none with another)
+        prompts = data_rng.choices(train_records, k=args.prompts_per_step)  # every process draws the same prompts
+        prompts = prompts[rank * num_prompts : (rank + 1) * num_prompts]  # and takes its share
+        group = [r for r in prompts for _ in range(args.group_size)]  # --group-size completions of each
+        policy.eval()
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [r["prompt"] for r in group], device, args)  # (B, P)
+        completion_ids, rollout_logprobs = sample(policy, engine, tokenizer, prompt_ids, prompt_mask, args, stop_ids)
+        timer.lap("generation")
+        mask = completion_mask(completion_ids, stop_ids)  # (B, T): up to and including the first EOS
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
+        attention_mask = torch.cat([prompt_mask, mask.long()], dim=1)
+        prompt_len = prompt_ids.shape[1]
+        texts = decode_completions(tokenizer, completion_ids, mask)  # for the logged reward and samples
+
+        # 2. with --loss reverse-kl, the teacher scores every sampled token, once per batch, without gradient:
+        # log pi_T(o_t) (B, T); with --loss jsd it scores every prefix over the whole vocabulary in step 3. With one
+        # update per batch, pi_old is the policy being updated: its log-probs are the new ones, detached.
+        one_update = args.num_iterations == 1 and args.num_minibatches == 1
+        if args.loss == "reverse-kl":
+            teacher_logprobs = batched_logprobs(
+                teacher, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
+            )
+        else:  # its last hidden states (B, T, d), from which token_jsd makes its logits a chunk at a time
+            teacher_states = last_states(teacher, input_ids, attention_mask, prompt_len, args.micro_batch_size)
+        timer.lap("teacher")
+        if args.loss == "reverse-kl" and not one_update:
+            old_logprobs = batched_logprobs(
+                policy, input_ids, attention_mask, prompt_len, args.temperature, args.micro_batch_size
+            )
+        timer.lap("logprob")
+
+        # 3. num_iterations passes over the batch, each num_minibatches optimizer steps. A micro-batch's JSD at each
+        # prefix; or with --loss reverse-kl its advantages A_t = log pi_T(o_t) - log pi_old(o_t) and clipped
+        # surrogate. Its loss weighs its share of the minibatch's completions, or with DAPO's token mean, of its tokens
+        policy.train()
+        step_stats, rollout_stats, grad_norms = [], [], []
+        sampled_kl = torch.zeros_like(mask, dtype=torch.float32)  # (B, T): log pi_old(o_t) - log pi_T(o_t), logged
+        token_mask = mask if args.loss_agg == "token-mean" else None
+        for minibatch in minibatches(attention_mask, minibatch_size, args.num_iterations, shuffle_gen):
+            optimizer.zero_grad()
+            for i, share in micro_batches(minibatch, args.micro_batch_size, [policy], token_mask):
+                if args.loss == "jsd":  # over the whole vocabulary: no ratio, no clipping (token_jsd)
+                    jsd, sampled, reverse_kl, old = token_jsd(
+                        policy, teacher, teacher_states[i], input_ids[i], attention_mask[i], prompt_len, **jsd_args
+                    )
+                    loss, stats = jsd_loss(jsd, reverse_kl, mask[i], args.loss_agg, args.max_new_tokens)
+                    _, is_stats = rollout_correction(old, rollout_logprobs[i], mask[i], "none", 1.0)  # logged only
+                else:
+                    logprobs = token_logprobs(policy, input_ids[i], attention_mask[i], prompt_len, args.temperature)
+                    old = logprobs.detach() if one_update else old_logprobs[i]
+                    advantages = teacher_advantages(teacher_logprobs[i], old, mask[i])  # (b, T)
+                    is_weights, is_stats = rollout_correction(old, rollout_logprobs[i], mask[i], **correction)
+                    adv = advantages if is_weights is None else advantages * is_weights  # (b, T)
+                    loss, stats = pg_loss(logprobs, old, adv, mask[i], **loss_args)
+                    sampled = -advantages
+                sampled_kl[i] = sampled
+                check_finite(loss, step, "--teacher-path's log-probs")
+                optimizer.scaler.scale(loss * share).backward()
+                # the loss as the optimizer weighed it; the token means (clip_frac, ratio, reverse_kl_exact) by tokens
+                step_stats += [({"loss": loss.detach()}, share), (stats, mask[i].sum())]
+                rollout_stats.append((is_stats, mask[i].sum()))
+            grad_norms.append(clipped_step(optimizer, policy.parameters(), args.max_grad_norm))
+        timer.lap("update")
+
+        # 4. log, with the task's reward of the rollouts (logged only: the teacher is the signal), and evaluate
+        evaluate_now = step % args.eval_every == 0 or step == args.num_steps
+        if step % args.log_every == 0 or evaluate_now:
+            rewards = torch.tensor([reward_fn(t, r) for t, r in zip(texts, group)], device=device)  # (B,)
+            stopped = torch.isin(completion_ids, torch.tensor(stop_ids, device=device)).any(dim=1)  # (B,)
+            metrics = {
+                **weighted_means(step_stats, "losses/"),
+                **weighted_means(rollout_stats, "rollout/"),
+                "losses/reverse_kl": masked_mean(sampled_kl, mask),  # its sampled estimate, over the tokens
+                "charts/reward": rewards.mean(),
+                "charts/completion_length": mask.sum(dim=1).float().mean(),
+                "charts/stopped": stopped.float().mean(),  # completions that ended with a stop token
+                "charts/learning_rate": optimizer.param_groups[0]["lr"],
+                "losses/grad_norm": torch.stack(grad_norms).mean(),  # the mean over the optimizer steps
+                **timer.metrics(tokens=mask.sum()),
+            }
+            samples = rollout_samples(group, texts, rewards, -masked_mean(sampled_kl, mask, dim=1))  # the mean A_t
+            if evaluate_now:
+                metrics.update(evaluate(policy, tokenizer, eval_records, args, stop_ids, samples, args.eval_samples))
+            reduce_and_log(output_dir, step, metrics, samples)
+        scheduler.step()
+        models, generators = {"policy": policy}, [data_rng, shuffle_gen]
+        save_checkpoint(args, output_dir, step, tokenizer, models, optimizer, generators)  # every --save-every steps
+
+    save(policy, tokenizer, output_dir)
+    print(f"saved to {output_dir} in {time.time() - start:.0f} s")
+    end_processes()
+
+
+# ==== The algorithm ends here. Below: machinery, this file's own, then (second banner) the part every file shares ====
 def check_args(args):
     """Stops at a flag outside its range, or at options that cannot run together, before anything loads."""
     ranges = {
