@@ -63,7 +63,7 @@ SCROLLED = {"scale/ppo.py": 0.4, "scale/sft.py": 0.4, "scale/dpo.py": 0.5, "scal
 
 
 def test_ruff_lays_out_and_lints_every_python_file():
-    for command in (["format", "--check", "."], ["check", "."]):
+    for command in (["format", "--check", "--no-cache", "."], ["check", "--no-cache", "."]):
         proc = subprocess.run([sys.executable, "-m", "ruff", *command], cwd=ROOT, capture_output=True, text=True)
         assert proc.returncode == 0, f"ruff {' '.join(command)}:\n{proc.stdout}{proc.stderr}"
 

@@ -8,11 +8,11 @@ import math
 
 import pytest
 import torch
-from ppo import ppo_policy_loss
 
 from cispo import cispo_loss
 from grpo import grpo_loss, masked_mean
 from gspo import gspo_loss
+from ppo import ppo_policy_loss
 from rloo import rloo_loss
 from scale.grpo import rollout_correction
 
