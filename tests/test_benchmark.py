@@ -266,7 +266,7 @@ def test_a_finished_run_is_read_again_only_for_the_same_command(quick, tmp_path)
         str(tmp_path),
     )
     assert "sft seed 1: finished before" in proc.stdout
-    assert "grpo seed 1: grpo.py --seed 1" in proc.stdout  # run again: its record was another command's
+    assert "grpo seed 1: scale/grpo.py --seed 1" in proc.stdout  # run again: its record was another command's
     command = json.loads((runs / "grpo__1.json").read_text())["command"]
     assert command[command.index("--num-eval") + 1] == "8"  # --quick's --num-eval
     text = (tmp_path / "results.md").read_text()
