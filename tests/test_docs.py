@@ -71,6 +71,19 @@ def test_the_readmes_first_line_quotes_the_tests_page():
     assert f"the whole process {min(seconds):.0f}-{max(seconds):.0f} s" in read("README.md")
 
 
+def test_the_readme_gives_the_tiers_sizes():
+    """The README's "At scale" states the range of the scale files' lengths and of their plain twins'."""
+    from conftest import ALGORITHMS
+
+    def lines(path):
+        with open(os.path.join(ROOT, path)) as f:
+            return len(f.read().splitlines())
+
+    plain, scale = [lines(n) for n in ALGORITHMS], [lines(f"scale/{n}") for n in ALGORITHMS]
+    said = f"each scale file is {min(scale):,}-{max(scale):,} lines, its plain twin {min(plain):,}-{max(plain):,}"
+    assert said in " ".join(read("README.md").split())
+
+
 def test_the_readme_quotes_the_rlhf_pipeline_from_the_page_it_links():
     """The README links docs/ppo.md for the pipeline's numbers: they are that page's three-seed table's, and
     results.md's rows of the same runs."""
