@@ -353,10 +353,19 @@ def test_generate_samples_at_the_temperature_whatever_the_generation_config_says
         return out.sequences
 
     model.generate = generate_with_scores
+    stop_ids = grpo.stop_token_ids(tokenizer, model)
     for temperature in (1.5, None):
-        grpo.generate(model, tokenizer, ids, mask, 6, temperature, grpo.stop_token_ids(tokenizer, model))
+        grpo.generate(model, tokenizer, ids, mask, 6, temperature, stop_ids)
         scores, logits = torch.stack(results[-1].scores), torch.stack(results[-1].logits)  # (T, B, vocab)
         assert len(scores) == 6 and torch.allclose(scores, logits / (temperature or 1.0))
+    # and the training pass scores the sampled tokens of the left-padded prompts as generate() scored them
+    sampled = results[0].scores  # the temperature's run
+    completion = results[0].sequences[:, ids.shape[1] :]
+    keep = grpo.completion_mask(completion, stop_ids)
+    full_mask = torch.cat([mask, keep.long()], dim=1)
+    logprobs = grpo.token_logprobs(model, results[0].sequences, full_mask, ids.shape[1], temperature=1.5)
+    expected = torch.stack(sampled, dim=1).log_softmax(-1).gather(-1, completion[..., None]).squeeze(-1)  # (B, T)
+    assert bool((mask[:, 0] == 0).any()) and torch.allclose(logprobs[keep], expected[keep], atol=1e-4)
 
 
 def test_bfloat16_keeps_float32_weights_and_a_reference_at_kl_0_at_the_first_step(tmp_path):
