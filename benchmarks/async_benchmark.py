@@ -2,9 +2,9 @@
 ahead, each with and without the decoupled objective, and at eta = 1, 2 with AReaL's interruption (a rollout moves
 to the next version every 2 tokens), over several seeds; grpo.py's default beside them.
 
-Each run is `python async_grpo.py --seed S --output-dir ...` (or grpo.py), one at a time, as a user runs it. The
-script then reads every run's metrics.jsonl and writes, from nothing, the block between the two `results` marker
-lines of docs/async_grpo.md (the table) and docs/async_grpo.png (held-out accuracy against step and against
+Each run is `python scale/async_grpo.py --seed S --output-dir ...` (or scale/grpo.py), one at a time, as a user runs
+it. The script then reads every run's metrics.jsonl and writes, from nothing, the block between the two `results`
+marker lines of docs/async_grpo.md (the table) and docs/async_grpo.png (held-out accuracy against step and against
 wall-clock seconds).
 
     pip install -r requirements.txt -r benchmarks/requirements.txt

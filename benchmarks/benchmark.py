@@ -1,6 +1,6 @@
 """Runs every algorithm's default on the bundled task over several seeds and writes the results page.
 
-Each algorithm file runs exactly as a user runs it (`python grpo.py --seed 2 --output-dir ...`), one
+Each algorithm file runs exactly as a user runs it (`python scale/grpo.py --seed 2 --output-dir ...`), one
 at a time, in a subprocess whose wall time and peak resident memory are measured. The script then
 reads every run's metrics.jsonl and writes, from nothing:
 
@@ -564,21 +564,21 @@ def write_results(runs, memory, args, path):
         + (f"; the real model's: {', '.join(map(str, args.real_seeds))}" if real else "")
         + ". Every number is the mean ± standard"
         " deviation over the seeds (one seed: the number itself).",
-        "- Each run on the bundled model is the file's default command (`python <file>.py --seed S`)"
+        "- Each run on the bundled model is the file's default command (`python scale/<file>.py --seed S`)"
         + (
             ", shortened by --quick to a few steps: **these numbers check the script, they measure nothing**"
             if args.quick
             else ""
         )
-        + "; `ppo-learned-rm` is `python ppo.py --reward-model-path <the reward_model run"
+        + "; `ppo-learned-rm` is `python scale/ppo.py --reward-model-path <the reward_model run"
         " of the same seed>`. The `-one-pair` rows are that pipeline as it was before its defaults changed:"
-        " `reward_model-one-pair` is `python reward_model.py "
+        " `reward_model-one-pair` is `python scale/reward_model.py "
         + " ".join(ONE_PAIR_FLAGS["reward_model-one-pair"])
-        + "` (one pair per prompt, the answer as chosen) and `ppo-learned-rm-one-pair` is `python ppo.py"
+        + "` (one pair per prompt, the answer as chosen) and `ppo-learned-rm-one-pair` is `python scale/ppo.py"
         " --reward-model-path <that run> " + " ".join(ONE_PAIR_FLAGS["ppo-learned-rm-one-pair"]) + "` (the raw"
         " score, a fixed beta of 0.05, the verifier's learning rate)."
         + (
-            " `grpo-vllm` is `python grpo.py --seed S --vllm`, in vLLM's own environment (below)."
+            " `grpo-vllm` is `python scale/grpo.py --seed S --vllm`, in vLLM's own environment (below)."
             if "grpo-vllm" in runs
             else ""
         ),
@@ -608,7 +608,9 @@ def write_results(runs, memory, args, path):
             " The task is the bundled task's sums asked as a chat question (`--task addition-question`:"
             " `What is 47 + 8? Reply with the number only.`), greedy on the first 100 of the same held-out"
             " prompts, at most 16 new tokens; the reward is the same (the last number of the reply). Each row"
-            " is the command docs/smollm2.md gives, `python <file>.py --seed S " + " ".join(REAL_COMMON) + "` and:",
+            " is the command docs/smollm2.md gives, `python scale/<file>.py --seed S "
+            + " ".join(REAL_COMMON)
+            + "` and:",
             "",
         ]
         lines += [

@@ -1,9 +1,9 @@
 """Process supervision against outcome supervision on the bundled chain task (process_grpo.py), over several seeds.
 
-Each run is `python process_grpo.py --seed S [--supervision outcome] --output-dir ...`, one at a time, as a user runs
-it: the same flags, so the same sample budget (prompts x completions a step, steps). The script then reads every
-run's metrics.jsonl and writes, from nothing, the block between the two `process` marker lines of docs/results.md
-(the table) and docs/process_grpo.png (held-out accuracy and trace error against the step).
+Each run is `python scale/process_grpo.py --seed S [--supervision outcome] --output-dir ...`, one at a time, as a user
+runs it: the same flags, so the same sample budget (prompts x completions a step, steps). The script then reads every
+run's metrics.jsonl and writes, from nothing, the block between the two `process` marker lines of docs/results.md (the
+table) and docs/process_grpo.png (held-out accuracy and trace error against the step).
 
     pip install -r requirements.txt -r benchmarks/requirements.txt
     python benchmarks/process_benchmark.py                     # 2 rows x 3 seeds
@@ -160,7 +160,7 @@ def main(args):
             "## Process against outcome supervision (process_grpo.py)",
             "",
             f"`python benchmarks/process_benchmark.py` ({len(args.seeds)} seed(s): {seeds}; {machine_line()}): "
-            "`python process_grpo.py` and the same command with `--supervision outcome`, from the bundled "
+            "`python scale/process_grpo.py` and the same command with `--supervision outcome`, from the bundled "
             "`tiny-chainer/` on the chain task, the same prompts and completions a step. The trace error is the share "
             "of the right final answers (their count beside it) whose greedy completion has a wrong step "
             "([process_grpo.md](process_grpo.md)).",

@@ -1,7 +1,7 @@
 """tool_grpo.py on the bundled multiplication task, with the tool's tokens masked out of the loss and without, over
 several seeds.
 
-Each run is `python tool_grpo.py --seed S [--no-mask-tool-tokens] --output-dir ...`, one at a time, as a user runs
+Each run is `python scale/tool_grpo.py --seed S [--no-mask-tool-tokens] --output-dir ...`, one at a time, as a user runs
 it: the same flags, so the same sample budget. The script then reads every run's metrics.jsonl and writes, from
 nothing, the block between the two `tool` marker lines of docs/results.md (the table) and docs/tool_grpo.png
 (held-out accuracy and tool-call rate against the step).
@@ -119,7 +119,7 @@ def main(args):
             "## Tool use: the tool's tokens masked out of the loss, or not (tool_grpo.py)",
             "",
             f"`python benchmarks/tool_benchmark.py` ({len(args.seeds)} seed(s): {seeds}; {machine_line()}): "
-            "`python tool_grpo.py` and the same command with `--no-mask-tool-tokens`, from the bundled "
+            "`python scale/tool_grpo.py` and the same command with `--no-mask-tool-tokens`, from the bundled "
             "`tiny-caller/` on 3-digit x 2-digit products with the calculator, greedy on the 500 held-out prompts "
             "([tool_grpo.md](tool_grpo.md)).",
             "",
