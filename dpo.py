@@ -434,7 +434,7 @@ def load_model(path, args, device, frozen=False):
             module.p = 0.0  # the policy that samples is the one trained
     if args.gradient_checkpointing:
         enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)  # < 5.24
-        enable({"use_reentrant": False})
+        enable({"use_reentrant": False, "preserve_rng_state": False})  # no dropout to replay; no thread's draw rewound
     if args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda"):
         decoder = model.get_decoder()
         decoder.forward = torch.autocast(device.type, dtype=torch.bfloat16)(decoder.forward)

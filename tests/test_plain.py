@@ -404,10 +404,32 @@ def test_the_log_probs_are_the_float32_log_softmax_of_the_logits_under_bfloat16(
     assert logprobs.dtype == torch.float32 and torch.allclose(logprobs, expected, atol=1e-5)
 
 
-def test_the_same_seed_gives_the_same_metrics_and_samples(tmp_path):
-    runs = [str(tmp_path / name) for name in ("a", "b")]
+def test_activation_checkpointing_never_rewinds_the_global_random_state():
+    """--gradient-checkpointing recomputes each layer in the backward pass from the random state where it stands:
+    dropout is off, so there is no state to replay, and async_grpo.py's generator thread, which samples from the same
+    global state while the trainer's backward runs, must never have its draws rewound. A hook in the first layer draws
+    a number each time the layer runs (the forward, then the recompute): the draws continue one sequence."""
+    import types
+
+    import grpo
+
+    args = types.SimpleNamespace(trust_remote_code=False, gradient_checkpointing=True, dtype="float32")
+    model = grpo.load_model(os.path.join(ROOT, "tiny-adder"), args, torch.device("cpu")).train()
+    draws = []
+    first = model.get_decoder().layers[0].input_layernorm  # a pre-hook: the recompute may stop before a layer's end
+    first.register_forward_pre_hook(lambda *_: draws.append(torch.rand(()).item()))
+    torch.manual_seed(0)
+    model(torch.tensor([[5, 6, 7, 8]])).logits.sum().backward()
+    torch.manual_seed(0)
+    assert len(draws) == 2 and draws == [torch.rand(()).item() for _ in draws]  # the recompute did not rewind
+
+
+# async_grpo.py samples in a thread while its trainer's backward recomputes the checkpointed layers
+@pytest.mark.parametrize("name, flags", [("grpo.py", []), ("async_grpo.py", ["--gradient-checkpointing"])])
+def test_the_same_seed_gives_the_same_metrics_and_samples(name, flags, tmp_path):
+    runs = [str(tmp_path / folder) for folder in ("a", "b")]
     for out in runs:
-        run_script("grpo.py", *TWO_STEPS, *RUNS["grpo.py"]["smoke"], "--output-dir", out)
+        run_script(name, *TWO_STEPS, *RUNS[name]["smoke"], *flags, "--output-dir", out)
     untimed = [
         [{k: v for k, v in m.items() if "time" not in k and "per_sec" not in k} for m in read_metrics(r)] for r in runs
     ]
