@@ -296,7 +296,7 @@ def test_sft_regenerates_the_bundled_model(tmp_path):
     docs/sft.md gives (the bundled model: 34.8%; seeds spread about ±6 points, and another CPU takes another path
     once one sampled token differs, so no closer match to the bundled model is asked)."""
     out = str(tmp_path / "run")
-    run_script("scale/sft.py", "--output-dir", out)
+    run_script("sft.py", "--output-dir", out)
     accuracy = read_metrics(out)[-1]["eval/accuracy"]
     assert 0.2 <= accuracy <= 0.5, accuracy
     # the same tokenizer: vocabulary, specials, normaliser and decoder (the padding and truncation entries are the
