@@ -1610,9 +1610,12 @@ def split_product(a, b_high, b_low):
 
 
 def bf16_parts(x):
-    """float32 x as two bfloat16 tensors high + low: x rounded to bfloat16, and the rest rounded (x to about 2^-16)."""
-    high = x.bfloat16()
-    return high, (x.float() - high.float()).bfloat16()
+    """float32 x as two bfloat16 tensors high + low: x rounded to bfloat16, and the rest rounded (x to about 2^-16).
+    high is rounded on x's bits (to nearest, ties to even), not by a cast and back: inside one compiled kernel
+    inductor may keep the cast's value unrounded, and the low part would be 0."""
+    bits = x.float().view(torch.int32)
+    high = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).view(torch.float32)  # exact in bfloat16
+    return high.bfloat16(), (x.float() - high).bfloat16()
 
 
 def tensor_core_mm(a, b):  # a (n, k) @ b (k, m), bfloat16, summed and returned in float32: the one CUDA-only part

@@ -81,6 +81,24 @@ def test_a_checkpointed_backward_pass_leaves_another_threads_random_numbers_alon
     )  # random draws, not float arithmetic: bit for bit
 
 
+def test_the_split_output_layer_keeps_its_low_part_when_compiled(monkeypatch):
+    """The decode step is compiled, and so is its output layer's split product: bf16_parts compiled gives eager's
+    parts bit for bit (a low part that a compiled cast-and-back leaves 0), and split_product compiled, with the
+    tensor-core product as a GPU computes it, is within 1e-5 of float64's product where one bfloat16 product is 1e-4
+    and more away (relative, in norm)."""
+    monkeypatch.setattr(grpo, "tensor_core_mm", lambda a, b: a.float() @ b.float())  # bfloat16 in, float32 sums
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    x, w = torch.randn(16, 256), torch.randn(256, 512)
+    parts, compiled_parts = grpo.bf16_parts(w), torch.compile(grpo.bf16_parts)(w)
+    assert all(torch.equal(a, b) for a, b in zip(parts, compiled_parts)) and (parts[1] != 0).float().mean() > 0.99
+    exact = x.double() @ w.double()
+    product = torch.compile(lambda a, b: grpo.split_product(a, *grpo.bf16_parts(b)))(x, w)
+    one = x.bfloat16().double() @ w.bfloat16().double()
+    assert (product.double() - exact).norm() <= 1e-5 * exact.norm() < (one - exact).norm() / 10
+    torch._dynamo.reset()
+
+
 def test_the_output_layer_computes_in_float32_under_bfloat16_autocast(tmp_path):
     """Rounding logits of about 20 to bfloat16 moves a log-prob by up to about 0.1, a thousand times the log-ratio of
     a small update. The output layer's matmul runs in float32 (its logits are chunked for memory already): the
