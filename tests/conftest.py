@@ -108,6 +108,9 @@ def run_here(argv, cwd=ROOT):
     (status 1). The global settings a run changes are put back."""
     out, err, status = io.StringIO(), io.StringIO(), 0
     saved = sys.argv, os.getcwd(), torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
+    # torch.compile's caches start empty, as in a new process: every compiled module's call is one code object, with
+    # one recompile limit for all, so a file run after others would run its compiled layers eagerly, silently
+    torch._dynamo.reset()
     sys.argv = list(argv)
     os.chdir(cwd)
     try:

@@ -81,6 +81,34 @@ def test_a_checkpointed_backward_pass_leaves_another_threads_random_numbers_alon
     )  # random draws, not float arithmetic: bit for bit
 
 
+SIX_LAYERS = """
+import torch
+from torch._dynamo.utils import counters
+
+before = counters["stats"]["unique_graphs"]
+for width in range(1, 7):  # six layers compiled as the files compile theirs: nn.Module's call, one code for all
+    layer = torch.nn.Linear(width, 3)
+    layer.compile(backend="eager", dynamic=False)
+    layer(torch.randn(2, width))
+made = counters["stats"]["unique_graphs"] - before
+if made != 6:
+    raise SystemExit(f"error: {6 - made} of 6 layers ran eagerly")
+"""
+
+
+def test_a_file_run_in_the_tests_process_after_others_still_compiles_its_layers(tmp_path):
+    """The tests run the files in their own process (run_here), as the GPU check's learning tests do, one after
+    another: each file finds torch.compile's caches empty, as in a new process. Without that, a second file's layers
+    found the recompile limit of nn.Module's call spent by the first's and ran eagerly, and nothing said so."""
+    from conftest import run_here
+
+    script = tmp_path / "six_layers.py"
+    script.write_text(SIX_LAYERS)
+    for _ in range(2):
+        proc = run_here([str(script)], tmp_path)
+        assert proc.returncode == 0, proc.stderr
+
+
 def test_the_split_output_layer_keeps_its_low_part_when_compiled(monkeypatch):
     """The decode step is compiled, and so is its output layer's split product: bf16_parts compiled gives eager's
     parts bit for bit (a low part that a compiled cast-and-back leaves 0), and split_product compiled, with the
