@@ -788,7 +788,8 @@ def resume(checkpoint, models, optimizer, generators):
     sys.modules["numpy"].random.set_state(("MT19937", rng["numpy"][0].numpy(), *rng["numpy"][1:]))
     for generator, value in zip(generators, rng["generators"]):
         (generator.setstate if isinstance(generator, random.Random) else generator.set_state)(value)
-    optimizer.scaler.load_state_dict(rng.get("scaler", {}))  # {}: a checkpoint from before the scaler
+    if rng.get("scaler"):  # none, or {} (a scaler off): a checkpoint from before the scaler, which starts anew
+        optimizer.scaler.load_state_dict(rng["scaler"])
     with open(os.path.join(checkpoint, "trainer_state.json")) as f:
         state = json.load(f)
     return state["step"] + 1, state["state"]

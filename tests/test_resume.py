@@ -198,6 +198,30 @@ def test_a_killed_run_resumes_exactly(script, tmp_path):
     assert max((final[k] - earlier[k]).abs().max().item() for k in final) > 1e-5
 
 
+def test_a_float16_run_resumes_from_a_checkpoint_written_before_its_loss_scaler(tmp_path, monkeypatch):
+    """A checkpoint without the loss scaler's state (written before the scaler was kept, or by a run whose scaler was
+    off) resumes a --dtype float16 run with a new scaler: loading its empty state into a scaler that is on raised.
+    float16 trains on GPUs only, so here the scaler is made for the CPU and resume() given a float16 model."""
+    import functools
+
+    from scale import grpo
+
+    out = str(tmp_path / "run")
+    run_script("scale/grpo.py", *FLAGS["scale/grpo.py"], "--num-steps", "1", "--save-every", "1", "--output-dir", out)
+    checkpoint = os.path.join(out, "checkpoints", "step_000001")
+    rng = torch.load(os.path.join(checkpoint, "rng_0.pt"), weights_only=False)
+    assert rng.pop("scaler") == {}  # this run's scaler was off
+    torch.save(rng, os.path.join(checkpoint, "rng_0.pt"))
+    monkeypatch.setattr(torch.amp, "GradScaler", functools.partial(torch.amp.GradScaler, "cpu"))  # as on a GPU
+    with open(os.path.join(out, "args.json")) as f:
+        args = grpo.Args(**{**json.load(f), "dtype": "float32"})
+    policy = grpo.load_model(os.path.join(ROOT, "tiny-adder"), args, torch.device("cpu"))
+    policy.compute_dtype = torch.float16  # what --dtype float16 makes of it on a GPU
+    optimizer = torch.optim.AdamW(policy.parameters())
+    step, _ = grpo.resume(checkpoint, {"policy": policy}, optimizer, [])
+    assert step == 2 and optimizer.scaler.is_enabled() and optimizer.scaler.get_scale() == 2.0**16
+
+
 def test_bad_resume_input_stops_with_one_line_and_changes_nothing(tmp_path):
     """A flag that differs from the run's (--output-dir too), another file's run, a checkpoint's folder (whole or cut
     short) in place of the run's, a missing path, fewer steps than done: each one line, status 1, and the folder
