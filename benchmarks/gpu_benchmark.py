@@ -40,7 +40,11 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 WAITS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "masked_select", "unique", "allclose"}
 
 
-def smollm2_tokenizer():
+def smollm2_tokenizer(folder=None):
+    """SmolLM2's tokenizer folder: --tokenizer's (the device's carried copy, the tokenizer alone: smollm2.py
+    --tokenizer-only), else the built SmolLM2-135M-Instruct/ (built here first if it is not)."""
+    if folder:
+        return folder
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import smollm2
 
@@ -103,9 +107,9 @@ def run_steps(args, model_dir, parameters, workdir):
     """scale/grpo.py's steps in this process; prints each step's split and returns the mean of steps 2 on."""
     import torch
 
-    out = os.path.join(workdir, "run")
+    out = args.out or os.path.join(workdir, "run")
     sys.argv = [os.path.join(ROOT, "scale/grpo.py"), *step_flags(args, model_dir, out)]
-    print("python grpo.py " + " ".join(sys.argv[1:]), flush=True)
+    print("python scale/grpo.py " + " ".join(sys.argv[1:]), flush=True)
     runpy.run_path(sys.argv[0], run_name="__main__")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         steps = [m for m in map(json.loads, f) if "charts/generation_time" in m]
@@ -193,9 +197,9 @@ def profile(args, model_dir):
     sys.path.insert(0, ROOT)
     from scale import grpo
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = "bfloat16" if device.type == "cuda" else "float32"
-    flags = grpo.Args(dtype=dtype, gradient_checkpointing=args.gradient_checkpointing)
+    flags = grpo.Args(model_name_or_path=model_dir, gradient_checkpointing=args.gradient_checkpointing)
+    device = grpo.setup(flags)  # as the timed step: its seed, deterministic algorithms, --dtype auto settled
+    dtype = flags.dtype
     model, tokenizer = grpo.load_model(model_dir, flags, device), grpo.load_tokenizer(model_dir, False)
     rows, width = args.prompts * args.group_size, args.prompt_tokens
     prompts = torch.randint(3, len(tokenizer), (rows, width), generator=torch.Generator().manual_seed(0)).to(device)
@@ -698,6 +702,8 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, help="--decode: prompts (default 32; 128 on a GPU and with --check)")
     parser.add_argument("--repeats", type=int, default=5, help="--decode: timed rollouts of each loop")
     parser.add_argument("--threads", type=int, default=0, help="--decode: torch's threads (default: torch's)")
+    parser.add_argument("--out", help="the steps' run folder, kept (metrics.jsonl, samples.jsonl; default: temporary)")
+    parser.add_argument("--tokenizer", help="SmolLM2's tokenizer folder (default: SmolLM2-135M-Instruct/, built)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--trl", action="store_true", help="time TRL's GRPOTrainer at equal work too")
@@ -727,7 +733,7 @@ def main(argv=None):
             parameters = None  # no update TFLOP/s
             print(f"{args.model}: docs/smollm2.md's GRPO command, {args.steps} steps")
         else:
-            parameters = build_model(model_dir, SMALL if args.small else QWEN_05B, smollm2_tokenizer())
+            parameters = build_model(model_dir, SMALL if args.small else QWEN_05B, smollm2_tokenizer(args.tokenizer))
             shape = "small" if args.small else "Qwen2.5-0.5B"
             print(f"a random Qwen2 of {parameters / 1e6:.1f} M parameters ({shape}'s shape)")
         if args.profile:

@@ -2,14 +2,18 @@
 numbers another thread draws during a checkpointed backward pass, the output layer under bfloat16 autocast, the
 reference against the policy at step 0, and the forward passes that are not generation (docs/gpu.md)."""
 
+import json
 import math
+import os
 import re
+import subprocess
 import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import ROOT
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig
 
 from scale import grpo
@@ -484,6 +488,27 @@ def test_the_lora_cast_benchmark_counts_the_casts_both_ways():
     found = lora_casts.main(sequences=2, new_tokens=4, repeats=1)
     assert found["float32 (before)"][0] == 14 and found["bfloat16 (add_lora)"][0] == 0
     assert all(speed > 0 for _, _, speed in found.values())
+
+
+@pytest.mark.long
+def test_the_device_scripts_first_part_runs_at_a_small_shape_and_a_step_cut_short_is_still_told(tmp_path):
+    """benchmarks/gpu_check.sh 1 --small on the CPU: scale/grpo.py's default run, its accuracy and rollout/logprob_diff
+    told in steps.log, the README's GPU step with its metrics kept, the profile's table; and with every limit cut to
+    2 s (CAP), each step is still told, with the timeout's exit."""
+    script = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
+    env = {**os.environ, "OUT": str(tmp_path / "cut"), "CAP": "2"}
+    subprocess.run(["bash", script, "1", "--small"], cwd=ROOT, env=env, check=True, capture_output=True)
+    told = (tmp_path / "cut" / "steps.log").read_text()
+    assert [line.split(":")[0] for line in told.splitlines() if "exit" in line] == ["default", "readme", "profile"]
+    assert told.count("exit 124") == 3, told
+    env = {**os.environ, "OUT": str(tmp_path / "whole")}
+    subprocess.run(["bash", script, "1", "--small"], cwd=ROOT, env=env, check=True, capture_output=True)
+    told = (tmp_path / "whole" / "steps.log").read_text()
+    assert told.count("exit 0") == 3 and "held-out accuracy 0.348 -> " in told and "rollout/logprob_diff mean" in told
+    steps = [json.loads(line) for line in (tmp_path / "whole" / "readme" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps if "charts/step_time" in m] == [1, 2, 3]
+    assert not (tmp_path / "whole" / "readme" / "model.safetensors").exists()
+    assert "Self CPU" in (tmp_path / "whole" / "profile.log").read_text()
 
 
 @pytest.mark.long
