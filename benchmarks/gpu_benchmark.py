@@ -618,7 +618,8 @@ def update_pass(grpo, torch, device, model, args, rows=8, repeats=5):
     a GPU (regional compile; on a CPU on dynamo's eager backend, to check this script), its first call's seconds (the
     compile) apart. Prompts of 80-110 tokens, completions of a fifth to all of --max-new-tokens.
     9. Then the compiled way at micro-batches of 8, 16 and 32 such rows: ms a row, and on a GPU the peak memory; and
-    the pass without gradient (the reference's, pi_old's) at the same sizes."""
+    the pass without gradient (the reference's, pi_old's) at the same sizes, and how far apart the two passes'
+    log-probs are (another graph: the update's joint forward and backward against an inference graph)."""
     g, width = torch.Generator().manual_seed(0), 110 + args.max_new_tokens
 
     def micro_batch(rows):
@@ -663,7 +664,8 @@ def update_pass(grpo, torch, device, model, args, rows=8, repeats=5):
             torch.cuda.reset_peak_memory_stats()
         ms = timed(torch, device, lambda: update(*batch), repeats) / size
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
-        sizes[size] = ms, peak, timed(torch, device, lambda: reference(*batch), repeats) / size
+        apart = (update(*batch) - reference(*batch))[batch[1][:, 110:].bool()].abs().max().item()
+        sizes[size] = ms, peak, timed(torch, device, lambda: reference(*batch), repeats) / size, apart
     grpo.hidden_states = plain
     torch.use_deterministic_algorithms(False)
     for layer in grpo.decoder_layers(model):
@@ -677,12 +679,15 @@ def update_pass(grpo, torch, device, model, args, rows=8, repeats=5):
         f"{found['compiled'][2]:.1f} s); log-probs {gap['padded']:.1e} (padded) and {gap['compiled']:.1e} "
         f"(compiled) from the rolled eager pass's"
     )
-    peaks = {n: f" (peak {gib:.2f} GiB)" if device.type == "cuda" else "" for n, (_, gib, _) in sizes.items()}
+    peaks = {n: f" (peak {gib:.2f} GiB)" if device.type == "cuda" else "" for n, (_, gib, _, _) in sizes.items()}
     print(
         "9. the update's micro-batch through the compiled layers: "
-        + ", ".join(f"{n} rows {ms:.1f} ms a row{peaks[n]}" for n, (ms, _, _) in sizes.items())
+        + ", ".join(f"{n} rows {ms:.1f} ms a row{peaks[n]}" for n, (ms, _, _, _) in sizes.items())
         + "; without gradient (the reference's pass): "
-        + ", ".join(f"{n} rows {ms:.1f} ms a row" for n, (_, _, ms) in sizes.items())
+        + ", ".join(f"{n} rows {ms:.1f} ms a row" for n, (_, _, ms, _) in sizes.items())
+        + "; the two passes' log-probs at most "
+        + ", ".join(f"{apart:.1e}" for (_, _, _, apart) in sizes.values())
+        + " apart (pi_old's pass against the update's: GSPO clips a sequence's ratio at 3e-4 and 4e-4)"
     )
 
 

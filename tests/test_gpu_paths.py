@@ -543,6 +543,8 @@ def test_the_gpu_check_runs_every_step_on_the_cpu():
     assert padded < 5e-2 and compiled < 5e-2, update
     sizes = next(line for line in out.splitlines() if line.startswith("9."))
     assert [int(n) for n in re.findall(r"(\d+) rows \S+ ms a row", sizes)] == [8, 16, 32] * 2, sizes  # with, without
+    apart = re.search(r"log-probs at most (\S+), (\S+), (\S+) apart", sizes)  # the update's pass and pi_old's
+    assert apart and all(float(x) < 1e-5 for x in apart.groups()), sizes
     linears = next(line for line in out.splitlines() if line.startswith("10."))
     assert float(linears.split("outputs ")[1].split(" apart")[0]) < 1e-2, linears  # the same products, fused
 
