@@ -1636,7 +1636,7 @@ def head_product(hidden, weight, bias, parts=None):
 
 class SplitProduct(torch.autograd.Function):
     """hidden (n, d) times weight (vocab, d) transposed, given as its parts high + low (vocab, d), by split_product;
-    the gradients by split_product too."""
+    hidden's gradient by split_product too, the weight's by the same three products in one (backward)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, high, low):
@@ -1649,8 +1649,10 @@ class SplitProduct(torch.autograd.Function):
         grad_hidden = grad_weight = None
         if ctx.needs_input_grad[0]:
             grad_hidden = split_product(grad, high, low)
-        if ctx.needs_input_grad[1]:
-            grad_weight = split_product(grad.T, *bf16_parts(hidden))
+        if ctx.needs_input_grad[1]:  # (vocab, d): the three products as one over the inner dimension stacked, summed
+            g_high, g_low = bf16_parts(grad)  # by the tensor cores, with no (vocab, d) partial product to add
+            h_high, h_low = bf16_parts(hidden)
+            grad_weight = tensor_core_mm(torch.cat([g_high, g_low, g_high]).T, torch.cat([h_high, h_high, h_low]))
         return grad_hidden, grad_weight, None, None
 
 
