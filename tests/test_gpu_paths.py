@@ -137,7 +137,10 @@ n, d, vocab = 256, 3584, 32768  # a chunk of 256 positions at a 7B model's width
 torch.manual_seed(0)
 hidden, weight = torch.randn(n, d, requires_grad=True), (torch.randn(vocab, d) * 0.02).requires_grad_()
 parts, grad = grpo.bf16_parts(weight.detach()), torch.randn(n, vocab)
-open("/proc/self/clear_refs", "w").write("5")  # the peak resident set counts from here
+try:
+    open("/proc/self/clear_refs", "w").write("5")  # the peak resident set counts from here
+except OSError:
+    sys.exit("no clear_refs")
 start = status("VmRSS:")
 if sys.argv[1] == "float32":
     logits = torch.nn.functional.linear(hidden, weight)
@@ -159,7 +162,10 @@ def test_the_split_output_layer_takes_little_more_memory_than_float32s(tmp_path)
     script.write_text(HEAD_PEAK)
     peak = {}
     for way in ("float32", "split"):
-        proc = subprocess.run([sys.executable, str(script), way, ROOT], capture_output=True, text=True, check=True)
+        proc = subprocess.run([sys.executable, str(script), way, ROOT], capture_output=True, text=True)
+        if "no clear_refs" in proc.stderr:
+            pytest.skip("this kernel lets no process reset its peak resident memory (/proc/self/clear_refs)")
+        assert proc.returncode == 0, proc.stderr
         peak[way] = float(proc.stdout.split()[-1])  # MiB
     assert peak["float32"] > 400 and peak["split"] <= 1.5 * peak["float32"], peak
 
