@@ -715,6 +715,8 @@ def main(argv=None):
     parser.add_argument("--trl-vllm", action="store_true", help="and TRL's with vLLM colocated (use_vllm=True)")
     parser.add_argument("--profile", action="store_true", help="profile one rollout and one update, not the steps")
     args = parser.parse_args(argv)
+    if args.tokenizer and not os.path.isfile(os.path.join(args.tokenizer, "tokenizer_config.json")):
+        parser.error(f"--tokenizer {args.tokenizer}: no tokenizer there (benchmarks/gpu_check.sh prepare makes one)")
     if args.decode or args.check:
         gpu = importlib.util.find_spec("torch") and __import__("torch").cuda.is_available()
         args.batch = args.batch or (128 if gpu or args.check else 32)

@@ -641,16 +641,23 @@ def test_inductor_compiles_the_step_and_it_samples_the_eager_steps_tokens(monkey
 
 
 @pytest.mark.long
-def test_the_gpu_benchmark_runs_on_the_cpu(real_model_dir):
+def test_the_gpu_benchmark_runs_on_the_cpu(real_model_dir, tmp_path):
     """benchmarks/gpu_benchmark.py at its small shape (a random 2-layer Qwen2 with Qwen's 151,936-token vocabulary
     and SmolLM2's tokenizer) prints each step's split, its decode mode the loop's ms and waits a token, --host the
     loop's host time a token on the compiled path (one graph for three rollouts), and --profile the profiler's tables
-    of one rollout and one update."""
-    out = run_script("benchmarks/gpu_benchmark.py", "--small", "--steps", "2", "--max-new-tokens", "8").stdout
+    of one rollout and one update. The tokenizer comes from a folder that holds it alone (--tokenizer), as the
+    device's carried copy does; a folder without one stops it with one line."""
+    AutoTokenizer.from_pretrained(real_model_dir).save_pretrained(tmp_path / "tokenizer")
+    small = ["--small", "--steps", "2", "--max-new-tokens", "8", "--tokenizer"]
+    out = run_script("benchmarks/gpu_benchmark.py", *small, str(tmp_path / "tokenizer")).stdout
     assert "a random Qwen2 of 9.8 M parameters (small's shape)" in out, out
     steps = re.findall(r"step (\d): ([\d.]+) s: generation ([\d.]+) s .* log-probs ([\d.]+) s, update ([\d.]+) s", out)
     assert [s[0] for s in steps] == ["1", "2"], out
     assert all(float(step) + 0.02 >= float(g) + float(lp) + float(u) for _, step, g, lp, u in steps), out  # rounded
+    bad = run_script("benchmarks/gpu_benchmark.py", *small, str(tmp_path), expect_ok=False)
+    assert bad.returncode == 2 and bad.stderr.strip().endswith(
+        "no tokenizer there (benchmarks/gpu_check.sh prepare makes one)"
+    )
     out = run_script("benchmarks/gpu_benchmark.py", "--decode", "--batch", "4", "--max-new-tokens", "8").stdout
     waits = re.search(r"this: [\d.]+ ms a token .* ([\d.]+) host waits a token", out)
     assert waits and float(waits.group(1)) == 9 / 8, out  # the prompts' mask, a CPU's 7 stop checks, the length
