@@ -454,7 +454,7 @@ def main(args):
                     loss, stats = pg_loss(logprobs, old, adv, mask[i], **loss_args)
                     sampled = -advantages
                 sampled_kl[i] = sampled
-                check_finite(loss, step, "--teacher-path's log-probs")
+                check_finite(loss, step, optimizer, "--teacher-path's log-probs")
                 optimizer.scaler.scale(loss * share).backward()
                 # the loss as the optimizer weighed it; the token means (clip_frac, ratio, reverse_kl_exact) by tokens
                 step_stats += [({"loss": loss.detach()}, share), (stats, mask[i].sum())]
@@ -1261,9 +1261,13 @@ def rows(tensor, idx):  # tensor[idx], or None (a run without a reference, or wi
     return None if tensor is None else tensor[idx]
 
 
-def check_finite(loss, step, cause="the rewards"):
-    if not torch.isfinite(loss):
-        fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check {cause}")
+def check_finite(loss, step, optimizer, cause="the rewards"):
+    if torch.isfinite(loss):
+        return
+    if not optimizer.scaler.is_enabled() or optimizer.scaler.get_scale() < 1:  # float16 overflows even unscaled
+        fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check {cause} (float16: use bfloat16)")
+    param = optimizer.param_groups[0]["params"][0]  # float16: its step skipped as for an overflow in the backward
+    param.grad = torch.full_like(param, float("nan"))  # (clipped_step): backward adds to the NaN, DDP's mean keeps it
 
 
 def clipped_step(optimizer, params, max_norm):

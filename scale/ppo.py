@@ -420,7 +420,7 @@ def main(args):
                 pg_loss, pg_stats = ppo_policy_loss(logprobs, old_logprobs[i], adv, m, args.clip_eps)
                 vf_loss, vf_stats = ppo_value_loss(values, old_values[i], returns[i], m, args.clip_value)
                 loss = pg_loss + args.vf_coef * vf_loss
-                check_finite(loss, step)
+                check_finite(loss, step, optimizer)
                 optimizer.scaler.scale(loss * m.sum() / tokens).backward()
                 stats = {"loss": loss, "policy_loss": pg_loss, "value_loss": vf_loss, **pg_stats, **vf_stats}
                 stats["entropy"] = masked_mean(entropy, m)  # the stats as numbers, without their graph:
@@ -1319,9 +1319,13 @@ def rows(tensor, idx):  # tensor[idx], or None (a run without a reference, or wi
     return None if tensor is None else tensor[idx]
 
 
-def check_finite(loss, step, cause="the rewards"):
-    if not torch.isfinite(loss):
-        fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check {cause}")
+def check_finite(loss, step, optimizer, cause="the rewards"):
+    if torch.isfinite(loss):
+        return
+    if not optimizer.scaler.is_enabled() or optimizer.scaler.get_scale() < 1:  # float16 overflows even unscaled
+        fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check {cause} (float16: use bfloat16)")
+    param = optimizer.param_groups[0]["params"][0]  # float16: its step skipped as for an overflow in the backward
+    param.grad = torch.full_like(param, float("nan"))  # (clipped_step): backward adds to the NaN, DDP's mean keeps it
 
 
 def clipped_step(optimizer, params, max_norm):

@@ -420,7 +420,7 @@ def main(args):
                 is_weights, is_stats = rollout_correction(old, rollout_logprobs[i], mask[i], **correction)
                 adv = advantages[i] if is_weights is None else advantages[i] * is_weights  # (b, T)
                 loss, stats = grpo_loss(logprobs, old, ref, adv, mask[i], **loss_args)
-                check_finite(loss, step)
+                check_finite(loss, step, optimizer)
                 optimizer.scaler.scale(loss * share).backward()
                 # the loss as the optimizer weighed it; the token means (kl, clip_frac, ratio) by tokens
                 step_stats += [({"loss": loss.detach()}, share), (stats, mask[i].sum())]
@@ -1262,9 +1262,13 @@ def rows(tensor, idx):  # tensor[idx], or None (a run without a reference, or wi
     return None if tensor is None else tensor[idx]
 
 
-def check_finite(loss, step, cause="the rewards"):
-    if not torch.isfinite(loss):
-        fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check {cause}")
+def check_finite(loss, step, optimizer, cause="the rewards"):
+    if torch.isfinite(loss):
+        return
+    if not optimizer.scaler.is_enabled() or optimizer.scaler.get_scale() < 1:  # float16 overflows even unscaled
+        fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check {cause} (float16: use bfloat16)")
+    param = optimizer.param_groups[0]["params"][0]  # float16: its step skipped as for an overflow in the backward
+    param.grad = torch.full_like(param, float("nan"))  # (clipped_step): backward adds to the NaN, DDP's mean keeps it
 
 
 def clipped_step(optimizer, params, max_norm):

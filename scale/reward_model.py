@@ -235,7 +235,7 @@ def main(args):
                 margin = torch.tensor([float(p["margin"]) for p in pairs], device=device)  # (b,)
             # 3. the loss, weighed so that the micro-batches add up to the batch's mean over pairs
             loss, stats = bradley_terry_loss(chosen, rejected, margin)
-            check_finite(loss, step, "the data")
+            check_finite(loss, step, optimizer, "the data")
             optimizer.scaler.scale(loss * len(pairs) / num_pairs).backward()
             step_stats.append(({"loss": loss.detach(), **stats}, 1))
         grad_norm = clipped_step(optimizer, model.parameters(), args.max_grad_norm)
@@ -1007,9 +1007,13 @@ def rows(tensor, idx):  # tensor[idx], or None (a run without a reference, or wi
     return None if tensor is None else tensor[idx]
 
 
-def check_finite(loss, step, cause="the rewards"):
-    if not torch.isfinite(loss):
-        fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check {cause}")
+def check_finite(loss, step, optimizer, cause="the rewards"):
+    if torch.isfinite(loss):
+        return
+    if not optimizer.scaler.is_enabled() or optimizer.scaler.get_scale() < 1:  # float16 overflows even unscaled
+        fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check {cause} (float16: use bfloat16)")
+    param = optimizer.param_groups[0]["params"][0]  # float16: its step skipped as for an overflow in the backward
+    param.grad = torch.full_like(param, float("nan"))  # (clipped_step): backward adds to the NaN, DDP's mean keeps it
 
 
 def clipped_step(optimizer, params, max_norm):

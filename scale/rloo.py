@@ -293,7 +293,7 @@ def main(args):
             if is_weights is not None:  # constants: sum_t w_t log pi(o_t) A_i, token t's advantage w_t A_i
                 logprobs = logprobs * is_weights
             loss, stats = rloo_loss(logprobs, advantages[i], mask[i])
-            check_finite(loss, step)
+            check_finite(loss, step, optimizer)
             optimizer.scaler.scale(loss * share).backward()
             step_stats.append(({"loss": loss.detach(), **stats}, len(i)))  # sequence means
             rollout_stats.append((is_stats, mask[i].sum()))
@@ -1048,9 +1048,13 @@ def rows(tensor, idx):  # tensor[idx], or None (a run without a reference, or wi
     return None if tensor is None else tensor[idx]
 
 
-def check_finite(loss, step, cause="the rewards"):
-    if not torch.isfinite(loss):
-        fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check {cause}")
+def check_finite(loss, step, optimizer, cause="the rewards"):
+    if torch.isfinite(loss):
+        return
+    if not optimizer.scaler.is_enabled() or optimizer.scaler.get_scale() < 1:  # float16 overflows even unscaled
+        fail(f"step {step}: the loss is {loss.item()}; lower --learning-rate or check {cause} (float16: use bfloat16)")
+    param = optimizer.param_groups[0]["params"][0]  # float16: its step skipped as for an overflow in the backward
+    param.grad = torch.full_like(param, float("nan"))  # (clipped_step): backward adds to the NaN, DDP's mean keeps it
 
 
 def clipped_step(optimizer, params, max_norm):

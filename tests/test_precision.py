@@ -164,3 +164,41 @@ def test_the_loss_scaler_steps_as_the_plain_loss_and_skips_a_step_that_overflowe
     checkpoint = str(tmp_path / "checkpoints" / "step_000001")
     assert grpo.resume(checkpoint, {"policy": policy}, resumed, [])[0] == 2
     assert resumed.scaler.is_enabled() and resumed.scaler.get_scale() == 2.0**9
+
+
+def test_a_loss_that_overflows_in_the_forward_skips_the_step_under_float16_as_the_scaler_does():
+    """Under --dtype float16 a loss not finite (the forward overflowed) is not the end of the run: check_finite makes
+    the gradients NaN, whatever the loss's graph gives, so clipped_step skips the step and halves the scale, and a
+    later finite loss steps; once the scale is below 1 the run stops, naming bfloat16. Without the scaler (bfloat16,
+    float32) such a loss stops the run at once, naming --learning-rate."""
+    from scale import grpo
+
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    optimizer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    before = [p.detach().clone() for p in model.parameters()]
+    for micro_batch in range(2):  # the overflow in the first of two micro-batches
+        loss = (model(x) ** 2).mean() + (float("inf") if micro_batch == 0 else 0.0)  # its gradients are finite
+        grpo.check_finite(loss, 1, optimizer)
+        optimizer.scaler.scale(loss * 0.5).backward()
+    assert not torch.isfinite(grpo.clipped_step(optimizer, model.parameters(), 0.5))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    assert optimizer.scaler.get_scale() == 2.0**9
+    optimizer.zero_grad()
+    loss = (model(x) ** 2).mean()
+    grpo.check_finite(loss, 2, optimizer)
+    optimizer.scaler.scale(loss).backward()
+    assert torch.isfinite(grpo.clipped_step(optimizer, model.parameters(), 0.5))
+    assert not torch.equal(model.weight, before[0])
+
+    optimizer.scaler.update(0.5)  # float16 overflows even unscaled
+    with pytest.raises(
+        SystemExit,
+        match=r"step 3: the loss is inf; lower --learning-rate or check the rewards \(float16: use bfloat16\)",
+    ):
+        grpo.check_finite(torch.tensor(float("inf")), 3, optimizer)
+    optimizer.scaler = torch.amp.GradScaler("cpu", enabled=False)
+    with pytest.raises(SystemExit, match="step 4: the loss is nan; lower --learning-rate or check the rewards "):
+        grpo.check_finite(torch.tensor(float("nan")), 4, optimizer)
