@@ -10,9 +10,9 @@
 #          1 answers first, in at most 7 minutes of limits: scale/grpo.py's default run for 30 steps (does the whole
 #            GPU path run, does accuracy rise, what rollout/logprob_diff reads), the README's GPU step for 3 steps
 #            (its metrics kept in $OUT/readme), the profile of one rollout and one update under the step's setup()
-#          2 the plain grpo.py's 30 steps, scale/grpo.py in float16, the learning tests of both tiers, then the
-#            decode loop's check step by step
-#          3 the step against TRL's at equal work
+#          2 the plain grpo.py's 30 steps, scale/grpo.py in float16, under torchrun with --fsdp (one process: the
+#            process group and FSDP2 on CUDA), the learning tests of both tiers
+#          3 the decode loop's check step by step, then the step against TRL's at equal work
 #          OUT=/tmp/check bash benchmarks/gpu_check.sh 1 --small    on a CPU: part 1 at a small shape
 #   CAP=S  cuts every step's limit to S seconds (the test that a step cut short keeps what it printed)
 #
@@ -73,17 +73,23 @@ if [ "$PART" = 1 ]; then
     exit 0
 fi
 if [ "$PART" = 2 ]; then
-    step plain 90 python grpo.py --num-steps $STEPS --eval-every 10 --output-dir "$OUT/plain"
+    step plain 60 python grpo.py --num-steps $STEPS --eval-every 10 --output-dir "$OUT/plain"
     summary plain
     # --dtype float16 with its loss scaler, never run on a GPU before: the default task, 150 steps
-    step float16 180 python scale/grpo.py --dtype float16 --num-steps 150 --output-dir "$OUT/float16"
+    step float16 150 python scale/grpo.py --dtype float16 --num-steps 150 --output-dir "$OUT/float16"
     summary float16
+    # torchrun's path on one GPU: NCCL's process group, FSDP2's sharded (here whole) models and their gathers
+    step torchrun 90 torchrun --standalone --nproc-per-node 1 scale/grpo.py --fsdp --num-steps $STEPS --eval-every 10 \
+        --output-dir "$OUT/torchrun"
+    summary torchrun
     # every file's learning test on CUDA, both tiers: the files pick CUDA and bfloat16 by themselves
     step learns 240 python -m pytest -q -p no:cacheprovider tests/test_scripts.py tests/test_plain.py -k "learns"
-    step check 240 python benchmarks/gpu_benchmark.py --check $TOKENIZER $SMALL $CHECK
+fi
+if [ "$PART" = 3 ]; then
+    step check 150 python benchmarks/gpu_benchmark.py --check $TOKENIZER $SMALL $CHECK
 fi
 if [ "$PART" = 3 ] && python -c "import trl" 2> /dev/null; then
     TRL=--trl
     if python -c "import vllm" 2> /dev/null; then TRL="--trl --trl-vllm"; fi
-    step trl 540 python benchmarks/gpu_benchmark.py $TRL $TOKENIZER $SMALL
+    step trl 420 python benchmarks/gpu_benchmark.py $TRL $TOKENIZER $SMALL
 fi
