@@ -74,9 +74,10 @@ class Args:
     # Model and data
     model_name_or_path: str | None = None  # a local folder or a hub id; None builds the tiny model from a config
     dataset: str | None = None  # a .jsonl of prompt/completion records or of {"messages": [...]} conversations
-    task: Literal["addition", "addition-question", "chain", "tool"] = "addition"  # without --dataset: `47+8=`, as a
-    # question, or `7+3-2+5=` answered step by step, `7+3=10 10-2=8 8+5=13` (process_grpo.py's start), or `347*86=`
-    # answered with a calculator's call or without (tool_grpo.py's start: docs/tool_grpo.md)
+    task: Literal["addition", "addition-question", "chain", "tool", "guess"] = "addition"  # without --dataset: `47+8=`,
+    # as a question, or `7+3-2+5=` answered step by step, `7+3=10 10-2=8 8+5=13` (process_grpo.py's start), `347*86=`
+    # answered with a calculator's call or without (tool_grpo.py's start: docs/tool_grpo.md), or games of guess the
+    # number played at random inside the answers' interval (env_grpo.py's start: docs/env_grpo.md)
     eval_dataset: str | None = None  # a .jsonl of held-out records (as --dataset's)
     num_eval: int = 500  # held-out records: --eval-dataset's first, else the task's first, else a .jsonl's last
     eval_every: int = 100  # held-out loss (and greedy accuracy) every this many steps, and at 0
@@ -337,6 +338,8 @@ def load_sft_data(args):
         completions = [r["trace"] if i % 2 == 0 else r["answer"] for i, r in enumerate(train_records)]
         train_records = [{"prompt": r["prompt"], "completion": c} for r, c in zip(train_records, completions)]
         eval_records = [{**r, "completion": r["trace"]} for r in eval_records]
+    elif args.dataset is None and args.task == "guess":  # a game's transcript is the completion
+        train_records, eval_records = guess_task(args.num_eval, args.num_train)
     elif args.dataset is None:
         train_records, eval_records = addition_task(args.num_eval, args.task)
         train_records = [{"prompt": r["prompt"], "completion": r["answer"]} for r in train_records[: args.num_train]]
@@ -390,6 +393,29 @@ def multiplication_task(num_eval, num_train=50000):
     return records[num_eval:], records[:num_eval]
 
 
+def guess_task(num_eval, num_train=50000, high=31, max_guesses=5):
+    """(train, held-out) games of guess the number (env_grpo.py's), each played by a guesser that picks at random
+    inside the interval the answers leave, as its transcript: after the prompt "?", each guess and EOS, then the
+    answer "+" (the secret is higher), "-" (lower) or "=" (right), for at most max_guesses guesses:
+    {"prompt": "?", "completion": "32<eos>+48<eos>-40<eos>-35<eos>+37<eos>="}, the same in every run."""
+    rng, records = random.Random(0), []
+    while len(records) < num_eval + num_train:
+        secret, low, top, transcript = rng.randint(1, high), 1, high, ""
+        for _ in range(max_guesses):
+            guess = rng.randint(low, top)
+            if guess < secret:
+                low, answer = guess + 1, "+"
+            elif guess > secret:
+                top, answer = guess - 1, "-"
+            else:
+                answer = "="
+            transcript += f"{guess}<eos>{answer}"
+            if answer == "=":
+                break
+        records.append({"prompt": "?", "completion": transcript})
+    return records[num_eval:], records[:num_eval]
+
+
 def held_out_metrics(model, tokenizer, eval_records, args, stop_ids):
     """Held-out loss, and greedy accuracy where the records have answers (the addition task); and a few held-out
     prompts with the model's greedy completion (and the answer and its reward, or the record's completion)."""
@@ -438,7 +464,7 @@ def completion_batch(tokenizer, prompts, completions, device, args, max_length=N
     return input_ids, torch.cat([prompt_mask, mask], dim=1), prompt_ids.shape[1], mask
 
 
-TASK_TOKENS = {"tool": ["*", "<call>", "</call>", "<result>", "</result>"]}  # what --task needs beyond the digits
+TASK_TOKENS = {"tool": ["*", "<call>", "</call>", "<result>", "</result>"], "guess": ["?"]}  # beyond the digits
 
 
 # ==== Everything below this line is the same in every file, byte for byte (tests/test_shared.py checks it) ====
