@@ -44,6 +44,7 @@ FILES = [
     "scale/tool_grpo.py",
     "scale/dapo.py",
     "scale/distill.py",
+    "scale/env_grpo.py",
 ]
 BANNER = "# ==== Everything below this line is the same in every file"
 READER_STOPS = "# ==== The algorithm ends here."
@@ -58,6 +59,7 @@ PAIRS = {
     "scale/tool_grpo.py": "scale/grpo.py",
     "scale/dapo.py": "scale/grpo.py",
     "scale/distill.py": "scale/grpo.py",
+    "scale/env_grpo.py": "scale/grpo.py",
     "scale/ppo.py": "scale/rloo.py",
     "scale/dpo.py": "scale/reward_model.py",
 }
@@ -103,6 +105,15 @@ NOT_ALGORITHM = {
         "settle_correction",
     ],
     "scale/tool_grpo.py": [
+        "VLLM_RANGES",
+        "check_vllm",
+        "load_engine",
+        "sample",
+        "sync_engine",
+        "rollout_correction",
+        "settle_correction",
+    ],
+    "scale/env_grpo.py": [
         "VLLM_RANGES",
         "check_vllm",
         "load_engine",

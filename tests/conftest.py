@@ -39,6 +39,7 @@ ALGORITHMS = [
     "sft.py",
     "process_grpo.py",
     "tool_grpo.py",
+    "env_grpo.py",
     "dapo.py",
     "distill.py",
     "async_grpo.py",

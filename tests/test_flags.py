@@ -34,6 +34,7 @@ SCRIPTS = [
     "scale/tool_grpo.py",
     "scale/dapo.py",
     "scale/distill.py",
+    "scale/env_grpo.py",
 ]
 
 # (low, low included, high, high included); None: no bound on that side
@@ -86,6 +87,16 @@ RANGES = {
         "beta": NON_NEGATIVE,
         "max_turns": POSITIVE,
         "tool_reward": NON_NEGATIVE,
+        "rollout_cap": VLLM["rollout_cap"],  # no --vllm, but the corrections
+    },
+    "scale/env_grpo.py": {
+        **COMMON,
+        "lora_r": NON_NEGATIVE,
+        "lora_alpha": POSITIVE,
+        **GROUP,
+        **CLIPPED,
+        "beta": NON_NEGATIVE,
+        "max_turns": POSITIVE,
         "rollout_cap": VLLM["rollout_cap"],  # no --vllm, but the corrections
     },
     "scale/async_grpo.py": {

@@ -40,6 +40,7 @@ MAIN_CHANGES = {
     "tool_grpo.py": 33,
     "dapo.py": 31,
     "distill.py": 37,
+    "env_grpo.py": 29,
 }
 # per file: a smoke run's flags (after TWO_STEPS: two steps), a short run that must raise held-out accuracy by `gain`
 # (about half the gain it showed on two seeds), the bundled models it needs beside it, a chat model's data, and the
@@ -97,6 +98,15 @@ RUNS = {
         gain=0.08,
         model="tiny-caller",
         bad=[(["--model-name-or-path", "tiny-adder"], "--model-name-or-path tiny-adder: its tokenizer has no <call>")],
+    ),
+    # its own game's records (no --dataset: a record is a secret), its answers from the chat template's user turns
+    "env_grpo.py": dict(
+        smoke=RL_SMOKE,
+        learn=["--num-steps", "30", "--eval-every", "30"],
+        gain=0.11,
+        model="tiny-guesser",
+        chat=["--max-new-tokens", "40"],
+        records=False,
     ),
     "async_grpo.py": dict(
         smoke=RL_SMOKE,

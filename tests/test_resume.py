@@ -47,6 +47,7 @@ SAMPLING = (
     "scale/tool_grpo.py",
     "scale/dapo.py",
     "scale/distill.py",
+    "scale/env_grpo.py",
 )  # they log rollouts too
 RL = ["--prompts-per-step", "4", "--micro-batch-size", "8", "--num-eval", "20", "--max-new-tokens", "6"]
 PAIRS = [
@@ -77,6 +78,9 @@ FLAGS = {  # several optimizer steps per batch where the file has them: the Adam
     "scale/tool_grpo.py": RL
     + ["--group-size", "4", "--num-minibatches", "2", "--max-new-tokens", "24"],  # a call and more
     "scale/gspo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],
+    # every secret of the game is a record (--num-eval reads a file's): a few episodes of several turns
+    "scale/env_grpo.py": ["--prompts-per-step", "4", "--micro-batch-size", "8", "--group-size", "4"]
+    + ["--num-minibatches", "2"],
     "scale/cispo.py": RL + ["--group-size", "4", "--num-minibatches", "2"],
     # a reward model: the KL coefficient adapts and the score's bias is set at step 1, loop state to bring back
     "scale/ppo.py": RL + ["--num-minibatches", "2", "--micro-batch-size", "2", "--reward-model-path", "{rm}"],
@@ -91,7 +95,9 @@ SAMPLE_KEYS = {
     "scale/ppo.py": ["prompt", "completion", "score", "answer", "reward"],
     "scale/dpo.py": ["prompt", "chosen", "rejected", "margin"],
     "scale/reward_model.py": ["prompt", "chosen", "rejected", "chosen_score", "rejected_score"],
+    "scale/env_grpo.py": ["record", "episode", "return", "turns"],  # an episode's, its rollouts' too
 }
+ROLLOUT_KEYS = {"step", "kind", "prompt", "completion", "answer", "reward", "advantage"}
 
 
 def scorer(path):
@@ -176,7 +182,8 @@ def test_a_killed_run_resumes_exactly(script, tmp_path):
     # and, in the files that sample, at each logged step the first rollouts it trained on (docs/training.md)
     rollouts = [s for s in samples if s.get("kind") == "rollout"]
     assert sorted({s["step"] for s in rollouts}) == ([1, 2, 3, 4] if script in SAMPLING else [])
-    assert all(set(s) == {"step", "kind", "prompt", "completion", "answer", "reward", "advantage"} for s in rollouts)
+    keys = {"step", "kind", *SAMPLE_KEYS[script]} if script == "scale/env_grpo.py" else ROLLOUT_KEYS
+    assert all(set(s) == keys for s in rollouts)
     assert_same_records(samples, [json.loads(line) for line in open(os.path.join(whole, "samples.jsonl"))])
     assert "\n  sample  " in proc.stdout
     # the newest two checkpoints stay, each with the trained model(s) loadable on their own

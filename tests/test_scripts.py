@@ -76,6 +76,7 @@ SMALL = ByFile(
         "async_grpo.py": RL_SMALL + ["--max-staleness", "1"],
         "process_grpo.py": RL_SMALL,
         "tool_grpo.py": RL_SMALL,
+        "env_grpo.py": RL_SMALL,
         "dapo.py": RL_SMALL,
         "distill.py": RL_SMALL,
         "rloo.py": RL_SMALL,
@@ -249,6 +250,7 @@ def test_readme_command(command, chat_model_dir, tmp_path):
         "scale/ppo.py",
         "scale/process_grpo.py",
         "scale/dapo.py",
+        "scale/env_grpo.py",
     ],
 )
 def test_learns(script, tmp_path):

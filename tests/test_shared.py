@@ -39,6 +39,7 @@ ALGORITHM_FILES = [
     "scale/tool_grpo.py",
     "scale/dapo.py",
     "scale/distill.py",
+    "scale/env_grpo.py",
 ]
 
 
@@ -226,6 +227,7 @@ LOSSES = {
     "scale/tool_grpo.py": "grpo_loss",
     "scale/dapo.py": "overlong_penalty",
     "scale/distill.py": "pg_loss",
+    "scale/env_grpo.py": "grpo_loss",
 }
 
 

@@ -21,6 +21,7 @@ MAIN = {
     "scale/tool_grpo.py": 120,  # grpo.py's (written after the redesign)
     "scale/dapo.py": 125,  # grpo.py's, and a few lines for the sampled batch and its counts (after the redesign)
     "scale/distill.py": 135,  # grpo.py's, and the teacher's pass, its accuracy at step 0, a branch a loss (issue 64)
+    "scale/env_grpo.py": 120,  # grpo.py's (written after the redesign)
     **{
         name: int(0.7 * reading.START[name]["main"])
         for name in reading.START
@@ -54,6 +55,7 @@ DIFF = {
     "scale/tool_grpo.py": 305,
     "scale/dapo.py": 135,
     "scale/distill.py": 210,
+    "scale/env_grpo.py": 265,  # against grpo.py, measured 260 (and 85 of its vLLM code): the episode, the credit
 }
 
 # lines scrolled along main()'s calls, at most a third of those before issue 55's layout, but in four files whose
