@@ -330,8 +330,9 @@ def test_the_readme_defaults_are_among_the_benchmark_runs():
     # for 40 steps; so have process_grpo.py's and tool_grpo.py's (benchmarks/process_benchmark.py and
     # tool_benchmark.py), which test_scripts.py and test_tool_grpo.py run for 10 and 5; dapo.py's (dapo_benchmark.py),
     # which test_learns runs for 10; distill.py's (distill_benchmark.py), which test_distill.py runs for 2 with its
-    # default teacher (and 20 steps from a noisy student, where accuracy must climb)
-    own = {"async_grpo.py", "process_grpo.py", "tool_grpo.py", "dapo.py", "distill.py"}
+    # default teacher (and 20 steps from a noisy student, where accuracy must climb); env_grpo.py's, whose three
+    # seeds docs/env_grpo.md gives with their commands, and which test_plain.py and test_scripts.py run for 30
+    own = {"async_grpo.py", "process_grpo.py", "tool_grpo.py", "dapo.py", "distill.py", "env_grpo.py"}
     assert "grpo.py" in bare and bare <= {f"{name.split('-')[0]}.py" for name in benchmark.ALGORITHMS} | own
 
 
