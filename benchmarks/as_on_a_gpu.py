@@ -1,5 +1,5 @@
-"""One file's training run as a GPU runs it, on the CPU: the path that only a GPU takes, whole, before a GPU runs it
-(issue 74). The switches a GPU sets are set by hand: compiles() says yes (load_model compiles the decoder layers with
+"""One file's training run as a GPU runs it, on the CPU: the path that only a GPU takes, whole, before a GPU runs it.
+The switches a GPU sets are set by hand: compiles() says yes (load_model compiles the decoder layers with
 inductor, a rollout's step is compiled whole, the output layer's products come from bfloat16 parts), the update's
 rows are rolled left (hidden_states), a rollout looks for the last stop every 16 tokens, and --dtype is bfloat16
 unless given. Not run: what only CUDA has (Triton's kernels, where inductor writes C++ ones here; the CUDA graphs;

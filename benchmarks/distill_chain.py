@@ -1,4 +1,4 @@
-"""On-policy against off-policy distillation where a completion is long enough to go wrong midway (issue 75).
+"""On-policy against off-policy distillation where a completion is long enough to go wrong midway.
 
 On the bundled addition task an answer is 2-4 tokens, and no prefix of the student's own is far from the teacher's.
 The chain task of process_grpo.py (`47+8-3+5=` answered `47+8=55 55-3=52 52+5=57`, about 24 tokens) has long

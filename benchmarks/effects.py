@@ -445,7 +445,7 @@ def patched(function, line, replacement):
 
 def kl_penalty(name):
     """scale/grpo.py's loss with the KL penalty's estimate KL_ESTIMATES[name] in place of its k3 (the same arithmetic
-    as the --kl-estimator flag grpo.py had from e482211 to issue 73)."""
+    as a --kl-estimator flag of grpo.py would)."""
     return patched(grpo.grpo_loss, KL_LINE, f"        kl = {KL_ESTIMATES[name]}\n")
 
 

@@ -410,7 +410,7 @@ def timed(torch, device, function, repeats=20):
 
 
 def check(args):
-    """The decode loop's GPU half as a user meets it, in order (issue 63's check, at most 5 minutes on one GPU); on a
+    """The decode loop's GPU half as a user meets it, in order (at most 5 minutes on one GPU); on a
     CPU (--small) the same steps where a CPU can take them, to check this script."""
     grpo, torch, device, model, tokenizer, ids, mask = decode_setup(args)
     import platform
@@ -695,7 +695,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="a 2-layer model of width 64 and a short step (CPU)")
     parser.add_argument("--decode", action="store_true", help="time the decode loop alone")
-    parser.add_argument("--check", action="store_true", help="the decode loop's GPU half, step by step (issue 63)")
+    parser.add_argument("--check", action="store_true", help="the decode loop's GPU half, step by step")
     parser.add_argument("--dtype", help="--decode, --check: the compute dtype (default: bfloat16 on a GPU)")
     parser.add_argument(
         "--model",

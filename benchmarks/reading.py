@@ -7,12 +7,12 @@ comparison or a test); and the code lines (comments and docstrings left out) by 
 it is diffed against. START holds the same numbers on the code as it stood before the redesign (commit e8763f5,
 each file put through `ruff format`), so that each row shows before and after.
 
-The second table follows main() as a reader does (issue 55): the lines (not blank) between main()'s end and
+The second table follows main() as a reader does: the lines (not blank) between main()'s end and
 the first banner (where the reader stops), whether reward_fn stands above that banner, and main()'s calls of the
 machinery (the functions defined below main()) in the order main() first makes them: how many, how many of them
 jump backwards (to a definition above the one before), and the lines scrolled (the sum of the distances between
 the definitions, starting from main()'s first line). START_WALK holds them at commit 390253d, before the layout
-of issue 55.
+of the redesign.
 
 The first table, tiers_table, sets each plain file (the top level) beside its scale twin (scale/): their lines and
 main()'s, the plain main()'s lines that the scale main() changes or drops, and the lines of `diff plain scale`.
@@ -76,7 +76,7 @@ START = {
     "scale/sft.py": {"lines": 1050, "main": 134, "inner_loop": 11, "ifexp_above": 0, "ifexp_below": 41},
     "scale/async_grpo.py": {"lines": 1363, "main": 206, "inner_loop": 31, "ifexp_above": 15, "ifexp_below": 41},
 }
-# the walk through main()'s calls at commit 390253d, before issue 55's layout (one banner, below main()'s helpers);
+# the walk through main()'s calls at commit 390253d, before the layout of one banner below main()'s helpers;
 # distill.py came after it
 START_WALK = {
     "scale/grpo.py": {"after_main": 181, "reward_fn": "below", "calls": 38, "jumps": 20, "scrolled": 12877},
