@@ -82,7 +82,7 @@ if [ "$PART" = 2 ]; then
     step torchrun 90 torchrun --standalone --nproc-per-node 1 scale/grpo.py --fsdp --num-steps $STEPS --eval-every 10 \
         --output-dir "$OUT/torchrun"
     summary torchrun
-    # every file's learning test on CUDA, both tiers: the files pick CUDA and bfloat16 by themselves
+    # the learning tests on CUDA (every plain file's, ten scale files'): the files pick CUDA and bfloat16 themselves
     step learns 240 python -m pytest -q -p no:cacheprovider tests/test_scripts.py tests/test_plain.py -k "learns"
 fi
 if [ "$PART" = 3 ]; then

@@ -4,8 +4,8 @@ minutes falls on both alike. Each round runs, for each file, the rollouts (`samp
 (`batched_logprobs`, no gradient) and the update's forward and backward passes (`token_logprobs`, a micro-batch at a
 time) on the same model and prompts, the two files' order swapped every round; the first round warms up. It prints
 each phase's median seconds and the median of the ratios round by round (this file's over the other's), with
-their range. `farm-bench --vs` times the whole processes; this times what a step runs, where a change's cost is a
-few percent of a process.
+their range. Timing whole processes in turn (`/usr/bin/time`) measures start-up too; this times what a step runs,
+where a change's cost is a few percent of a process.
 
     git worktree add /tmp/base 82d72d2
     python benchmarks/in_turn.py --vs /tmp/base/grpo.py                     # the default task, 256 rollouts
