@@ -62,7 +62,7 @@ class Args:
     dataset: str | None = None  # a .jsonl of records, each the start of an episode (reset's argument)
     env: Literal["guess"] = "guess"  # the environment (ENVIRONMENTS); without --dataset, its own records
     num_eval: int = 500  # held-out records: a .jsonl's last (the game evaluates on every secret)
-    eval_every: int = 10  # greedy accuracy (the share solved) on the held-out records every this many steps, and 0
+    eval_every: int = 10  # greedy accuracy on the held-out records every this many steps, and at 0
     max_new_tokens: int = 20  # the longest episode after the prompt, in tokens: every turn, the observations included
 
     # Optimisation
