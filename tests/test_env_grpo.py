@@ -243,3 +243,49 @@ def test_a_record_the_environment_refuses_stops_the_run_in_one_line(tmp_path):
     assert proc.returncode == 1 and lines == [
         f"error: --dataset {data}: record 2 starts no --env guess episode (KeyError: 'secret')"
     ], lines
+
+
+def test_the_pages_quiz_plays_as_the_page_says_and_trains_when_added_as_it_says(tmp_path, chat_model_dir):
+    """docs/env_grpo.md's worked example beyond the game, as its code block stands: three tries, reward 1, 0.5 or
+    0.25 for a right answer, 0 and done after three wrong ones. Then added to a copy of env_grpo.py as the page
+    says (the class, ENVIRONMENTS, the Literal of --env), the copy alone in a folder trains on a --dataset of quiz
+    records with a chat model for 2 steps."""
+    import json
+    import re
+
+    from conftest import run_script
+    from test_scripts import RL_SMALL
+
+    with open(os.path.join(ROOT, "docs", "env_grpo.md"), encoding="utf-8") as f:
+        block = next(b for b in re.findall(r"```python\n(.*?)```", f.read(), flags=re.S) if "class Quiz" in b)
+    scope = {"reward_fn": env_grpo.reward_fn, "GuessTheNumber": GuessTheNumber}
+    exec(block, scope)  # the page's own code, from this repository
+    record = {"prompt": "What is 7*8?", "answer": "56"}
+    quiz = scope["Quiz"]()
+    assert quiz.reset(record) == "What is 7*8?"
+    assert quiz.step("It is 56.") == ("", 1.0, True)
+    quiz.reset(record)
+    assert quiz.step("54") == ("Wrong. Try again.", 0.0, False) and quiz.step("55")[2] is False
+    assert quiz.step("56") == ("", 0.25, True)
+    quiz.reset(record)
+    assert [quiz.step("7")[1:] for _ in range(3)] == [(0.0, False), (0.0, False), (0.0, True)]
+    assert set(scope["ENVIRONMENTS"]) == {"guess", "quiz"}
+
+    with open(os.path.join(ROOT, "env_grpo.py"), encoding="utf-8") as f:
+        source = f.read()
+    line = 'ENVIRONMENTS = {"guess": GuessTheNumber}\n'
+    assert source.count(line) == 1 and source.count('env: Literal["guess"]') == 1
+    source = source.replace(line, block).replace('env: Literal["guess"]', 'env: Literal["guess", "quiz"]')
+    (tmp_path / "env_grpo.py").write_text(source, encoding="utf-8")
+    data = tmp_path / "quiz.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"What is {a}*{a + 1}?", "answer": str(a * (a + 1))}) + "\n" for a in range(2, 10)
+        )
+    )
+    out = tmp_path / "run"
+    args = ["--env", "quiz", "--dataset", str(data), "--model-name-or-path", chat_model_dir, *RL_SMALL]
+    run_script(str(tmp_path / "env_grpo.py"), *args, "--output-dir", str(out), cwd=str(tmp_path))
+    with open(out / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert rows[-1]["step"] == 2 and "eval/accuracy" in rows[-1]
