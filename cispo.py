@@ -64,7 +64,7 @@ class Args:
 
     # Optimisation
     num_steps: int = 300  # training steps (each: one batch of rollouts, then its updates)
-    learning_rate: float = 5e-5  # AdamW's learning rate (1e-4 swung more: docs/cispo.md)
+    learning_rate: float = 5e-5  # AdamW's learning rate (1e-4 ended lower: docs/cispo.md)
     weight_decay: float = 0.0  # AdamW's weight decay
     max_grad_norm: float = 1.0  # clip the gradient's global norm to this
     micro_batch_size: int = 64  # sequences per forward/backward pass
