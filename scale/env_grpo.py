@@ -278,7 +278,7 @@ class GuessTheNumber:
 
 class Blind:
     """The environment with every observation after the first replaced by its blind_answer, its rewards and ends
-    kept: a policy that reads its environment falls to the success of one that ignores it (the game's 6/63)."""
+    kept: a policy that reads its environment falls to the success of one that ignores it (the game's 5/31)."""
 
     def __init__(self, env):
         self.env = env
